@@ -1,0 +1,35 @@
+# llmq — the two commands of the README are `make up` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+
+.PHONY: install up down test lint bench clean help
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
+
+install: $(STAMP)  ## create .venv and install llmq with its test tools
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "llmq needs Python 3.11+"'
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[test]'
+	@touch $(STAMP)
+
+up: install  ## provision and start Kafka on 127.0.0.1, then run the local stack
+	$(BIN)/llmq up
+
+down: install  ## stop what `make up` started in the background
+	$(BIN)/llmq dev kafka down
+
+test: install  ## start Kafka if needed, run the whole suite, stop what it started
+	@bash scripts/test.sh
+
+lint: install  ## ruff + mypy strict on schemas/ and services/
+	$(BIN)/ruff check schemas services tests
+	$(BIN)/mypy
+
+clean:  ## remove the venv and caches (keeps .llmq/, the broker cache and data)
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,50 @@
+"""Small vocabularies shared by the wire schemas and the pure core.
+
+Plain ``Literal`` types and ordered tuples, so the core can use them without pulling in
+pydantic models. The order of ``PRIORITIES`` is the order of service: index 0 goes first.
+"""
+
+from __future__ import annotations
+
+from typing import Final, Literal
+
+SCHEMA_VERSION: Final = 1
+
+Priority = Literal["high", "normal", "low"]
+PRIORITIES: Final[tuple[Priority, ...]] = ("high", "normal", "low")
+
+Lane = Literal["short", "long"]
+LANES: Final[tuple[Lane, ...]] = ("short", "long")
+
+Pool = Literal["short", "long", "any"]
+POOLS: Final[tuple[Pool, ...]] = ("short", "long", "any")
+
+ErrorCode = Literal[
+    "rate_limited",
+    "too_large",
+    "unknown_model",
+    "invalid",
+    "queue_timeout",
+    "timeout",
+    "worker_lost",
+    "cancelled",
+    "overloaded",
+]
+
+#: HTTP status for each terminal error code (DESIGN.md, "Semantics").
+HTTP_STATUS: Final[dict[ErrorCode, int]] = {
+    "rate_limited": 429,
+    "too_large": 413,
+    "unknown_model": 404,
+    "invalid": 400,
+    "queue_timeout": 504,
+    "timeout": 504,
+    "worker_lost": 503,
+    "cancelled": 499,
+    "overloaded": 503,
+}
+
+
+def priority_rank(priority: Priority) -> int:
+    """0 for high, 1 for normal, 2 for low: smaller is served first."""
+    return PRIORITIES.index(priority)

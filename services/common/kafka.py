@@ -1,0 +1,84 @@
+"""Kafka client factories and topic administration, one place for every service.
+
+Producers are idempotent with ``acks=all`` (DESIGN.md, "Semantics"): a decision's output is
+acknowledged by the broker before its input offset is committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from aiokafka import AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import KafkaError, TopicAlreadyExistsError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class TopicRequest:
+    """What ``ensure_topics`` needs to know of a topic."""
+
+    name: str
+    partitions: int
+    cleanup_policy: str = "delete"
+
+
+def make_producer(bootstrap: str, **overrides: Any) -> AIOKafkaProducer:
+    """An idempotent producer, ``acks=all``, small linger so replies stream promptly."""
+    options: dict[str, Any] = {
+        "bootstrap_servers": bootstrap,
+        "acks": "all",
+        "enable_idempotence": True,
+        "linger_ms": 2,
+        "request_timeout_ms": 15_000,
+    }
+    options.update(overrides)
+    return AIOKafkaProducer(**options)
+
+
+async def broker_answers(bootstrap: str, timeout_s: float = 3.0) -> bool:
+    """True when a broker at ``bootstrap`` answers a metadata request within the timeout."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=2_000)
+    try:
+        await asyncio.wait_for(admin.start(), timeout_s)
+        await asyncio.wait_for(admin.list_topics(), timeout_s)
+    except (KafkaError, OSError, TimeoutError):
+        return False
+    finally:
+        await admin.close()
+    return True
+
+
+async def ensure_topics(
+    bootstrap: str, topics: Iterable[TopicRequest], timeout_s: float = 30.0
+) -> list[str]:
+    """Create the topics that do not exist yet; returns the names created. Idempotent."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=15_000)
+    await asyncio.wait_for(admin.start(), timeout_s)
+    try:
+        existing = set(await admin.list_topics())
+        missing = [t for t in topics if t.name not in existing]
+        if not missing:
+            return []
+        new = [
+            NewTopic(
+                name=t.name,
+                num_partitions=t.partitions,
+                replication_factor=1,
+                topic_configs={"cleanup.policy": t.cleanup_policy},
+            )
+            for t in missing
+        ]
+        try:
+            await asyncio.wait_for(admin.create_topics(new), timeout_s)
+        except TopicAlreadyExistsError:
+            # Another process created some of them between list and create: fine.
+            log.debug("topics created concurrently: %s", [t.name for t in missing])
+        return [t.name for t in missing]
+    finally:
+        await admin.close()

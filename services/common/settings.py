@@ -1,0 +1,61 @@
+"""Process-wide settings, read once from the environment (``LLMQ_*``) at the edge.
+
+``Settings`` is built in ``main`` (the CLI or a service entry point) and passed down as a
+frozen value; nothing below ``main`` reads ``os.environ`` (STYLE.md §8).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+#: The project checkout this package was installed from (editable install) — the home of
+#: the git-ignored ``.llmq/`` folder that holds the broker cache and data by default.
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+class Settings(BaseSettings):
+    """Settings shared by every llmq process. Each field maps to ``LLMQ_<NAME>``."""
+
+    model_config = SettingsConfigDict(env_prefix="LLMQ_", frozen=True, extra="ignore")
+
+    home: Path = Field(
+        default=PROJECT_ROOT / ".llmq",
+        description="State folder: broker jars cache, broker data, pid and log files.",
+    )
+    kafka_host: str = Field(
+        default="127.0.0.1", description="Address the embedded broker binds and advertises."
+    )
+    kafka_port: int = Field(default=9092, ge=1, le=65535, description="Broker client port.")
+    kafka_controller_port: int = Field(
+        default=9093, ge=1, le=65535, description="KRaft controller port (loopback only)."
+    )
+    kafka_bootstrap: str | None = Field(
+        default=None,
+        description="Use an external broker instead (host:port,...); overrides host and port.",
+    )
+    kafka_data_dir: Path | None = Field(
+        default=None, description="Broker log dirs; default <home>/kafka."
+    )
+    kafka_heap_mb: int = Field(default=512, ge=128, le=8192, description="Broker JVM heap.")
+    topic_prefix: str = Field(
+        default="llmq", pattern=r"^[A-Za-z0-9._-]{1,64}$", description="Prefix of every topic."
+    )
+    assignment_partitions: int = Field(
+        default=16, ge=1, le=1024, description="Partitions of <prefix>.assignments = worker slots."
+    )
+
+    @property
+    def bootstrap(self) -> str:
+        """The bootstrap servers clients connect to."""
+        return self.kafka_bootstrap or f"{self.kafka_host}:{self.kafka_port}"
+
+    @property
+    def broker_data_dir(self) -> Path:
+        return self.kafka_data_dir or self.home / "kafka"
+
+    @property
+    def cache_dir(self) -> Path:
+        return self.home / "cache"

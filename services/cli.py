@@ -104,11 +104,10 @@ def dev_topics(settings: Settings, as_json: bool) -> None:
 
 async def create_catalog_topics(settings: Settings) -> list[str]:
     from schemas.topics import catalog
-
     from services.common.kafka import TopicRequest, ensure_topics
 
     specs = catalog(settings.topic_prefix, settings.assignment_partitions)
-    wanted = [TopicRequest(s.name, s.partitions, s.cleanup_policy) for s in specs]
+    wanted = [TopicRequest(s.name, s.partitions, s.config) for s in specs]
     return await ensure_topics(settings.bootstrap, wanted)
 
 

@@ -9,14 +9,17 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from aiokafka import AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError
 
 log = logging.getLogger(__name__)
+
+#: Records may be as large as a 1 MiB-character prompt once encoded (schemas.topics).
+MAX_RECORD_BYTES = 8 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,7 +28,7 @@ class TopicRequest:
 
     name: str
     partitions: int
-    cleanup_policy: str = "delete"
+    config: dict[str, str] = field(default_factory=dict)
 
 
 def make_producer(bootstrap: str, **overrides: Any) -> AIOKafkaProducer:
@@ -36,9 +39,23 @@ def make_producer(bootstrap: str, **overrides: Any) -> AIOKafkaProducer:
         "enable_idempotence": True,
         "linger_ms": 2,
         "request_timeout_ms": 15_000,
+        "max_request_size": MAX_RECORD_BYTES,
     }
     options.update(overrides)
     return AIOKafkaProducer(**options)
+
+
+def make_consumer(bootstrap: str, *topics: str, **overrides: Any) -> AIOKafkaConsumer:
+    """A consumer that accepts the largest records the catalog allows; no auto commit."""
+    options: dict[str, Any] = {
+        "bootstrap_servers": bootstrap,
+        "enable_auto_commit": False,
+        "auto_offset_reset": "earliest",
+        "max_partition_fetch_bytes": MAX_RECORD_BYTES,
+        "fetch_max_bytes": 2 * MAX_RECORD_BYTES,
+    }
+    options.update(overrides)
+    return AIOKafkaConsumer(*topics, **options)
 
 
 async def broker_answers(bootstrap: str, timeout_s: float = 3.0) -> bool:
@@ -70,7 +87,7 @@ async def ensure_topics(
                 name=t.name,
                 num_partitions=t.partitions,
                 replication_factor=1,
-                topic_configs={"cleanup.policy": t.cleanup_policy},
+                topic_configs=t.config,
             )
             for t in missing
         ]

@@ -8,9 +8,8 @@ import socket
 from pathlib import Path
 
 import pytest
-from aiokafka import AIOKafkaConsumer
 
-from services.common.kafka import TopicRequest, ensure_topics, make_producer
+from services.common.kafka import TopicRequest, ensure_topics, make_consumer, make_producer
 from services.common.settings import Settings
 from services.dev.kafka_broker import BrokerConfig, KafkaBroker, server_properties
 
@@ -68,9 +67,7 @@ async def _roundtrip_topic(bootstrap: str, topic: str, produce: bool) -> list[by
                 await producer.send_and_wait(topic, f"m{i}".encode(), key=b"k")
         finally:
             await producer.stop()
-    consumer = AIOKafkaConsumer(
-        topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest", enable_auto_commit=False
-    )
+    consumer = make_consumer(bootstrap, topic)
     await consumer.start()
     try:
         batches = await consumer.getmany(timeout_ms=5_000, max_records=100)

@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from schemas.messages import MODEL_BY_KIND as MODEL_BY_KIND
     from schemas.messages import REPLY_ADAPTER as REPLY_ADAPTER
     from schemas.messages import REQUEST_ADAPTER as REQUEST_ADAPTER
+    from schemas.messages import STATUS_ADAPTER as STATUS_ADAPTER
     from schemas.messages import AnyMessage as AnyMessage
     from schemas.messages import kind_of as kind_of
     from schemas.replies import Done as Done
@@ -122,7 +123,9 @@ _EXPORTS: dict[str, str] = {
     "REPLY_ADAPTER": "schemas.messages",
     "REQUEST_ADAPTER": "schemas.messages",
     "ReplyMessage": "schemas.replies",
+    "QueueStatus": "schemas.status",
     "SCHEMA_VERSION": "schemas.common",
+    "STATUS_ADAPTER": "schemas.messages",
     "SamplingParams": "schemas.requests",
     "SchemaError": "schemas.codec",
     "TERMINAL_EVENTS": "schemas.workers",

@@ -18,6 +18,7 @@ from schemas.requests import (
     InferenceRequest,
     SamplingParams,
 )
+from schemas.status import QueueStatus
 from schemas.topics import reply_topic
 from schemas.workers import (
     EventAborted,
@@ -168,5 +169,16 @@ def examples() -> tuple[WireMessage, ...]:
             reason="client disconnected",
             issued_by="ingest",
             issued_at=T0 + 0.080,
+        ),
+        QueueStatus(
+            model=MODEL,
+            scheduler_id="scheduler-1",
+            pending_requests=42,
+            pending_tokens=61_440,
+            running_tokens=250_000,
+            drain_tokens_per_s=18_500.0,
+            live_workers=3,
+            max_usable_kv_tokens=440_000,
+            ts=T0,
         ),
     )

@@ -17,6 +17,7 @@ from schemas.base import WireMessage
 from schemas.control import CancelRequest, ControlMessage, DrainWorker
 from schemas.replies import Done, Error, ReplyMessage, TokenChunk
 from schemas.requests import AdmittedRequest, Assignment, InferenceRequest
+from schemas.status import QueueStatus
 from schemas.workers import (
     EventAborted,
     EventDone,
@@ -43,6 +44,7 @@ MESSAGE_MODELS: Final[tuple[type[WireMessage], ...]] = (
     Error,
     DrainWorker,
     CancelRequest,
+    QueueStatus,
 )
 
 
@@ -73,7 +75,8 @@ AnyMessage = Annotated[
     | Done
     | Error
     | DrainWorker
-    | CancelRequest,
+    | CancelRequest
+    | QueueStatus,
     Field(discriminator="kind"),
 ]
 
@@ -83,6 +86,7 @@ INTAKE_ADAPTER: Final = TypeAdapter(InferenceRequest)
 REQUEST_ADAPTER: Final = TypeAdapter(AdmittedRequest)
 ASSIGNMENT_ADAPTER: Final = TypeAdapter(Assignment)
 HEARTBEAT_ADAPTER: Final = TypeAdapter(WorkerHeartbeat)
+STATUS_ADAPTER: Final = TypeAdapter(QueueStatus)
 EVENT_ADAPTER: Final[TypeAdapter[EventMessage]] = TypeAdapter(EventMessage)
 REPLY_ADAPTER: Final[TypeAdapter[ReplyMessage]] = TypeAdapter(ReplyMessage)
 CONTROL_ADAPTER: Final[TypeAdapter[ControlMessage]] = TypeAdapter(ControlMessage)

@@ -30,9 +30,11 @@ from schemas.messages import (
     INTAKE_ADAPTER,
     REPLY_ADAPTER,
     REQUEST_ADAPTER,
+    STATUS_ADAPTER,
 )
 from schemas.replies import Done, Error, TokenChunk
 from schemas.requests import AdmittedRequest, Assignment, InferenceRequest
+from schemas.status import QueueStatus
 from schemas.workers import (
     EventAborted,
     EventDone,
@@ -194,6 +196,21 @@ def catalog(
             configs=(("segment.ms", 600_000), ("delete.retention.ms", 3_600_000)),
         ),
         TopicSpec(
+            name=f"{prefix}.status",
+            key="model",
+            partitions=1,
+            cleanup_policy="compact",
+            models=(QueueStatus,),
+            adapter=STATUS_ADAPTER,
+            description=(
+                "Queued demand and measured drain rate per model, from the scheduler "
+                "(compacted). Ingest's cluster view for overload refusals and Retry-After."
+            ),
+            producers=("scheduler",),
+            consumers=("ingest", "health"),
+            configs=(("segment.ms", 600_000), ("delete.retention.ms", 3_600_000)),
+        ),
+        TopicSpec(
             name=f"{prefix}.assignments",
             key="request_id",
             partitions=assignment_partitions,
@@ -276,6 +293,7 @@ KEY_FIELD: Final[Mapping[type[WireMessage], str]] = MappingProxyType(
         Error: "request_id",
         DrainWorker: "worker_id",
         CancelRequest: "request_id",
+        QueueStatus: "model",
     }
 )
 

@@ -533,6 +533,7 @@ def test_catalog_names() -> None:
         "llmq.requests.low.short",
         "llmq.requests.low.long",
         "llmq.heartbeats",
+        "llmq.status",
         "llmq.assignments",
         "llmq.events",
         "llmq.control",
@@ -552,7 +553,10 @@ def test_catalog_policies_and_keys() -> None:
     specs = {s.name.removeprefix("llmq."): s for s in catalog()}
     assert specs["heartbeats"].cleanup_policy == "compact"
     assert specs["heartbeats"].config["cleanup.policy"] == "compact"
-    assert [s.cleanup_policy for k, s in specs.items() if k != "heartbeats"] == ["delete"] * 11
+    assert specs["status"].cleanup_policy == "compact"
+    compacted = ("heartbeats", "status")
+    assert [s.cleanup_policy for k, s in specs.items() if k not in compacted] == ["delete"] * 11
+    assert specs["status"].key == "model"
     assert specs["intake"].key == "tenant"
     assert specs["heartbeats"].key == "worker_id"
     assert specs["deadletter"].key is None

@@ -1,0 +1,331 @@
+"""Workloads for the simulator and benchmarks: trace loaders, a synthetic generator,
+tenant/priority attachment and load scaling. Pure code; randomness comes in as a seeded
+``random.Random``.
+
+Traces
+    ``azure_llm_2023_{conv,code}.csv`` are real Azure LLM inference production traffic
+    (Azure Public Dataset, CC-BY 4.0; cite: Patel et al., "Splitwise: Efficient generative
+    LLM inference using phase splitting", ISCA 2024). Columns
+    ``TIMESTAMP,ContextTokens,GeneratedTokens``; timestamps like
+    ``2023-11-16 18:17:03.9799600`` (7 fractional digits, more than ``datetime`` parses,
+    so they are parsed by hand into integer nanoseconds). Any CSV with these columns
+    loads; a TIMESTAMP that is a plain number is taken in ``time_unit`` (default seconds).
+    JSONL traces in Mooncake's format, one ``{"timestamp", "input_length",
+    "output_length"}`` object per line (other keys ignored), have timestamps in
+    milliseconds there, so ``time_unit`` defaults to ``"ms"`` for them.
+    Arrivals are returned sorted, relative to the earliest (t = 0), ``idx`` = position in
+    arrival order (the file order for the sorted shipped traces). A bad row raises
+    ``TraceFormatError`` naming file, line and column.
+
+Classes
+    ``attach_classes`` gives each request a tenant drawn from a Zipf law over
+    ``tenants`` names (P(rank k) ∝ k^-s, s = 1.1: a few heavy tenants, a long tail) and a
+    priority drawn from ``class_mix`` (default 10 % high, 60 % normal, 30 % low). Lanes
+    are llmq's decision and are not set here.
+
+Load
+    Offered load ρ = λ / (N · μ): λ the arrival rate (requests/s), N the number of
+    engines, μ the saturated completion rate of one engine for this workload's length mix
+    (``services.worker.engines.sim.capacity.saturated_capacity``). Because μ is measured
+    for the same mix, ρ = 1 means arrivals bring work exactly as fast as a saturated fleet
+    clears it. ``scale_to_load`` stretches or compresses inter-arrival times (keeping the
+    trace's burstiness) so that λ = ρ · N · μ, with λ = (n − 1) / (last − first arrival).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from datetime import date
+from pathlib import Path
+from typing import Any, Final, Literal
+
+from schemas.common import PRIORITIES, Priority
+from services.worker.engines.sim.capacity import saturated_capacity
+from services.worker.engines.sim.model import EngineProfile
+
+TimeUnit = Literal["s", "ms", "us", "ns"]
+_NS_PER_UNIT: Final[dict[str, int]] = {"s": 10**9, "ms": 10**6, "us": 10**3, "ns": 1}
+CSV_COLUMNS: Final = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+JSONL_KEYS: Final = ("timestamp", "input_length", "output_length")
+DEFAULT_CLASS_MIX: Final[Mapping[Priority, float]] = {"high": 0.1, "normal": 0.6, "low": 0.3}
+
+
+class TraceFormatError(ValueError):
+    """A trace file that cannot be read; the message names file, line and column."""
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    """One request of a workload. ``arrival_s`` is relative to the workload's start."""
+
+    idx: int
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    tenant: str = "default"
+    priority: Priority = "normal"
+
+
+# ---- loaders -------------------------------------------------------------------------
+def _fail(path: Path, line: int, column: str, problem: str) -> TraceFormatError:
+    return TraceFormatError(f"{path}:{line}: column {column!r}: {problem}")
+
+
+def _tokens(path: Path, line: int, column: str, raw: object) -> int:
+    if isinstance(raw, str):
+        text = raw.strip()
+        value = int(text) if text.isdigit() else None
+    else:
+        value = raw if isinstance(raw, int) and not isinstance(raw, bool) else None
+    if value is None or value < 1:
+        raise _fail(path, line, column, f"expected a positive integer, got {raw!r}")
+    return value
+
+
+def _number_ns(raw: float, unit: str) -> int:
+    return round(raw * _NS_PER_UNIT[unit])
+
+
+def _timestamp_ns(path: Path, line: int, raw: str, unit: str) -> int:
+    """``YYYY-MM-DD HH:MM:SS[.fraction]`` (space or ``T``), or a plain number in ``unit``."""
+    text = raw.strip()
+    try:
+        value = float(text)
+    except ValueError:
+        pass
+    else:
+        if math.isfinite(value):
+            return _number_ns(value, unit)
+    try:
+        day, clock = text.replace("T", " ").split(" ")
+        y, mo, d = (int(x) for x in day.split("-"))
+        hms, _, frac = clock.partition(".")
+        h, mi, s = (int(x) for x in hms.split(":"))
+        if not (0 <= h < 24 and 0 <= mi < 60 and 0 <= s < 61) or (frac and not frac.isdigit()):
+            raise ValueError
+        days = date(y, mo, d).toordinal()
+    except ValueError:
+        raise _fail(
+            path,
+            line,
+            CSV_COLUMNS[0],
+            f"expected 'YYYY-MM-DD HH:MM:SS.fffffff' or a number, got {raw!r}",
+        ) from None
+    frac_ns = int(frac[:9].ljust(9, "0")) if frac else 0  # finer than 1 ns is dropped
+    return ((days * 86400 + h * 3600 + mi * 60 + s) * 10**9) + frac_ns
+
+
+def _finish(path: Path, rows: list[tuple[int, int, int]]) -> list[TraceRequest]:
+    if not rows:
+        raise TraceFormatError(f"{path}: no requests")
+    rows.sort(key=lambda r: r[0])  # stable: ties keep file order
+    t0 = rows[0][0]
+    return [
+        TraceRequest(idx=i, arrival_s=(t - t0) / 1e9, prompt_tokens=p, output_tokens=o)
+        for i, (t, p, o) in enumerate(rows)
+    ]
+
+
+def load_csv_trace(path: Path, *, time_unit: TimeUnit = "s") -> list[TraceRequest]:
+    """Azure-format CSV (``TIMESTAMP,ContextTokens,GeneratedTokens``; extra columns ok)."""
+    with path.open(encoding="utf-8", newline="") as fh:
+        header = fh.readline().strip().lstrip("\ufeff").split(",")
+        missing = [c for c in CSV_COLUMNS if c not in header]
+        if missing:
+            raise _fail(path, 1, missing[0], f"header lacks it (found {header})")
+        ts_i, ctx_i, gen_i = (header.index(c) for c in CSV_COLUMNS)
+        rows: list[tuple[int, int, int]] = []
+        for line_no, line in enumerate(fh, start=2):
+            if not line.strip():
+                continue
+            cells = line.rstrip("\r\n").split(",")
+            if len(cells) != len(header):
+                raise TraceFormatError(
+                    f"{path}:{line_no}: expected {len(header)} cells, got {len(cells)}"
+                )
+            rows.append(
+                (
+                    _timestamp_ns(path, line_no, cells[ts_i], time_unit),
+                    _tokens(path, line_no, CSV_COLUMNS[1], cells[ctx_i]),
+                    _tokens(path, line_no, CSV_COLUMNS[2], cells[gen_i]),
+                )
+            )
+    return _finish(path, rows)
+
+
+def load_jsonl_trace(path: Path, *, time_unit: TimeUnit = "ms") -> list[TraceRequest]:
+    """Mooncake-format JSONL: ``timestamp`` (default unit ms), ``input_length``,
+    ``output_length`` per line."""
+    rows: list[tuple[int, int, int]] = []
+    with path.open(encoding="utf-8") as fh:
+        for line_no, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj: Any = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise TraceFormatError(f"{path}:{line_no}: not JSON: {exc.msg}") from None
+            if not isinstance(obj, dict):
+                raise TraceFormatError(f"{path}:{line_no}: expected a JSON object")
+            for key in JSONL_KEYS:
+                if key not in obj:
+                    raise _fail(path, line_no, key, "missing")
+            ts = obj["timestamp"]
+            if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts):
+                raise _fail(path, line_no, "timestamp", f"expected a number, got {ts!r}")
+            rows.append(
+                (
+                    _number_ns(ts, time_unit),
+                    _tokens(path, line_no, "input_length", obj["input_length"]),
+                    _tokens(path, line_no, "output_length", obj["output_length"]),
+                )
+            )
+    return _finish(path, rows)
+
+
+def load_trace(path: Path, *, time_unit: TimeUnit | None = None) -> list[TraceRequest]:
+    """By suffix: ``.csv`` → :func:`load_csv_trace` (unit s), ``.jsonl``/``.json`` →
+    :func:`load_jsonl_trace` (unit ms). ``time_unit`` overrides the default."""
+    suffix = path.suffix.lower()
+    if suffix == ".csv":
+        return load_csv_trace(path, time_unit=time_unit or "s")
+    if suffix in (".jsonl", ".json"):
+        return load_jsonl_trace(path, time_unit=time_unit or "ms")
+    raise TraceFormatError(f"{path}: unknown trace format {suffix!r} (want .csv or .jsonl)")
+
+
+# ---- tenants and priorities ----------------------------------------------------------
+def tenant_names(n: int) -> tuple[str, ...]:
+    width = len(str(n - 1))
+    return tuple(f"tenant-{i:0{width}d}" for i in range(n))
+
+
+def attach_classes(
+    requests: Sequence[TraceRequest],
+    rng: random.Random,
+    *,
+    tenants: int = 20,
+    zipf_exponent: float = 1.1,
+    class_mix: Mapping[Priority, float] = DEFAULT_CLASS_MIX,
+) -> list[TraceRequest]:
+    """Copies of ``requests`` with a Zipf tenant and a priority each (deterministic for
+    the rng's seed: one tenant draw then one priority draw per request, in order)."""
+    if tenants < 1:
+        raise ValueError("tenants must be >= 1")
+    unknown = set(class_mix) - set(PRIORITIES)
+    if unknown or any(w < 0 for w in class_mix.values()):
+        raise ValueError(f"class_mix: unknown classes {unknown} or negative weights")
+    if not math.isclose(sum(class_mix.values()), 1.0, abs_tol=1e-9):
+        raise ValueError(f"class_mix must sum to 1, got {sum(class_mix.values())}")
+    names = tenant_names(tenants)
+    tenant_cum = _cumulative([k**-zipf_exponent for k in range(1, tenants + 1)])
+    classes = [p for p in PRIORITIES if class_mix.get(p, 0.0) > 0]
+    class_cum = _cumulative([class_mix[p] for p in classes])
+    out = []
+    for r in requests:
+        tenant = rng.choices(names, cum_weights=tenant_cum)[0]
+        priority = rng.choices(classes, cum_weights=class_cum)[0]
+        out.append(replace(r, tenant=tenant, priority=priority))
+    return out
+
+
+def _cumulative(weights: Sequence[float]) -> list[float]:
+    total, out = 0.0, []
+    for w in weights:
+        total += w
+        out.append(total)
+    return out
+
+
+# ---- load ----------------------------------------------------------------------------
+def arrival_rate(requests: Sequence[TraceRequest]) -> float:
+    """Mean arrival rate (requests/s): (n − 1) gaps over the span first → last arrival."""
+    if len(requests) < 2:
+        raise ValueError("an arrival rate needs at least two requests")
+    span = requests[-1].arrival_s - requests[0].arrival_s
+    if span <= 0:
+        raise ValueError("all requests arrive at once; the rate is undefined")
+    return (len(requests) - 1) / span
+
+
+def scale_to_rate(requests: Sequence[TraceRequest], rate_rps: float) -> list[TraceRequest]:
+    """Same requests, inter-arrival times scaled so the mean rate is ``rate_rps``."""
+    if not rate_rps > 0:
+        raise ValueError(f"rate must be > 0, got {rate_rps}")
+    factor = arrival_rate(requests) / rate_rps
+    t0 = requests[0].arrival_s
+    return [replace(r, arrival_s=(r.arrival_s - t0) * factor) for r in requests]
+
+
+def scale_to_load(
+    requests: Sequence[TraceRequest], load: float, fleet_capacity_rps: float
+) -> list[TraceRequest]:
+    """Scale arrivals so the offered load is ``load`` × ``fleet_capacity_rps``
+    (λ = ρ · N · μ; ``fleet_capacity_rps`` = N · μ from :func:`fleet_capacity_rps`)."""
+    if not load > 0 or not fleet_capacity_rps > 0:
+        raise ValueError("load and fleet capacity must be > 0")
+    return scale_to_rate(requests, load * fleet_capacity_rps)
+
+
+def fleet_capacity_rps(
+    profile: EngineProfile,
+    engines: int,
+    requests: Sequence[TraceRequest],
+    rng: random.Random,
+    sample_size: int = 2048,
+) -> float:
+    """N · μ: saturated requests/s of ``engines`` engines for this workload's length mix,
+    μ measured on a random sample of ``sample_size`` requests (with replacement)."""
+    if engines < 1 or not requests:
+        raise ValueError("need at least one engine and one request")
+    sample = [rng.choice(requests) for _ in range(sample_size)]
+    lengths = [(r.prompt_tokens, r.output_tokens) for r in sample]
+    n = max(sample_size, 4 * profile.max_num_seqs)
+    return engines * saturated_capacity(profile, lengths, n_requests=n).requests_per_s
+
+
+# ---- synthetic -----------------------------------------------------------------------
+def synthetic(
+    n: int,
+    rng: random.Random,
+    *,
+    rate_rps: float,
+    cv: float = 1.0,
+    prompt_mean: float = 1000.0,
+    prompt_sigma: float = 1.0,
+    prompt_max: int = 8192,
+    output_mean: float = 200.0,
+    output_sigma: float = 1.0,
+    output_max: int = 2048,
+) -> list[TraceRequest]:
+    """``n`` requests, first at t = 0. Inter-arrival times are gamma with mean 1/rate and
+    coefficient of variation ``cv`` (shape 1/cv²; cv = 1 is Poisson, > 1 bursty, < 1
+    smooth). Lengths are lognormal with the given mean and log-sigma (μ = ln mean − σ²/2),
+    rounded and clipped to [1, max] (clipping lowers the realised mean slightly)."""
+    if n < 1 or not rate_rps > 0 or not cv > 0:
+        raise ValueError("n >= 1, rate_rps > 0 and cv > 0 are required")
+    shape = 1.0 / (cv * cv)
+    scale = 1.0 / (rate_rps * shape)
+    out: list[TraceRequest] = []
+    t = 0.0
+    for i in range(n):
+        if i:
+            t += rng.gammavariate(shape, scale)
+        out.append(
+            TraceRequest(
+                idx=i,
+                arrival_s=t,
+                prompt_tokens=_lognormal_int(rng, prompt_mean, prompt_sigma, prompt_max),
+                output_tokens=_lognormal_int(rng, output_mean, output_sigma, output_max),
+            )
+        )
+    return out
+
+
+def _lognormal_int(rng: random.Random, mean: float, sigma: float, cap: int) -> int:
+    mu = math.log(mean) - sigma * sigma / 2
+    return min(cap, max(1, round(rng.lognormvariate(mu, sigma))))

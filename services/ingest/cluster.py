@@ -1,0 +1,216 @@
+"""Ingest's view of the fleet: live workers from ``llmq.heartbeats``, queue figures from
+``llmq.status``, turned into the core's frozen :class:`ClusterView` on demand.
+
+:class:`ClusterTracker` is plain state (tests drive it synchronously): it keeps the newest
+heartbeat per worker (ordered by ``(started_at, seq)``, so a restarted worker's first beat
+wins over the old process's last one) and the newest ``QueueStatus`` per (model,
+scheduler). :meth:`ClusterTracker.view` applies the rules, failing closed:
+
+- a worker is live when ``now - ts <= staleness × interval_s``, it is not draining and it
+  reports a KV budget (``kv_total_tokens > 0``); ``max_usable_kv_tokens`` is the largest
+  such budget (its whole capacity, not what is free now);
+- queued tokens and drain rate are summed over fresh statuses (``now - ts <=
+  status_stale_s``) of every scheduler. No fresh status means no known backlog: the
+  scheduler bounds its own queue, and admission still needs a live worker.
+
+Models are keyed by their canonical registry name when the registry knows them.
+
+:class:`ClusterWatcher` feeds a tracker from both compacted topics with one plain aiokafka
+consumer (no group: every instance reads everything from the beginning). Undecodable
+records go through the guard to the dead letter; a null value (tombstone) removes a worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiokafka import TopicPartition
+from aiokafka.errors import KafkaError
+
+from schemas.codec import decode
+from schemas.messages import HEARTBEAT_ADAPTER, STATUS_ADAPTER
+from schemas.status import QueueStatus
+from schemas.workers import WorkerHeartbeat
+from services.common.guard import Guard
+from services.common.kafka import make_consumer
+from services.common.replies import topic_partitions
+from services.ingest.core import ClusterView, ModelCapacity, ModelRegistry
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Freshness:
+    """When heartbeats and statuses count (see the module docstring)."""
+
+    heartbeat_staleness: float = 3.0
+    status_stale_s: float = 5.0
+
+
+class ClusterTracker:
+    """Newest heartbeat per worker and status per (model, scheduler); see module doc."""
+
+    def __init__(self, registry: ModelRegistry, freshness: Freshness = Freshness()) -> None:
+        self._registry = registry
+        self._freshness = freshness
+        self._workers: dict[str, WorkerHeartbeat] = {}
+        self._statuses: dict[tuple[str, str], QueueStatus] = {}
+        #: Heartbeats observed since start, stale or not (for readiness).
+        self.heartbeats_seen = 0
+
+    def observe_heartbeat(self, hb: WorkerHeartbeat) -> None:
+        self.heartbeats_seen += 1
+        old = self._workers.get(hb.worker_id)
+        if old is None or (hb.started_at, hb.seq) >= (old.started_at, old.seq):
+            self._workers[hb.worker_id] = hb
+
+    def forget_worker(self, worker_id: str) -> None:
+        """A tombstone on the heartbeats topic: the worker is gone."""
+        self._workers.pop(worker_id, None)
+
+    def observe_status(self, status: QueueStatus) -> None:
+        key = (self._canonical(status.model), status.scheduler_id)
+        old = self._statuses.get(key)
+        if old is None or status.ts >= old.ts:
+            self._statuses[key] = status
+
+    def live_workers(self, now: float) -> list[WorkerHeartbeat]:
+        """Fresh, not draining, with a KV budget."""
+        return [hb for hb in self._workers.values() if self._live(hb, now)]
+
+    def served_models(self, now: float) -> list[str]:
+        """Model names (as the workers serve them) of live workers, sorted."""
+        return sorted({hb.model for hb in self.live_workers(now)})
+
+    def view(self, now: float) -> ClusterView:
+        """The frozen snapshot admission decides on."""
+        workers: dict[str, list[WorkerHeartbeat]] = defaultdict(list)
+        for hb in self.live_workers(now):
+            workers[self._canonical(hb.model)].append(hb)
+        queued: dict[str, tuple[int, float]] = {}
+        for (model, _), st in self._statuses.items():
+            if now - st.ts <= self._freshness.status_stale_s:
+                tokens, drain = queued.get(model, (0, 0.0))
+                queued[model] = (tokens + st.pending_tokens, drain + st.drain_tokens_per_s)
+        capacities = []
+        for model in workers.keys() | queued.keys():
+            live = workers.get(model, [])
+            tokens, drain = queued.get(model, (0, 0.0))
+            best_kv = max((hb.kv_total_tokens for hb in live), default=0)
+            capacities.append(ModelCapacity(model, len(live), best_kv, tokens, drain))
+        return ClusterView.of(capacities)
+
+    def _live(self, hb: WorkerHeartbeat, now: float) -> bool:
+        fresh = now - hb.ts <= self._freshness.heartbeat_staleness * hb.interval_s
+        return fresh and not hb.draining and hb.kv_total_tokens > 0
+
+    def _canonical(self, model: str) -> str:
+        shape = self._registry.get(model)
+        return model if shape is None else shape.name
+
+
+class ClusterWatcher:
+    """Reads ``heartbeats_topic`` and ``status_topic`` into ``tracker`` until stopped.
+
+    ``caught_up`` is set once everything that was in both topics at start has been read,
+    so admission does not refuse early requests for want of a fleet it has not read yet.
+    """
+
+    def __init__(
+        self,
+        bootstrap: str,
+        tracker: ClusterTracker,
+        *,
+        heartbeats_topic: str,
+        status_topic: str,
+        guard: Guard,
+    ) -> None:
+        self.tracker = tracker
+        self.caught_up = asyncio.Event()
+        self._bootstrap = bootstrap
+        self._topics = (heartbeats_topic, status_topic)
+        self._guard = guard
+        self._handlers: dict[str, Callable[[Any], None]] = {
+            heartbeats_topic: self._on_heartbeat,
+            status_topic: self._on_status,
+        }
+        self._consumer: Any = None
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    async def start(self) -> None:
+        tps = [
+            TopicPartition(topic, p)
+            for topic in self._topics
+            for p in await topic_partitions(self._bootstrap, topic)
+        ]
+        consumer = make_consumer(self._bootstrap)
+        await consumer.start()
+        try:
+            consumer.assign(tps)
+            await consumer.seek_to_beginning(*tps)
+            ends: dict[Any, int] = await consumer.end_offsets(tps)
+        except BaseException:
+            await consumer.stop()
+            raise
+        self._consumer = consumer
+        self._task = asyncio.create_task(self._run(ends), name="ingest-cluster-watcher")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        if self._consumer is not None:
+            await self._consumer.stop()
+            self._consumer = None
+
+    async def _run(self, ends: dict[Any, int]) -> None:
+        pending = {tp: end for tp, end in ends.items() if end > 0}
+        if not pending:
+            self.caught_up.set()
+        while True:
+            try:
+                batches = await self._consumer.getmany(timeout_ms=200)
+            except KafkaError:
+                _log.warning("cluster watcher: fetch failed", exc_info=True)
+                await asyncio.sleep(0.5)
+                continue
+            for tp, records in batches.items():
+                for record in records:
+                    await self._guard.run(record, _sync(self._handlers[tp.topic], record))
+                    if record.offset + 1 >= pending.get(tp, 0):
+                        pending.pop(tp, None)
+            if pending and not self.caught_up.is_set():
+                # A partition emptied by retention ends before its end offset: ask.
+                for tp in list(pending):
+                    if await self._consumer.position(tp) >= pending[tp]:
+                        pending.pop(tp)
+            if not pending:
+                self.caught_up.set()
+
+    def _on_heartbeat(self, record: Any) -> None:
+        if record.value is None:
+            if record.key is not None:
+                self.tracker.forget_worker(record.key.decode(errors="replace"))
+            return
+        self.tracker.observe_heartbeat(decode(record.value, HEARTBEAT_ADAPTER))
+
+    def _on_status(self, record: Any) -> None:
+        if record.value is not None:
+            self.tracker.observe_status(decode(record.value, STATUS_ADAPTER))
+
+
+def _sync(handler: Callable[[Any], None], record: Any) -> Callable[[], Any]:
+    async def run() -> None:
+        handler(record)
+
+    return run

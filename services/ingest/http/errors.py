@@ -1,0 +1,107 @@
+"""Errors as OpenAI clients expect them: status, ``{"error": {...}}`` body, Retry-After.
+
+Every refusal of the API goes through :class:`ApiError`: terminal ``Error`` replies (status
+from ``schemas.common.HTTP_STATUS``), validation failures (400/413 naming the field),
+authentication (401). ``Retry-After`` is the reply's ``retry_after_s`` rounded up to whole
+seconds (RFC 9110 allows only integers); it is omitted when the reply has none.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Final
+
+from fastapi.responses import JSONResponse
+
+from schemas.codec import SchemaError
+from schemas.replies import Error
+
+#: OpenAI's ``error.type`` per status (clients branch on the status; this is for humans).
+_TYPES: Final[dict[int, str]] = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    499: "cancelled",
+    503: "service_unavailable",
+    504: "timeout",
+}
+
+
+# Not frozen: exceptions get __traceback__ and friends assigned as they propagate.
+@dataclass(eq=False)
+class ApiError(Exception):
+    """One HTTP refusal; :meth:`response` renders it."""
+
+    status: int
+    message: str
+    code: str | None = None
+    param: str | None = None
+    retry_after_s: float | None = None
+
+    def __str__(self) -> str:
+        return f"{self.status} {self.code}: {self.message}"
+
+    @property
+    def type(self) -> str:
+        return _TYPES.get(self.status, "server_error" if self.status >= 500 else "api_error")
+
+    def body(self) -> dict[str, Any]:
+        """OpenAI's error object."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def headers(self) -> dict[str, str]:
+        if self.retry_after_s is None:
+            return {}
+        return {"Retry-After": retry_after_header(self.retry_after_s)}
+
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(
+            self.body(), status_code=self.status, headers={**self.headers(), **(headers or {})}
+        )
+
+
+def retry_after_header(seconds: float) -> str:
+    """Whole seconds, rounded up; float noise below a microsecond does not add a second."""
+    return str(max(0, math.ceil(round(seconds, 6))))
+
+
+def from_reply(error: Error) -> ApiError:
+    """The HTTP refusal for a terminal ``Error`` reply."""
+    return ApiError(error.http_status, error.message, error.code,
+                    retry_after_s=error.retry_after_s)
+
+
+def from_schema_error(exc: SchemaError, param: str | None) -> ApiError:
+    """400 (or 413 for oversized input) naming ``param``, the field as the client spelled it."""
+    status = 413 if exc.error_code == "too_large" else 400
+    first = exc.errors[0]
+    where = f"{param}: " if param else ""
+    return ApiError(status, f"{where}{first.message}", exc.error_code, param)
+
+
+def invalid(message: str, param: str | None = None) -> ApiError:
+    """400 for a request the API does not accept."""
+    return ApiError(400, message, "invalid", param)
+
+
+def unauthorized(message: str) -> ApiError:
+    return ApiError(401, message, "invalid_api_key")
+
+
+def unavailable(message: str, retry_after_s: float | None = 1.0) -> ApiError:
+    return ApiError(503, message, "overloaded", retry_after_s=retry_after_s)
+
+
+def timed_out(message: str) -> ApiError:
+    return ApiError(504, message, "timeout")

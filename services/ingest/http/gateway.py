@@ -1,0 +1,131 @@
+"""The HTTP side's Kafka edge: produce requests to intake, read this instance's replies,
+send cancels.
+
+One producer (idempotent, acks=all) and one :class:`~services.common.replies.ReplyRouter`
+on the instance's own reply topic. :meth:`Gateway.submit` opens the reply stream *before*
+producing, so no reply can be missed; a request counts as queued only once the broker
+acknowledged it (else 503). Cancels for disconnected clients are fire-and-forget tasks:
+they are sent from places where the caller is itself being cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from aiokafka.errors import KafkaError
+
+from schemas.codec import SchemaError, encode
+from schemas.control import CancelRequest
+from schemas.requests import InferenceRequest
+from services.common.guard import Guard, aiokafka_dead_letter
+from services.common.kafka import make_producer
+from services.common.replies import DuplicateRequestError, ReplyRouter, ReplyStream
+from services.ingest.http.errors import ApiError, unavailable
+from services.ingest.topics import IngestTopics
+
+_log = logging.getLogger(__name__)
+_SEND_TIMEOUT_S = 10.0
+
+
+class Gateway:
+    """Submit requests and read their replies; started and stopped with the HTTP app."""
+
+    def __init__(self, bootstrap: str, topics: IngestTopics, *, instance_id: str) -> None:
+        self.topics = topics
+        self.instance_id = instance_id
+        self._bootstrap = bootstrap
+        self._producer: Any = None
+        self._router: ReplyRouter | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def producer_ready(self) -> bool:
+        return self._producer is not None
+
+    @property
+    def replies_ready(self) -> bool:
+        return self._router is not None and self._router.assigned
+
+    @property
+    def ready(self) -> bool:
+        return self.producer_ready and self.replies_ready
+
+    async def start(self) -> None:
+        producer = make_producer(self._bootstrap)
+        await producer.start()
+        guard = Guard(aiokafka_dead_letter(producer, self.topics.deadletter),
+                      name="ingest.replies", logger=_log)
+
+        async def dead_letter(record: Any, exc: SchemaError) -> None:
+            await guard.dead_letter(record, exc)
+
+        router = ReplyRouter(self._bootstrap, self.topics.reply, on_bad_record=dead_letter)
+        try:
+            await router.start()
+        except BaseException:
+            await producer.stop()
+            raise
+        self._producer, self._router = producer, router
+
+    async def stop(self) -> None:
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=_SEND_TIMEOUT_S)
+        if self._router is not None:
+            await self._router.stop()
+            self._router = None
+        if self._producer is not None:
+            await self._producer.stop()
+            self._producer = None
+
+    async def submit(self, request: InferenceRequest) -> ReplyStream:
+        """Queue ``request`` on intake; its replies arrive on the returned stream."""
+        if self._router is None or self._producer is None:
+            raise unavailable("ingest is not connected to Kafka yet")
+        try:
+            stream = self._router.open(request.request_id)
+        except DuplicateRequestError:
+            raise ApiError(409, f"request {request.request_id!r} is already in progress",
+                           "duplicate_request", "x-request-id") from None
+        try:
+            await asyncio.wait_for(
+                self._producer.send_and_wait(
+                    self.topics.intake, encode(request), key=request.tenant.encode()
+                ),
+                _SEND_TIMEOUT_S,
+            )
+        except (KafkaError, TimeoutError) as exc:
+            self.close(request.request_id)
+            _log.warning("could not queue %s: %r", request.request_id, exc)
+            raise unavailable("could not queue the request on Kafka; retry") from None
+        except BaseException:
+            self.close(request.request_id)
+            raise
+        return stream
+
+    def close(self, request_id: str) -> None:
+        """Stop waiting for ``request_id``'s replies."""
+        if self._router is not None:
+            self._router.close(request_id)
+
+    def cancel_soon(self, request_id: str, tenant: str, reason: str, now: float) -> None:
+        """Send a ``CancelRequest`` in the background (the caller may be cancelled itself)."""
+        cancel = CancelRequest(request_id=request_id, tenant=tenant, reason=reason[:4096],
+                               issued_by="ingest", issued_at=now)
+        task = asyncio.create_task(self._send_cancel(cancel), name=f"cancel:{request_id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _send_cancel(self, cancel: CancelRequest) -> None:
+        if self._producer is None:
+            return
+        try:
+            await asyncio.wait_for(
+                self._producer.send_and_wait(
+                    self.topics.control, encode(cancel), key=cancel.request_id.encode()
+                ),
+                _SEND_TIMEOUT_S,
+            )
+        except (KafkaError, TimeoutError):
+            _log.warning("could not send cancel for %s", cancel.request_id, exc_info=True)

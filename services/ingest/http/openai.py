@@ -1,0 +1,298 @@
+"""OpenAI wire format ↔ llmq messages: request bodies in, completion objects and SSE out.
+
+Request mapping (``to_inference_request``): the body of ``/v1/completions`` or
+``/v1/chat/completions`` becomes an ``InferenceRequest``; validation is the schema's own
+(``schemas.codec.decode``), and a ``SchemaError`` comes back as 400/413 naming the field as
+the client spelled it (``sampling.temperature`` → ``temperature``, ``timeout_s`` →
+``timeout``). Fields llmq cannot honour are refused by name (``n`` > 1, ``logprobs``,
+``echo``, ``best_of`` > 1, ``tools``); fields that do not change the result (``user``,
+``logit_bias``, ``response_format`` text, ...) are ignored, so any OpenAI SDK works.
+llmq extras: ``priority``, ``lane``, ``timeout`` (seconds) in the body or as headers
+``x-llmq-priority``, ``x-llmq-lane``, ``x-llmq-timeout`` (the body wins).
+
+Response shapes follow OpenAI's: ``text_completion`` / ``chat.completion`` objects with
+``usage``; streams are ``data: {chunk}\\n\\n`` events ending with ``data: [DONE]\\n\\n``,
+chat streams open with the assistant role, and a final usage-only chunk is sent when the
+client asked for ``stream_options.include_usage``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final, Literal
+
+from schemas.codec import SchemaError, decode
+from schemas.replies import Done
+from schemas.requests import InferenceRequest
+from services.ingest.http.errors import from_schema_error, invalid
+
+Kind = Literal["completion", "chat"]
+
+SSE_DONE: Final = b"data: [DONE]\n\n"
+_ROLES: Final = {"developer": "system"}  # OpenAI's newer name for the system role
+_SAMPLING: Final = (
+    "temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty", "seed",
+)
+_HEADER_EXTRAS: Final = {"priority": "x-llmq-priority", "lane": "x-llmq-lane"}
+_SAMPLING_FIELD: Final = re.compile(r"^sampling\.([a-z_]+)(\..*)?$")
+
+
+@dataclass(frozen=True, slots=True)
+class ApiDefaults:
+    """``max_tokens`` when the body has none (per endpoint)."""
+
+    completion_max_tokens: int = 16
+    chat_max_tokens: int = 512
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedCall:
+    """A validated API call: the request to queue and how to answer."""
+
+    request: InferenceRequest
+    kind: Kind
+    stream: bool
+    include_usage: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Origin:
+    """What the caller's identity and the service add to the body."""
+
+    request_id: str
+    tenant: str
+    reply_to: str
+    now: float
+
+
+def parse_json(raw: bytes) -> Mapping[str, Any]:
+    """The body as a JSON object, or 400."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise invalid(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise invalid("request body must be a JSON object")
+    return body
+
+
+def to_inference_request(
+    body: Mapping[str, Any],
+    kind: Kind,
+    origin: Origin,
+    headers: Mapping[str, str],
+    defaults: ApiDefaults = ApiDefaults(),
+) -> ParsedCall:
+    """Map and validate an OpenAI body (module docstring); raises :class:`ApiError`."""
+    body = {k: v for k, v in body.items() if v is not None}  # null means "not given"
+    _refuse_unsupported(body)
+    stream = _flag(body, "stream")
+    options = body.get("stream_options", {})
+    if not isinstance(options, Mapping):
+        raise invalid("must be an object", "stream_options")
+    max_field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    wire: dict[str, Any] = {
+        "request_id": origin.request_id,
+        "tenant": origin.tenant,
+        "model": body.get("model"),
+        "max_tokens": body.get(max_field, _default_max(kind, defaults)),
+        "sampling": _sampling(body),
+        "reply_to": origin.reply_to,
+        "created_at": origin.now,
+        **_extras(body, headers),
+    }
+    text_field = "messages" if kind == "chat" else "prompt"
+    if text_field not in body:
+        raise invalid(f"{text_field} is required", text_field)
+    if kind == "chat":
+        wire["messages"] = _messages(body["messages"])
+    else:
+        wire["prompt"] = _prompt(body["prompt"])
+    wire = {k: v for k, v in wire.items() if v is not None}  # absent: the schema says so
+    try:
+        request = decode(json.dumps(wire).encode(), InferenceRequest)
+    except SchemaError as exc:
+        raise from_schema_error(exc, client_field(exc.field, max_field)) from None
+    include_usage = _flag(options, "include_usage", "stream_options.include_usage")
+    return ParsedCall(request, kind, stream, include_usage)
+
+
+def client_field(field: str, max_field: str = "max_tokens") -> str | None:
+    """The body field (or header) a schema field path came from; None for our own."""
+    match = _SAMPLING_FIELD.match(field)
+    if match:
+        return match.group(1)
+    head = field.split(".", 1)[0]
+    return {
+        "max_tokens": max_field,
+        "timeout_s": "timeout",
+        "request_id": "x-request-id",
+        "model": "model",
+        "prompt": field or None,
+        "messages": field,
+        "priority": "priority",
+        "lane": "lane",
+        "model_version": "model_version",
+        "prefix_hash": "prefix_hash",
+    }.get(head)
+
+
+def _refuse_unsupported(body: Mapping[str, Any]) -> None:
+    if body.get("n", 1) != 1:
+        raise invalid("only n=1 is supported", "n")
+    if body.get("best_of", 1) != 1:
+        raise invalid("only best_of=1 is supported", "best_of")
+    for name in ("logprobs", "top_logprobs", "echo", "tools", "functions"):
+        if body.get(name):
+            raise invalid(f"{name} is not supported", name)
+
+
+def _flag(body: Mapping[str, Any], name: str, param: str | None = None) -> bool:
+    value = body.get(name, False)
+    if not isinstance(value, bool):
+        raise invalid("must be true or false", param or name)
+    return value
+
+
+def _default_max(kind: Kind, defaults: ApiDefaults) -> int:
+    return defaults.chat_max_tokens if kind == "chat" else defaults.completion_max_tokens
+
+
+def _sampling(body: Mapping[str, Any]) -> dict[str, Any]:
+    sampling = {name: body[name] for name in _SAMPLING if name in body}
+    stop = body.get("stop")
+    if stop is not None:
+        sampling["stop"] = [stop] if isinstance(stop, str) else stop
+    return sampling
+
+
+def _extras(body: Mapping[str, Any], headers: Mapping[str, str]) -> dict[str, Any]:
+    extras: dict[str, Any] = {}
+    for name, header in _HEADER_EXTRAS.items():
+        value = body.get(name, headers.get(header))
+        if value is not None:
+            extras[name] = value
+    if "timeout" in body:
+        extras["timeout_s"] = body["timeout"]
+    elif headers.get("x-llmq-timeout") is not None:
+        try:
+            extras["timeout_s"] = float(headers["x-llmq-timeout"])
+        except ValueError:
+            raise invalid("must be a number of seconds", "x-llmq-timeout") from None
+    for name in ("model_version", "prefix_hash"):
+        if name in body:
+            extras[name] = body[name]
+    return extras
+
+
+def _prompt(prompt: Any) -> Any:
+    """A string; a list of exactly one string is accepted too (the SDK's shape)."""
+    if isinstance(prompt, list):
+        if len(prompt) != 1 or not isinstance(prompt[0], str):
+            raise invalid("exactly one text prompt per request is supported", "prompt")
+        return prompt[0]
+    return prompt
+
+
+def _messages(messages: Any) -> Any:
+    """Chat messages with multi-part text contents flattened; other shapes pass through to
+    validation, which names the failing field."""
+    if not isinstance(messages, list):
+        return messages
+    return [_message(m, i) if isinstance(m, Mapping) else m for i, m in enumerate(messages)]
+
+
+def _message(message: Mapping[str, Any], index: int) -> dict[str, Any]:
+    role = message.get("role")
+    out: dict[str, Any] = {"role": _ROLES.get(role, role) if isinstance(role, str) else role}
+    content = message.get("content")
+    if isinstance(content, list):
+        content = _text_parts(content, f"messages.{index}.content")
+    out["content"] = content
+    if message.get("name") is not None:
+        out["name"] = message["name"]
+    return out
+
+
+def _text_parts(parts: list[Any], param: str) -> str:
+    texts = []
+    for part in parts:
+        if not isinstance(part, Mapping) or part.get("type") != "text":
+            raise invalid("only text content parts are supported", param)
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise invalid("a text part needs a string 'text'", param)
+        texts.append(text)
+    return "".join(texts)
+
+
+# -- responses ------------------------------------------------------------------------------
+def usage_object(done: Done) -> dict[str, int]:
+    usage = done.usage
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+    }
+
+
+def completion_object(
+    call: ParsedCall, text: str, done: Done, created: int
+) -> dict[str, Any]:
+    """The non-streaming answer: ``text_completion`` or ``chat.completion``."""
+    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": done.finish_reason}
+    if call.kind == "chat":
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    return {
+        "id": call.request.request_id,
+        "object": "chat.completion" if call.kind == "chat" else "text_completion",
+        "created": created,
+        "model": call.request.model,
+        "choices": [choice],
+        "usage": usage_object(done),
+    }
+
+
+def chunk_object(
+    call: ParsedCall,
+    created: int,
+    text: str | None,
+    *,
+    first: bool = False,
+    finish_reason: str | None = None,
+) -> dict[str, Any]:
+    """One streamed chunk; ``text`` None with a ``finish_reason`` is the closing chunk."""
+    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+    if call.kind == "chat":
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        if text is not None:
+            delta["content"] = text
+        choice["delta"] = delta
+    else:
+        choice["text"] = text or ""
+    return _chunk_envelope(call, created, [choice])
+
+
+def usage_chunk(call: ParsedCall, created: int, done: Done) -> dict[str, Any]:
+    """The last chunk when ``stream_options.include_usage``: no choices, only usage."""
+    return {**_chunk_envelope(call, created, []), "usage": usage_object(done)}
+
+
+def _chunk_envelope(call: ParsedCall, created: int, choices: list[Any]) -> dict[str, Any]:
+    return {
+        "id": call.request.request_id,
+        "object": "chat.completion.chunk" if call.kind == "chat" else "text_completion",
+        "created": created,
+        "model": call.request.model,
+        "choices": choices,
+    }
+
+
+def sse(data: Mapping[str, Any]) -> bytes:
+    """One server-sent event: ``data: <compact JSON>`` and a blank line."""
+    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"

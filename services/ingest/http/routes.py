@@ -1,0 +1,282 @@
+"""The FastAPI app: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
+``/healthz``, ``/readyz``.
+
+A completion call: authenticate (API key → tenant), map the body to an
+``InferenceRequest`` (:mod:`.openai`), submit it through intake like any Kafka client's
+(:class:`.gateway.Gateway`), then wait for the first reply *before* answering, so that a
+refusal (429, 404, 413, 503 ...) gets its own status and Retry-After even for a stream.
+After that, chunks are relayed as they come (SSE) or gathered until ``Done``.
+
+Time bound: the request's ``timeout_s`` plus ``reply_grace_s``; past it the client gets
+504 and the request is cancelled. A client that goes away (disconnect mid-stream, or while a
+non-streaming call waits) also cancels it (``CancelRequest`` on ``llmq.control``).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from schemas.replies import Error, TokenChunk
+from services.common.replies import Reply, ReplyStream
+from services.ingest.cluster import ClusterWatcher
+from services.ingest.http.errors import ApiError, from_reply, timed_out, unauthorized
+from services.ingest.http.gateway import Gateway
+from services.ingest.http.openai import (
+    SSE_DONE,
+    ApiDefaults,
+    Kind,
+    Origin,
+    ParsedCall,
+    chunk_object,
+    completion_object,
+    parse_json,
+    sse,
+    to_inference_request,
+    usage_chunk,
+)
+from services.ingest.tenants import AuthFailure, Tenancy
+
+#: How often a waiting non-streaming call checks whether its client is still there.
+_DISCONNECT_POLL_S = 1.0
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass(frozen=True, slots=True)
+class HttpDeps:
+    """Everything the routes use, built once in ``services.ingest.__main__``."""
+
+    gateway: Gateway
+    tenancy: Tenancy
+    watcher: ClusterWatcher
+    defaults: ApiDefaults
+    reply_grace_s: float
+    clock: Callable[[], float] = time.time
+
+
+class _ClientGone(Exception):
+    """The HTTP client disconnected while we waited for its replies."""
+
+
+class _Waiter:
+    """Next reply of one call, bounded by its deadline, noticing a vanished client."""
+
+    def __init__(self, stream: ReplyStream, request: Request | None, deadline: float) -> None:
+        self._stream = stream
+        self._request = request  # None: do not poll (a streaming response polls itself)
+        self._deadline = deadline
+
+    async def next(self) -> Reply:
+        while True:
+            remaining = self._deadline - time.monotonic()
+            if remaining <= 0:
+                raise timed_out("no answer within the request's timeout")
+            try:
+                return await self._stream.get(timeout=min(_DISCONNECT_POLL_S, remaining))
+            except TimeoutError:
+                if self._request is not None and await self._request.is_disconnected():
+                    raise _ClientGone() from None
+
+
+def create_api(deps: HttpDeps) -> FastAPI:
+    """The ASGI app; its lifespan starts and stops the gateway."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await deps.gateway.start()
+        try:
+            yield
+        finally:
+            await deps.gateway.stop()
+
+    api = FastAPI(title="llmq ingest", lifespan=lifespan, docs_url=None, redoc_url=None)
+    api.add_exception_handler(ApiError, _api_error)
+    api.add_exception_handler(StarletteHTTPException, _http_error)
+    _add_routes(api, deps)
+    return api
+
+
+def _add_routes(api: FastAPI, deps: HttpDeps) -> None:
+    @api.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _complete(deps, request, "completion")
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _complete(deps, request, "chat")
+
+    @api.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        _tenant(deps, request)
+        served = deps.watcher.tracker.served_models(deps.clock())
+        return {
+            "object": "list",
+            "data": [{"id": m, "object": "model", "created": 0, "owned_by": "llmq"}
+                     for m in served],
+        }
+
+    @api.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @api.get("/readyz")
+    async def readyz() -> JSONResponse:
+        checks, reasons = _readiness(deps)
+        body = {"ready": not reasons, "checks": checks, "reasons": reasons}
+        return JSONResponse(body, status_code=200 if not reasons else 503)
+
+
+def _readiness(deps: HttpDeps) -> tuple[dict[str, bool], list[str]]:
+    watcher, topics = deps.watcher, deps.gateway.topics
+    checks = {
+        "kafka_producer": deps.gateway.producer_ready,
+        "reply_consumer": deps.gateway.replies_ready,
+        "cluster_reader": watcher.running and watcher.caught_up.is_set(),
+        "worker_heartbeat": watcher.tracker.heartbeats_seen > 0,
+    }
+    why = {
+        "kafka_producer": "not connected to Kafka (producer not started)",
+        "reply_consumer": f"reply consumer not assigned to {topics.reply}",
+        "cluster_reader": f"still reading {topics.heartbeats} and {topics.status}",
+        "worker_heartbeat": f"no worker heartbeat seen on {topics.heartbeats}: every request "
+        "would be refused as overloaded",
+    }
+    return checks, [why[name] for name, ok in checks.items() if not ok]
+
+
+def _tenant(deps: HttpDeps, request: Request) -> str:
+    found = deps.tenancy.authenticate(request.headers.get("authorization"))
+    if isinstance(found, AuthFailure):
+        raise unauthorized(found.message)
+    return found
+
+
+async def _complete(deps: HttpDeps, request: Request, kind: Kind) -> Response:
+    tenant = _tenant(deps, request)
+    body = parse_json(await request.body())
+    origin = Origin(
+        request_id=request.headers.get("x-request-id") or f"cmpl-{uuid.uuid4().hex}",
+        tenant=tenant,
+        reply_to=deps.gateway.topics.reply,
+        now=deps.clock(),
+    )
+    call = to_inference_request(body, kind, origin, request.headers, deps.defaults)
+    answer = _Call(deps, call, await deps.gateway.submit(call.request), request)
+    try:
+        first = await answer.waiter.next()
+        if isinstance(first, Error):
+            answer.finish(None)
+            raise from_reply(first)
+        if call.stream:
+            return answer.streaming(first)
+        return await answer.collect(first)
+    except _ClientGone:
+        answer.finish("client disconnected")
+        return Response(status_code=499)
+    except BaseException:
+        # The deadline (504), a cancelled handler or a bug: the request must not run on
+        # for nobody. A no-op when it already ended.
+        answer.finish("the API gave up on the request")
+        raise
+
+
+class _Call:
+    """Answering one accepted call: relay or gather its replies; cancel it if abandoned.
+
+    :meth:`finish` runs once (later calls are no-ops): it stops waiting for replies and,
+    when a reason is given (the request did not end), sends a ``CancelRequest``.
+    """
+
+    def __init__(
+        self, deps: HttpDeps, call: ParsedCall, stream: ReplyStream, request: Request
+    ) -> None:
+        self._deps = deps
+        self._call = call
+        self._created = int(call.request.created_at)
+        self._finished = False
+        deadline = time.monotonic() + call.request.timeout_s + deps.reply_grace_s
+        # A streaming response watches for disconnects itself; polling would compete.
+        self.waiter = _Waiter(stream, None if call.stream else request, deadline)
+        self.headers = {"x-request-id": call.request.request_id}
+
+    def finish(self, cancel_reason: str | None) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        request = self._call.request
+        self._deps.gateway.close(request.request_id)
+        if cancel_reason is not None:
+            self._deps.gateway.cancel_soon(request.request_id, request.tenant, cancel_reason,
+                                           self._deps.clock())
+
+    async def collect(self, first: Reply) -> JSONResponse:
+        texts: list[str] = []
+        msg = first
+        while isinstance(msg, TokenChunk):
+            texts.append(msg.text)
+            msg = await self.waiter.next()
+        self.finish(None)
+        if isinstance(msg, Error):
+            raise from_reply(msg)
+        body = completion_object(self._call, "".join(texts), msg, self._created)
+        return JSONResponse(body, headers=self.headers)
+
+    def streaming(self, first: Reply) -> StreamingResponse:
+        # The background task runs once the response is over, however it ended: it cancels
+        # the request when the client left before the body even started.
+        return StreamingResponse(
+            self._events(first), media_type="text/event-stream",
+            headers={**_SSE_HEADERS, **self.headers},
+            background=BackgroundTask(self.finish, "client disconnected"),
+        )
+
+    async def _events(self, first: Reply) -> AsyncIterator[bytes]:
+        """SSE bytes; a disconnect (cancelled here) or the deadline cancels the request."""
+        try:
+            async for data in self._relay(first, self.waiter):
+                yield data
+            self.finish(None)
+        except ApiError as exc:  # the deadline passed mid-stream
+            self.finish("no answer within the timeout")
+            yield sse(exc.body())
+        finally:
+            self.finish("stream ended before the request finished")
+
+    async def _relay(self, first: Reply, waiter: _Waiter) -> AsyncIterator[bytes]:
+        call, created = self._call, self._created
+        msg, opened = first, False
+        while isinstance(msg, TokenChunk):
+            yield sse(chunk_object(call, created, msg.text, first=not opened))
+            opened = True
+            msg = await waiter.next()
+        if isinstance(msg, Error):
+            # Headers are sent: OpenAI's convention is an error event, then the end.
+            yield sse(from_reply(msg).body())
+            return
+        if not opened and call.kind == "chat":
+            yield sse(chunk_object(call, created, "", first=True))
+        yield sse(chunk_object(call, created, None, finish_reason=msg.finish_reason))
+        if call.include_usage:
+            yield sse(usage_chunk(call, created, msg))
+        yield SSE_DONE
+
+
+async def _api_error(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return exc.response()
+
+
+async def _http_error(_: Request, exc: Exception) -> Response:
+    # Starlette's own 404/405 in OpenAI's error shape.
+    assert isinstance(exc, StarletteHTTPException)
+    return ApiError(exc.status_code, str(exc.detail), None).response()
+

@@ -1,0 +1,362 @@
+"""What the admission agents do with one record: build the core's inputs, call it, publish.
+
+No Faust here, so tests drive it with dicts for tables and a list for the producer:
+
+- :meth:`IntakeHandler.on_request` (``llmq.intake``, key tenant): decode, move a record
+  that is not keyed by its tenant or not on that key's partition, call
+  :func:`~services.ingest.core.admit`, store the new bucket state and a reservation,
+  publish an ``AdmittedRequest`` or one terminal ``Error``.
+- :meth:`IntakeHandler.on_settle` (the settle topic, key tenant): pop the request's
+  reservation and :func:`~services.ingest.core.settle` the tenant's bucket. The pop is the
+  dedupe: a duplicate event, or one after the reservation expired, finds nothing.
+- :meth:`IntakeHandler.on_event` (``llmq.events``, key request_id): forward terminal
+  events as settle records keyed by tenant — the re-key that puts settlement on the
+  partition owning the tenant's state.
+- :meth:`IntakeHandler.expired`: settle records for reservations past their request's
+  deadline plus a grace, for requests whose terminal event never comes (the scheduler's
+  queue timeouts and cancels end a request without one).
+
+State, all keyed so it lives on the tenant's partition: ``buckets[tenant]`` =
+``TenantState.to_dict()``; ``reservations[request_id]`` = ``{"tenant", "reserved",
+"deadline"}``. Both are written only while handling a record of that tenant's partition,
+so a Faust changelog puts them where the tenant's records are.
+
+Failure rules (docs/live-system.md, "Guards"): an undecodable intake record raises
+``SchemaError`` to the guard (dead letter) after an ``invalid`` Error is sent if the raw
+JSON names a request_id and an authorized reply target. An exception while deciding
+sends an ``overloaded`` Error to the request's reply topic and re-raises (dead letter), so
+the client is never left waiting.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMapping
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+from pydantic import Field
+
+from schemas.base import (
+    ID_PATTERN,
+    TENANT_PATTERN,
+    Count,
+    RequestId,
+    Tenant,
+    Timestamp,
+    WireMessage,
+)
+from schemas.codec import MAX_RECORD_BYTES, SchemaError, decode, encode
+from schemas.common import ErrorCode
+from schemas.messages import EVENT_ADAPTER
+from schemas.replies import Error
+from schemas.requests import AdmittedRequest, InferenceRequest
+from schemas.topics import reply_topic, request_topic, request_topics
+from schemas.workers import EventAborted, EventDone, EventFailed
+from services.ingest.cluster import ClusterTracker
+from services.ingest.core import (
+    ESTIMATE,
+    AdmissionRequest,
+    Admit,
+    Reject,
+    TenantPolicy,
+    TenantState,
+    TokenCounter,
+    admit,
+    chat_prompt_tokens,
+    prompt_tokens,
+    settle,
+)
+from services.ingest.tenants import Tenancy
+from services.ingest.topics import INSTANCE_REPLIES, IngestTopics
+
+_log = logging.getLogger(__name__)
+_ID_RE = re.compile(ID_PATTERN)
+_TENANT_RE = re.compile(TENANT_PATTERN)
+
+SettleReason = Literal["done", "failed", "aborted", "expired"]
+
+
+class SettleRecord(WireMessage):
+    """Internal (settle topic, key tenant): end a request's reservation."""
+
+    kind: Literal["ingest.settle"] = Field(default="ingest.settle")
+    tenant: Tenant
+    request_id: RequestId
+    used_tokens: Count | None = Field(
+        default=None, description="Actual prompt + completion tokens; null: charge the "
+        "whole reservation (no usage reported)."
+    )
+    reason: SettleReason
+    ts: Timestamp
+
+
+class Publish(Protocol):
+    """Produce one record (the Faust producer in the service, a list in tests)."""
+
+    def __call__(self, topic: str, key: bytes, value: bytes) -> Awaitable[object]: ...
+
+
+class SourceRecord(Protocol):
+    @property
+    def key(self) -> Any: ...
+    @property
+    def value(self) -> Any: ...
+    @property
+    def partition(self) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class _Decision:
+    """What to publish for one request, and the state to store before publishing."""
+
+    topic: str
+    message: AdmittedRequest | Error
+    state: TenantState | None = None
+    reservation: Mapping[str, object] | None = None
+
+
+class IntakeHandler:
+    """Admission and settlement for the tenants of the partitions this process owns."""
+
+    def __init__(
+        self,
+        *,
+        topics: IngestTopics,
+        tenancy: Tenancy,
+        tracker: ClusterTracker,
+        buckets: MutableMapping[str, Any],
+        reservations: MutableMapping[str, Any],
+        publish: Publish,
+        ensure_topic: Callable[[str], Awaitable[None]],
+        clock: Callable[[], float],
+        counters: Mapping[str, TokenCounter] | None = None,
+        reservation_grace_s: float = 30.0,
+        owner_partition: Callable[[bytes], int] | None = None,
+    ) -> None:
+        self._topics = topics
+        self._tenancy = tenancy
+        self._tracker = tracker
+        self._buckets = buckets
+        self._reservations = reservations
+        self._publish = publish
+        self._ensure_topic = ensure_topic
+        self._clock = clock
+        self._counters = counters or {}
+        self._grace = reservation_grace_s
+        self._owner_partition = owner_partition
+        self._registry = tenancy.config.admission.registry
+        self._known_topics: set[str] = {topics.reply, *request_topics(topics.prefix)}
+
+    # -- intake -------------------------------------------------------------------------
+    async def on_request(self, record: SourceRecord) -> None:
+        """Decide one intake record (see the module docstring)."""
+        try:
+            req = decode(record.value, InferenceRequest)
+        except SchemaError as exc:
+            await self._refuse_undecodable(record.value, exc)
+            raise
+        tenant_key = req.tenant.encode()
+        if not self._owns(record, tenant_key):
+            # Tenant state lives on the tenant's partition: move the record there.
+            await self._publish(self._topics.intake, tenant_key, bytes(record.value))
+            return
+        if req.request_id in self._reservations:
+            _log.info("request %s is already admitted and in flight; duplicate ignored",
+                      req.request_id)
+            return
+        now = self._clock()
+        try:
+            decision = self._decide(req, now)
+        except Exception:
+            await self._send(_fallback_target(req, self._topics.prefix), _error(
+                req.request_id, "overloaded", "ingest failed to decide on this request", now,
+                retry_after_s=1.0,
+            ))
+            raise
+        await self._apply(req, decision)
+
+    def _owns(self, record: SourceRecord, tenant_key: bytes) -> bool:
+        """Whether the record sits where its tenant's state is: keyed by the tenant, on the
+        partition our producer's partitioner picks for that key (a client library with
+        another default partitioner puts it elsewhere)."""
+        if record.key != tenant_key:
+            return False
+        return self._owner_partition is None or (
+            record.partition == self._owner_partition(tenant_key)
+        )
+
+    def _decide(self, req: InferenceRequest, now: float) -> _Decision:
+        prefix = self._topics.prefix
+        target = authorized_reply_topic(req, prefix)
+        if target is None:
+            reason = f"reply_to {req.reply_to!r} is not authorized for tenant {req.tenant!r}"
+            return _Decision(reply_topic(prefix, req.tenant),
+                             _error(req.request_id, "invalid", reason, now))
+        policy = self._tenancy.policy_for(req.tenant)
+        if policy is None:
+            return _Decision(target, _error(req.request_id, "invalid",
+                                            f"unknown tenant {req.tenant!r}", now))
+        state = self._state(req.tenant, policy, now)
+        result = admit(
+            admission_request(req, self._counter(req.model)), policy, state,
+            self._tracker.view(now), now, config=self._tenancy.config.admission,
+        )
+        if isinstance(result, Reject):
+            return _Decision(target, rejection(req.request_id, result, now))
+        return self._admitted(req, result, target, now)
+
+    def _admitted(
+        self, req: InferenceRequest, result: Admit, target: str, now: float
+    ) -> _Decision:
+        message = AdmittedRequest(
+            request=req, priority=result.priority, lane=result.lane,
+            prompt_tokens=result.prompt_tokens, reply_topic=target, admitted_at=now,
+        )
+        # Deadline from our clock, not the client's created_at: a client must not be able
+        # to make its reservation expire at once and so escape the concurrency cap.
+        reservation = {
+            "tenant": req.tenant,
+            "reserved": result.reserved_tokens,
+            "deadline": now + req.timeout_s + self._grace,
+        }
+        return _Decision(request_topic(self._topics.prefix, result.priority, result.lane),
+                         message, result.new_state, reservation)
+
+    async def _apply(self, req: InferenceRequest, decision: _Decision) -> None:
+        if decision.state is not None:
+            self._buckets[req.tenant] = decision.state.to_dict()
+        if decision.reservation is not None:
+            self._reservations[req.request_id] = dict(decision.reservation)
+        await self._send(decision.topic, decision.message)
+
+    async def _refuse_undecodable(self, raw: Any, exc: SchemaError) -> None:
+        """Send ``invalid``/``too_large`` if the raw JSON says who is waiting; never raises."""
+        target = _salvage_target(raw, self._topics.prefix)
+        if target is None:
+            return
+        request_id, topic = target
+        try:
+            await self._send(topic, _error(request_id, exc.error_code, str(exc), self._clock()))
+        except Exception:
+            _log.warning("could not refuse undecodable request %s", request_id, exc_info=True)
+
+    # -- settlement -----------------------------------------------------------------------
+    async def on_settle(self, record: SourceRecord) -> None:
+        """Settle one reservation (a no-op when it was settled already)."""
+        rec = decode(record.value, SettleRecord)
+        reservation = self._reservations.pop(rec.request_id, None)
+        if reservation is None:
+            return
+        tenant = str(reservation["tenant"])
+        policy = self._tenancy.policy_for(tenant)
+        if policy is None:
+            _log.warning("settle %s: tenant %r has no policy any more", rec.request_id, tenant)
+            return
+        now = self._clock()
+        reserved = int(reservation["reserved"])
+        used = reserved if rec.used_tokens is None else rec.used_tokens
+        state = settle(self._state(tenant, policy, now), policy, reserved, used, now)
+        self._buckets[tenant] = state.to_dict()
+
+    async def on_event(self, record: SourceRecord) -> None:
+        """Forward a terminal lifecycle event as a settle record keyed by tenant."""
+        event = decode(record.value, EVENT_ADAPTER)
+        if not isinstance(event, EventDone | EventFailed | EventAborted):
+            return  # started / first_token hold nothing to settle
+        usage = event.usage
+        reason: SettleReason = (
+            "done" if isinstance(event, EventDone)
+            else "failed" if isinstance(event, EventFailed) else "aborted"
+        )
+        rec = SettleRecord(
+            tenant=event.tenant, request_id=event.request_id, reason=reason, ts=self._clock(),
+            used_tokens=None if usage is None else usage.total_tokens,
+        )
+        await self._publish(self._topics.settle, event.tenant.encode(), encode(rec))
+
+    def expired(self, now: float) -> Iterator[SettleRecord]:
+        """Settle records for reservations whose deadline passed (read-only scan)."""
+        for request_id, reservation in list(self._reservations.items()):
+            if float(reservation["deadline"]) < now:
+                yield SettleRecord(tenant=str(reservation["tenant"]), request_id=request_id,
+                                   reason="expired", ts=now)
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _state(self, tenant: str, policy: TenantPolicy, now: float) -> TenantState:
+        stored = self._buckets.get(tenant)
+        return TenantState.full(policy, now) if stored is None else TenantState.from_dict(stored)
+
+    def _counter(self, model: str) -> TokenCounter:
+        shape = self._registry.get(model)
+        return self._counters.get(shape.name if shape else model, ESTIMATE)
+
+    async def _send(self, topic: str, message: AdmittedRequest | Error) -> None:
+        if topic not in self._known_topics:
+            # A tenant's default reply topic may not exist yet; requests topics do.
+            await self._ensure_topic(topic)
+            self._known_topics.add(topic)
+        await self._publish(topic, message.request_id.encode(), encode(message))
+
+
+def admission_request(req: InferenceRequest, counter: TokenCounter = ESTIMATE) -> AdmissionRequest:
+    """The core's view of a request, with its prompt tokens counted."""
+    if req.prompt is not None:
+        tokens = prompt_tokens(req.prompt, counter)
+    else:
+        tokens = chat_prompt_tokens((m.content for m in req.messages or ()), counter)
+    return AdmissionRequest(
+        request_id=req.request_id, tenant=req.tenant, model=req.model, prompt_tokens=tokens,
+        max_tokens=req.max_tokens, priority=req.priority, lane_hint=req.lane,
+        timeout_s=req.timeout_s,
+    )
+
+
+def authorized_reply_topic(req: InferenceRequest, prefix: str) -> str | None:
+    """Where replies of ``req`` may go: the tenant's own reply topic, or an ingest
+    instance's (``<prefix>.replies.ingest-*``, used by ingest.http); None otherwise."""
+    own = reply_topic(prefix, req.tenant)
+    if req.reply_to is None or req.reply_to == own:
+        return own
+    if req.reply_to.startswith(reply_topic(prefix, INSTANCE_REPLIES)):
+        return req.reply_to
+    return None
+
+
+def rejection(request_id: str, reject: Reject, now: float) -> Error:
+    """The terminal Error for a core ``Reject`` (attempt 0: no worker ever ran it)."""
+    return _error(request_id, reject.code, reject.reason, now, retry_after_s=reject.retry_after_s)
+
+
+def _error(
+    request_id: str, code: ErrorCode, message: str, now: float, *,
+    retry_after_s: float | None = None,
+) -> Error:
+    return Error(request_id=request_id, attempt=0, code=code, message=message[:4096],
+                 retry_after_s=retry_after_s, ts=now)
+
+
+def _fallback_target(req: InferenceRequest, prefix: str) -> str:
+    return authorized_reply_topic(req, prefix) or reply_topic(prefix, req.tenant)
+
+
+def _salvage_target(raw: Any, prefix: str) -> tuple[str, str] | None:
+    """``(request_id, reply topic)`` from a record that failed validation, if it names them."""
+    if not isinstance(raw, bytes | bytearray) or len(raw) > MAX_RECORD_BYTES:
+        return None
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    request_id, tenant, reply_to = data.get("request_id"), data.get("tenant"), data.get("reply_to")
+    if not isinstance(request_id, str) or not _ID_RE.fullmatch(request_id):
+        return None
+    if isinstance(reply_to, str) and reply_to.startswith(reply_topic(prefix, INSTANCE_REPLIES)):
+        return request_id, reply_to
+    if isinstance(tenant, str) and _TENANT_RE.fullmatch(tenant):
+        return request_id, reply_topic(prefix, tenant)
+    return None

@@ -1,0 +1,79 @@
+"""ClusterTracker: heartbeats and queue statuses → the core's ClusterView (fail closed)."""
+
+from __future__ import annotations
+
+from schemas.status import QueueStatus
+from services.ingest.cluster import ClusterTracker, Freshness
+from services.ingest.core import ModelRegistry
+from tests.builders_schemas import make_heartbeat
+
+NOW = 1_000.0
+LLAMA = "meta-llama/Llama-3.1-8B-Instruct"  # alias of llama-3.1-8b in the registry
+
+
+def tracker() -> ClusterTracker:
+    return ClusterTracker(ModelRegistry.from_mapping(), Freshness(3.0, 5.0))
+
+
+def beat(worker: str, **changes: object) -> object:
+    fields: dict[str, object] = {
+        "worker_id": worker, "model": LLAMA, "ts": NOW - 1, "interval_s": 1.0, "seq": 1,
+        "started_at": NOW - 100, "draining": False,
+    }
+    fields.update(changes)
+    return make_heartbeat(**fields)
+
+
+def status(model: str, scheduler: str, pending: int, drain: float, ts: float) -> QueueStatus:
+    return QueueStatus(model=model, scheduler_id=scheduler, pending_requests=1,
+                       pending_tokens=pending, running_tokens=0, drain_tokens_per_s=drain,
+                       live_workers=1, max_usable_kv_tokens=1, ts=ts)
+
+
+def test_fresh_workers_count_and_stale_draining_or_empty_ones_do_not() -> None:
+    t = tracker()
+    t.observe_heartbeat(beat("a", kv_total_tokens=1000, kv_free_tokens=10))
+    t.observe_heartbeat(beat("b", kv_total_tokens=5000, kv_free_tokens=0))
+    t.observe_heartbeat(beat("stale", ts=NOW - 3.5, kv_total_tokens=9000, kv_free_tokens=0))
+    t.observe_heartbeat(beat("draining", draining=True, kv_total_tokens=9000, kv_free_tokens=0))
+    t.observe_heartbeat(beat("nokv", kv_total_tokens=0, kv_free_tokens=0, kv_total_bytes=0,
+                             kv_free_bytes=0))
+    capacity = t.view(NOW).models["llama-3.1-8b"]  # keyed by the canonical name
+    assert capacity.live_workers == 2
+    assert capacity.max_usable_kv_tokens == 5000  # whole budget, not what is free
+    assert t.served_models(NOW) == [LLAMA]
+    assert t.heartbeats_seen == 5
+
+
+def test_freshness_is_three_intervals() -> None:
+    t = tracker()
+    t.observe_heartbeat(beat("a", ts=NOW - 2.9, interval_s=1.0))
+    assert t.view(NOW).models["llama-3.1-8b"].live_workers == 1
+    assert t.view(NOW + 0.2).models == {}
+
+
+def test_newest_heartbeat_wins_across_restarts() -> None:
+    t = tracker()
+    t.observe_heartbeat(beat("a", started_at=NOW - 10, seq=0, draining=False))
+    t.observe_heartbeat(beat("a", started_at=NOW - 100, seq=99, draining=True))  # old process
+    assert t.view(NOW).models["llama-3.1-8b"].live_workers == 1
+    t.forget_worker("a")
+    assert t.view(NOW).models == {}
+
+
+def test_queue_status_is_summed_over_fresh_schedulers() -> None:
+    t = tracker()
+    t.observe_heartbeat(beat("a"))
+    t.observe_status(status(LLAMA, "s1", 1000, 50.0, NOW - 1))
+    t.observe_status(status("llama-3.1-8b", "s2", 500, 25.0, NOW - 2))
+    t.observe_status(status("llama-3.1-8b", "s3", 9999, 1.0, NOW - 60))  # stale
+    t.observe_status(status("llama-3.1-8b", "s1", 1, 1.0, NOW - 30))  # older than s1's newest
+    capacity = t.view(NOW).models["llama-3.1-8b"]
+    assert (capacity.queued_tokens, capacity.drain_tokens_per_s) == (1500, 75.0)
+
+
+def test_status_without_workers_keeps_the_model_with_no_live_worker() -> None:
+    t = tracker()
+    t.observe_status(status("other-model", "s1", 10, 1.0, NOW))
+    capacity = t.view(NOW).models["other-model"]
+    assert capacity.live_workers == 0 and capacity.queued_tokens == 10

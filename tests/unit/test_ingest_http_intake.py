@@ -1,0 +1,221 @@
+"""IntakeHandler (what the Faust agents run) with dicts for tables and a list for the producer.
+
+Every request — HTTP or Kafka client — goes through this: decode, core ``admit()``, store,
+publish exactly one outcome; settle on terminal events; expire lost reservations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from schemas.codec import SchemaError, decode, encode
+from schemas.messages import REPLY_ADAPTER, REQUEST_ADAPTER
+from schemas.replies import Error, Usage
+from schemas.requests import InferenceRequest
+from schemas.workers import EventDone, EventStarted
+from services.ingest.cluster import ClusterTracker, Freshness
+from services.ingest.core import ClusterView, TenantState
+from services.ingest.intake import IntakeHandler, SettleRecord
+from services.ingest.tenants import Tenancy, hash_api_key, load_tenancy, parse_tenants
+from services.ingest.topics import IngestTopics
+from tests.builders_schemas import make_heartbeat, make_prompt_request
+
+NOW = 10_000.0
+MODEL = "smollm2-135m"
+TOPICS = IngestTopics.of("llmq", "llmq-ingest", "a")
+KEYED = {"tenants": {"acme": {
+    "api_key_sha256": hash_api_key("k"), "rpm": 60, "request_burst": 1, "tpm": 100_000,
+    "max_concurrency": 4,
+}}}
+
+
+@dataclass
+class Record:
+    value: Any
+    key: Any
+    topic: str = TOPICS.intake
+    partition: int = 0
+
+
+class Harness:
+    def __init__(
+        self, tenancy: Tenancy, tracker: ClusterTracker | None = None,
+        owner_partition: Callable[[bytes], int] | None = None,
+    ) -> None:
+        self.sent: list[tuple[str, bytes, bytes]] = []
+        self.ensured: list[str] = []
+        self.buckets: dict[str, Any] = {}
+        self.reservations: dict[str, Any] = {}
+        self.now = NOW
+        if tracker is None:
+            tracker = ClusterTracker(tenancy.config.admission.registry, Freshness())
+            tracker.observe_heartbeat(make_heartbeat(worker_id="w", model=MODEL, ts=NOW))
+        self.handler = IntakeHandler(
+            topics=TOPICS, tenancy=tenancy, tracker=tracker, buckets=self.buckets,
+            reservations=self.reservations, publish=self._publish, ensure_topic=self._ensure,
+            clock=lambda: self.now, reservation_grace_s=30.0, owner_partition=owner_partition,
+        )
+
+    async def _publish(self, topic: str, key: bytes, value: bytes) -> None:
+        self.sent.append((topic, key, value))
+
+    async def _ensure(self, topic: str) -> None:
+        self.ensured.append(topic)
+
+    async def submit(self, req: InferenceRequest, key: bytes | None = None) -> None:
+        raw = encode(req)
+        await self.handler.on_request(Record(raw, req.tenant.encode() if key is None else key))
+
+    def replies(self) -> list[Error]:
+        out = []
+        for topic, _, value in self.sent:
+            if ".replies." in topic:
+                msg = decode(value, REPLY_ADAPTER)
+                assert isinstance(msg, Error)
+                out.append(msg)
+        return out
+
+
+def request(rid: str = "r1", tenant: str = "default", **changes: Any) -> InferenceRequest:
+    fields: dict[str, Any] = {
+        "request_id": rid, "tenant": tenant, "model": MODEL, "max_tokens": 10,
+        "priority": "normal", "reply_to": None, "timeout_s": 60.0, "created_at": NOW,
+    }
+    fields.update(changes)
+    return make_prompt_request("x" * 40, **fields)
+
+
+async def test_admitted_request_is_stored_and_published() -> None:
+    h = Harness(load_tenancy(None))
+    await h.submit(request(reply_to="llmq.replies.ingest-a"))
+    [(topic, key, value)] = h.sent
+    assert (topic, key) == ("llmq.requests.normal.short", b"r1")
+    admitted = decode(value, REQUEST_ADAPTER)
+    assert admitted.reply_topic == "llmq.replies.ingest-a"
+    assert admitted.prompt_tokens == 10 and admitted.admitted_at == NOW
+    state = TenantState.from_dict(h.buckets["default"])
+    assert state.in_flight == 1
+    assert h.reservations["r1"] == {"tenant": "default", "reserved": 20,
+                                    "deadline": NOW + 60.0 + 30.0}
+
+
+async def test_kafka_clients_get_their_tenant_reply_topic() -> None:
+    h = Harness(load_tenancy(None))
+    await h.submit(request(tenant="team-a"))
+    assert decode(h.sent[0][2], REQUEST_ADAPTER).reply_topic == "llmq.replies.team-a"
+
+
+async def test_rejection_is_one_terminal_error_and_costs_nothing() -> None:
+    h = Harness(parse_tenants(Path("t.toml"), KEYED))
+    await h.submit(request("r1", "acme"))
+    before = dict(h.buckets["acme"])
+    await h.submit(request("r2", "acme"))  # request_burst 1: refused
+    [refusal] = h.replies()
+    assert (refusal.request_id, refusal.code, refusal.attempt) == ("r2", "rate_limited", 0)
+    assert refusal.retry_after_s is not None and refusal.retry_after_s > 0
+    assert [t for t, _, _ in h.sent] == ["llmq.requests.normal.short", "llmq.replies.acme"]
+    assert h.buckets["acme"] == before and "r2" not in h.reservations
+    assert h.ensured == ["llmq.replies.acme"]  # the tenant's reply topic made sure of, once
+
+
+async def test_record_keyed_by_anything_but_its_tenant_is_rekeyed() -> None:
+    h = Harness(load_tenancy(None))
+    req = request()
+    await h.submit(req, key=b"r1")
+    assert h.sent == [(TOPICS.intake, b"default", encode(req))]
+    assert h.buckets == {} and h.reservations == {}
+
+
+async def test_record_on_another_partition_than_its_tenant_is_moved() -> None:
+    # A client library whose default partitioner is not murmur2 (librdkafka's is CRC32).
+    h = Harness(load_tenancy(None), owner_partition=lambda key: 3)
+    req = request()
+    await h.handler.on_request(Record(encode(req), b"default", partition=1))
+    assert h.sent == [(TOPICS.intake, b"default", encode(req))]
+    await h.handler.on_request(Record(encode(req), b"default", partition=3))
+    assert [t for t, _, _ in h.sent][-1] == "llmq.requests.normal.short"
+
+
+async def test_duplicate_of_a_request_in_flight_is_ignored() -> None:
+    h = Harness(load_tenancy(None))
+    await h.submit(request())
+    await h.submit(request())
+    assert len(h.sent) == 1
+
+
+async def test_undecodable_request_is_refused_when_someone_waits_then_raised() -> None:
+    h = Harness(load_tenancy(None))
+    bad = encode(request(tenant="acme")).replace(b'"max_tokens":10', b'"max_tokens":0')
+    with pytest.raises(SchemaError):
+        await h.handler.on_request(Record(bad, b"acme"))
+    [refusal] = h.replies()
+    assert (refusal.request_id, refusal.code) == ("r1", "invalid")
+    assert "max_tokens" in refusal.message
+    with pytest.raises(SchemaError):
+        await h.handler.on_request(Record(b"\x00garbage", b"acme"))
+    assert len(h.sent) == 1  # nobody to tell about pure garbage: the dead letter has it
+
+
+async def test_unauthorized_reply_to_and_unknown_tenant_are_invalid() -> None:
+    h = Harness(parse_tenants(Path("t.toml"), KEYED))
+    await h.submit(request("r1", "acme", reply_to="llmq.replies.other"))
+    await h.submit(request("r2", "stranger"))
+    codes = [(e.request_id, e.code) for e in h.replies()]
+    assert codes == [("r1", "invalid"), ("r2", "invalid")]
+    assert [t for t, _, _ in h.sent] == ["llmq.replies.acme", "llmq.replies.stranger"]
+
+
+class BrokenTracker(ClusterTracker):
+    def view(self, now: float) -> ClusterView:
+        raise RuntimeError("view broke")
+
+
+async def test_a_failed_decision_still_answers_then_raises() -> None:
+    tenancy = load_tenancy(None)
+    h = Harness(tenancy, BrokenTracker(tenancy.config.admission.registry))
+    with pytest.raises(RuntimeError, match="view broke"):
+        await h.submit(request())
+    [refusal] = h.replies()
+    assert refusal.code == "overloaded" and refusal.retry_after_s == 1.0
+
+
+async def test_terminal_events_become_settle_records_keyed_by_tenant() -> None:
+    h = Harness(load_tenancy(None))
+    usage = Usage(prompt_tokens=10, completion_tokens=3)
+    done = EventDone(request_id="r1", tenant="team-a", attempt=1, worker_id="w", ts=NOW,
+                     finish_reason="stop", usage=usage)
+    started = EventStarted(request_id="r1", tenant="team-a", attempt=1, worker_id="w", ts=NOW)
+    await h.handler.on_event(Record(encode(started), b"r1", TOPICS.events))
+    await h.handler.on_event(Record(encode(done), b"r1", TOPICS.events))
+    [(topic, key, value)] = h.sent
+    assert (topic, key) == (TOPICS.settle, b"team-a")
+    record = decode(value, SettleRecord)
+    assert (record.request_id, record.used_tokens, record.reason) == ("r1", 13, "done")
+
+
+async def test_settle_refunds_releases_and_is_idempotent() -> None:
+    h = Harness(load_tenancy(None))
+    await h.submit(request())
+    after_admit = TenantState.from_dict(h.buckets["default"])
+    settle = SettleRecord(tenant="default", request_id="r1", used_tokens=12, reason="done",
+                          ts=NOW)
+    await h.handler.on_settle(Record(encode(settle), b"default", TOPICS.settle))
+    settled = TenantState.from_dict(h.buckets["default"])
+    assert settled.in_flight == 0 and "r1" not in h.reservations
+    assert settled.tokens == pytest.approx(after_admit.tokens + 20 - 12)
+    await h.handler.on_settle(Record(encode(settle), b"default", TOPICS.settle))
+    assert h.buckets["default"] == settled.to_dict()
+
+
+async def test_expired_reservations_are_found() -> None:
+    h = Harness(load_tenancy(None))
+    await h.submit(request("r1", timeout_s=10.0))
+    await h.submit(request("r2", timeout_s=600.0))
+    assert list(h.handler.expired(NOW + 39)) == []
+    [expired] = list(h.handler.expired(NOW + 41))
+    assert (expired.request_id, expired.reason, expired.used_tokens) == ("r1", "expired", None)

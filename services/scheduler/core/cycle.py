@@ -1,0 +1,383 @@
+"""One scheduling cycle: from the pending queue to placements, deferrals and rejections.
+
+``schedule()`` is a pure decision over a frozen :class:`Snapshot` whose outcome is applied
+to the two pieces of state the caller owns and passes in: the :class:`PendingQueue`
+(placed, rejected, cancelled and expired requests leave it) and the :class:`Ledger`
+(placements are reserved, holds set and cleared). The returned decisions are the complete
+record of what changed — adapters publish them; nothing else happens. Same inputs, same
+seed → same decisions.
+
+Order of work:
+
+1. Drop cancelled requests (``Reject(cancelled)``) and expired ones — deadline at or
+   before ``now`` — (``Reject(queue_timeout)``) before anything is placed.
+2. Walk the class heads. The lanes take turns by weight (:mod:`.lanes`); within a lane the
+   head with the best effective priority goes next (:mod:`.queue`). Each head is placed on
+   the worker the pipeline picks among those that pass every filter.
+3. A head that fits nowhere blocks its class for the rest of the cycle (strict FCFS within
+   a class) and gets a ``Defer``; other classes go on (backfill). When no live worker
+   could *ever* take it — model or version not served by any fresh worker, no pool for
+   its lane, or larger than the usable KV of every fresh worker that takes new work — it
+   is rejected (``unknown_model`` / ``too_large``). With no fresh worker at all the fleet
+   counts as saturated, and a route served only by draining workers waits for their
+   replacements: both defer.
+4. Holds bound backfill. Once a blocked head has waited its class's aging bound
+   (``rank · aging_s_per_class``), the cycle holds its best worker — among route members
+   whose usable KV could take it, the one with the most room (free KV with a sequence
+   slot), else the most free KV — and no other request is placed there until the head is
+   placed (there, or anywhere else first). A held worker only drains, so the head fits
+   within one service time of the longest request running there. Holds are sticky across
+   cycles, follow effective priority (a head takes over the hold of one behind it, never
+   of one ahead), and end when the request leaves the queue or the worker leaves the
+   fleet. When a hold ends mid-cycle, heads it kept out get a second look.
+
+Decisions come out in this order: rejections of cancelled and expired requests, then
+placements and rejections as they are decided, then one ``Defer`` per class head still
+blocked (requests behind a head wait silently).
+
+The cycle is work-conserving apart from holds: when it returns (without
+``max_placements``), no class head fits any worker it may use that is not held for
+someone else. It stops as soon as every class is placed out or blocked, so its cost is
+O(placements · K log n + classes), never O(pending).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from operator import mul
+
+from schemas.common import Lane
+from services.scheduler.core.index import Route, RouteIndex, capacity, route_index
+from services.scheduler.core.ledger import Ledger
+from services.scheduler.core.queue import ClassKey, PendingQueue
+from services.scheduler.core.types import (
+    Decision,
+    Defer,
+    Placement,
+    QueuedRequest,
+    Reject,
+    Snapshot,
+    WorkerState,
+)
+from services.scheduler.policies.base import PlacementContext, Scored
+from services.scheduler.policies.profile import Pipeline
+
+
+def schedule(
+    snapshot: Snapshot,
+    pending: PendingQueue,
+    ledger: Ledger,
+    pipeline: Pipeline,
+    now: float,
+    rng: random.Random,
+    *,
+    max_placements: int | None = None,
+) -> list[Decision]:
+    """Decide one cycle and apply it to ``pending`` and ``ledger`` (see module docstring).
+
+    ``now`` drives deadlines, aging and holds; heartbeat staleness is judged at
+    ``snapshot.now``. ``max_placements`` stops after that many placements (the rest wait
+    for the next call); it does not limit rejections of cancelled or expired requests.
+    """
+    decisions: list[Decision] = []
+    for request in pending.take_cancelled():
+        ledger.unhold(request.request_id)
+        decisions.append(Reject(request.request_id, "cancelled", "cancelled while queued"))
+    for request in pending.expire(now):
+        ledger.unhold(request.request_id)
+        waited = now - request.enqueued_at
+        decisions.append(
+            Reject(request.request_id, "queue_timeout", f"deadline passed after {waited:.3f}s")
+        )
+    _drop_stale_holds(snapshot, pending, ledger)
+    if max_placements is None or max_placements > 0:
+        _Cycle(snapshot, pending, ledger, pipeline, now, rng, decisions).run(max_placements)
+    return decisions
+
+
+def _drop_stale_holds(snapshot: Snapshot, pending: PendingQueue, ledger: Ledger) -> None:
+    for worker_id, request_id in list(ledger.holds().items()):
+        worker = snapshot.workers.get(worker_id)
+        if (
+            request_id not in pending
+            or worker is None
+            or worker.draining
+            or not snapshot.is_fresh(worker)
+        ):
+            ledger.unhold(request_id)
+
+
+def _deferred_head(pending: PendingQueue, klass: ClassKey) -> QueuedRequest:
+    """The head of a class blocked earlier in this cycle (it cannot have left meanwhile)."""
+    head = pending.head(klass)
+    assert head is not None
+    return head
+
+
+class _Cycle:
+    """The working state of one ``schedule()`` call; discarded when it returns."""
+
+    __slots__ = (
+        "ctx",
+        "decisions",
+        "hold_refused",
+        "ledger",
+        "now",
+        "pending",
+        "pipeline",
+        "refusal",
+        "rng",
+        "snapshot",
+    )
+
+    def __init__(
+        self,
+        snapshot: Snapshot,
+        pending: PendingQueue,
+        ledger: Ledger,
+        pipeline: Pipeline,
+        now: float,
+        rng: random.Random,
+        decisions: list[Decision],
+    ) -> None:
+        self.snapshot = snapshot
+        self.pending = pending
+        self.ledger = ledger
+        self.pipeline = pipeline
+        self.now = now
+        self.rng = rng
+        self.decisions = decisions
+        self.ctx = PlacementContext(snapshot, ledger, now)
+        self.refusal = ""
+        self.hold_refused = False
+
+    def run(self, max_placements: int | None) -> None:
+        pending, ledger = self.pending, self.ledger
+        heads: dict[ClassKey, QueuedRequest] = {}
+        for klass in pending.class_keys():
+            head = pending.head(klass)
+            if head is not None:
+                heads[klass] = head
+        deferred: dict[ClassKey, Defer] = {}  # blocked for the rest of the cycle
+        behind_holds: set[ClassKey] = set()  # ... at least partly because of a hold
+        placed = 0
+        while heads and (max_placements is None or placed < max_placements):
+            klass, request = self._next(heads)
+            self.hold_refused = False
+            holds_before = len(ledger.holds())
+            decision = self._decide(request)
+            if isinstance(decision, Defer):
+                del heads[klass]  # FCFS: the rest of the class waits behind its head
+                deferred[klass] = decision
+                if self.hold_refused:
+                    behind_holds.add(klass)
+                continue
+            self.decisions.append(decision)
+            if isinstance(decision, Placement):
+                placed += 1
+            if len(ledger.holds()) < holds_before:
+                # A hold ended mid-cycle: what it kept out may fit now.
+                for other in behind_holds:
+                    del deferred[other]
+                    heads[other] = _deferred_head(pending, other)
+                behind_holds.clear()
+            following = pending.head(klass)
+            if following is None:
+                del heads[klass]
+            else:
+                heads[klass] = following
+        self.decisions.extend(deferred.values())
+
+    def _next(self, heads: dict[ClassKey, QueuedRequest]) -> tuple[ClassKey, QueuedRequest]:
+        """The head whose turn it is: lane by weighted turns, then best effective priority."""
+        order_key = self.pending.order_key
+        best: dict[Lane, tuple[float, int, ClassKey, QueuedRequest]] = {}
+        for klass, request in heads.items():
+            key = (order_key(request), klass[1], klass, request)
+            current = best.get(klass[0])
+            if current is None or key[:2] < current[:2]:
+                best[klass[0]] = key
+        lane = self.pending.lanes.next_lane(best.keys())
+        assert lane is not None  # heads is non-empty
+        _, _, klass, request = best[lane]
+        return klass, request
+
+    def _decide(self, request: QueuedRequest) -> Decision:
+        route: Route = (request.model, request.model_version, request.lane)
+        index = route_index(
+            self.snapshot, route, self.ledger, self._route_admits(request), self.pipeline
+        )
+        outcome = self._place(request, index)
+        if isinstance(outcome, Placement):
+            return outcome
+        return self._blocked(request, route, index, outcome)
+
+    def _place(self, request: QueuedRequest, index: RouteIndex) -> Placement | str:
+        """Place ``request`` on the pipeline's pick, or say why nothing would take it."""
+        kv = request.kv_tokens
+        top = index.top_room()
+        if top < kv:
+            return f"no room: largest free {top} < {kv}"
+        candidates = self._candidates(index, request)
+        if not candidates:
+            return f"refused by {self.refusal}"
+        worker = self._choose(candidates, request)
+        if not self.ledger.reserve(worker, request):  # kv-fits makes this unreachable
+            return "ledger refused the reservation"
+        self.pending.lanes.charge(request.lane, shared=worker.pool == "any")
+        self.pending.remove(request.request_id)
+        return Placement(request, worker.worker_id, worker.partition, kv, request.attempt)
+
+    def _route_admits(self, request: QueuedRequest) -> Callable[[WorkerState], bool]:
+        filters, ctx = self.pipeline.route_filters, self.ctx
+
+        def admits(worker: WorkerState) -> bool:
+            return all(f.accepts(worker, request, ctx) for f in filters)
+
+        return admits
+
+    def _candidates(self, index: RouteIndex, request: QueuedRequest) -> list[WorkerState]:
+        """Candidates: the K roomiest members (or all) that fit, + the affinity worker.
+
+        Fitting (room >= kv_tokens) is the kv-fits and seq-slots rule, enforced by the
+        index; holds and any room-stage filters are checked here.
+        """
+        accepts = self._acceptor(request)
+        kv, limit = request.kv_tokens, self.pipeline.candidates
+        found: list[WorkerState] = []
+        if limit == 0:
+            found = index.fitting(kv)
+            if self.pipeline.room_filters or len(self.ledger.holds()):
+                found = [w for w in found if accepts(w)]
+        else:
+            roomiest = index.roomiest(kv)
+            for worker in roomiest:
+                if accepts(worker):
+                    found.append(worker)
+                    if len(found) >= limit:
+                        break
+            roomiest.close()  # pushes the popped entries back before anything changes
+        affine = self.ledger.affinity.get(request.prefix_hash)
+        if affine is not None:
+            i = index.pos.get(affine)
+            if i is not None and index.room[i] >= kv:
+                worker = index.members[i]
+                if all(w is not worker for w in found) and accepts(worker):
+                    found.append(worker)
+        return found
+
+    def _acceptor(self, request: QueuedRequest) -> Callable[[WorkerState], bool]:
+        ctx, holds = self.ctx, self.ledger.holds()
+        checks = [(f.accepts, f.name) for f in self.pipeline.room_filters]
+        request_id, any_holds = request.request_id, len(holds) > 0
+
+        def accepts(worker: WorkerState) -> bool:
+            if any_holds:
+                holder = holds.get(worker.worker_id)
+                if holder is not None and holder != request_id:
+                    self.refusal = "hold"
+                    self.hold_refused = True
+                    return False
+            for check, name in checks:
+                if not check(worker, request, ctx):
+                    self.refusal = name
+                    return False
+            return True
+
+        return accepts
+
+    def _choose(self, candidates: list[WorkerState], request: QueuedRequest) -> WorkerState:
+        """Weighted mean of the scorers, then the picker."""
+        pipeline, ctx = self.pipeline, self.ctx
+        if len(candidates) == 1:
+            return candidates[0]
+        if pipeline.picker.uses_scores and pipeline.scorers:
+            weights = [weight for _, weight in pipeline.scorers]
+            columns = [scorer.scores(candidates, request, ctx) for scorer, _ in pipeline.scorers]
+            totals = [sum(map(mul, weights, row)) for row in zip(*columns, strict=True)]
+        else:
+            totals = [0.0] * len(candidates)
+        scored: list[Scored] = list(zip(totals, candidates, strict=True))
+        return pipeline.picker.pick(scored, self.rng, ctx)
+
+    def _blocked(
+        self, request: QueuedRequest, route: Route, index: RouteIndex, reason: str
+    ) -> Decision:
+        """A head that fits nowhere now: reject if it never could, else defer (and hold)."""
+        request_id, kv = request.request_id, request.kv_tokens
+        fleet = capacity(self.snapshot, route, self.ledger)
+        if not fleet.any_live:
+            return Defer(request_id, "no fresh worker in the fleet: saturated")
+        never = None
+        if not fleet.version_served:
+            what = (
+                f"model {request.model}"
+                if not fleet.model_served
+                else f"{request.model} version {request.model_version}"
+            )
+            never = Reject(request_id, "unknown_model", f"no live worker serves {what}")
+        elif not fleet.lane_served:
+            never = Reject(request_id, "too_large", f"no live worker takes the {route[2]} lane")
+        elif fleet.accepting == 0:
+            return Defer(request_id, "only draining workers serve this route")
+        elif fleet.max_usable < kv:
+            never = Reject(
+                request_id, "too_large", f"needs {kv} KV tokens, largest usable {fleet.max_usable}"
+            )
+        if never is not None:
+            self.pending.remove(request_id)
+            self.ledger.unhold(request_id)
+            return never
+        if self.now - request.enqueued_at >= self.pending.aging_bound_s(request.priority):
+            before = self.ledger.hold_of(request_id)
+            held = self._hold(request, index)
+            if held is not None and held != before and self.hold_refused:
+                # It took over a hold that had kept it out: that worker may fit it now.
+                self.hold_refused = False
+                outcome = self._place(request, index)
+                if isinstance(outcome, Placement):
+                    return outcome
+            if held is not None:
+                reason = f"{reason}; holding {held}"
+        return Defer(request_id, reason)
+
+    def _hold(self, request: QueuedRequest, index: RouteIndex) -> str | None:
+        """Keep (or pick) the worker held for an overdue head.
+
+        The pick is the route member with the most room (then, if none has any, the most
+        free KV) whose usable KV could take the request, among workers not held for a
+        request ahead of this one in effective priority: a hold for a request behind it is
+        taken over, so holds follow priority.
+        """
+        ledger, kv = self.ledger, request.kv_tokens
+        current = ledger.hold_of(request.request_id)
+        if current is not None:
+            i = index.pos.get(current)
+            if i is not None and ledger.usable_kv(index.members[i]) >= kv:
+                return current
+        mine = self.pending.order_key(request)
+        target: WorkerState | None = None
+        roomiest = index.roomiest(1)
+        for worker in roomiest:  # usually the first few: O(log n)
+            if self._may_hold(worker, mine, kv):
+                target = worker
+                break
+        roomiest.close()
+        if target is None:  # no member has room at all: O(route), once per new hold
+            best_free = -1
+            for worker in index.members:
+                if self._may_hold(worker, mine, kv) and ledger.free_kv(worker) > best_free:
+                    target, best_free = worker, ledger.free_kv(worker)
+        if target is None:
+            return None
+        ledger.hold(target.worker_id, request.request_id)
+        return target.worker_id
+
+    def _may_hold(self, worker: WorkerState, mine: float, kv: int) -> bool:
+        holder = self.ledger.holder(worker.worker_id)
+        if holder is not None:
+            other = self.pending.get(holder)
+            if other is not None and self.pending.order_key(other) <= mine:
+                return False  # held for a request ahead of this one
+        return self.ledger.usable_kv(worker) >= kv

@@ -1,0 +1,319 @@
+"""The reservation ledger: KV and sequence slots promised to each worker.
+
+The scheduler reserves a request's ``kv_tokens`` on a worker when it places it and releases
+them on the request's terminal event. The ledger is the scheduler's own record of what it
+sent where, so it is ahead of the heartbeats (which lag by up to an interval and do not yet
+show assignments still in flight on Kafka).
+
+Invariant: for every worker, Σ reservations ≤ usable KV = ⌊total × (1 − kv_safety_margin)⌋.
+:meth:`Ledger.reserve` refuses rather than overcommit. Releases are idempotent per
+(request_id, attempt): duplicates and releases of unknown keys change nothing.
+
+Free KV for placement (:meth:`Ledger.free_kv`) is the *minimum* of two estimates:
+
+* ledger: ``usable − Σ reservations`` — exact for the work we placed, and pessimistic
+  because a reservation covers prompt + max_tokens while the engine allocates blocks as
+  tokens are generated;
+* heartbeat: ``kv_free − (total − usable) − KV reserved but not yet started`` — sees work
+  the ledger does not know (a scheduler restart, another client of an external server).
+
+Taking the minimum fails closed: whichever view is tighter wins. Sequence slots work the
+same way: in flight = max(running + waiting, reservations started) + reservations not yet
+started, and a worker has a slot while that is below ``max_num_seqs``.
+
+The ledger also keeps the scheduler's other per-worker placement memory, so one owner holds
+it all: holds (a worker kept free for one overdue request, see :mod:`.cycle`), prefix
+affinity (:mod:`.affinity`), the last worker placed on (round-robin), and a change log
+that lets candidate indexes update incrementally instead of rescanning the fleet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from services.scheduler.core.affinity import AffinityMap
+from services.scheduler.core.errors import ConfigError
+from services.scheduler.core.types import QueuedRequest, ReservationKey, WorkerState
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """``request`` (at its current attempt) holds ``request.kv_tokens`` on ``worker_id``."""
+
+    request: QueuedRequest
+    worker_id: str
+
+    @property
+    def key(self) -> ReservationKey:
+        return self.request.key
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.request.kv_tokens
+
+
+class _Book:
+    """One worker's reservations and their running totals."""
+
+    __slots__ = ("entries", "reserved", "seen", "started", "unstarted_kv", "unstarted_n")
+
+    def __init__(self) -> None:
+        self.entries: dict[ReservationKey, Reservation] = {}
+        self.started: set[ReservationKey] = set()  # the worker has begun it
+        self.seen: set[ReservationKey] = set()  # a heartbeat listed it
+        self.reserved = 0
+        self.unstarted_kv = 0
+        self.unstarted_n = 0
+
+
+class Ledger:
+    """Per-worker reservations, holds and affinity; owned by one scheduler agent."""
+
+    def __init__(
+        self,
+        *,
+        kv_safety_margin: float = 0.05,
+        affinity_capacity: int = 65_536,
+        log_limit: int = 65_536,
+    ) -> None:
+        if not 0.0 <= kv_safety_margin < 1.0:
+            raise ConfigError("ledger.kv_safety_margin", "must be in [0, 1)")
+        self.kv_safety_margin = kv_safety_margin
+        self.affinity = AffinityMap(affinity_capacity)
+        self.last_worker_id: str | None = None
+        self._keep = 1.0 - kv_safety_margin
+        self._books: dict[str, _Book] = {}
+        self._where: dict[ReservationKey, str] = {}
+        self._holds_by_worker: dict[str, str] = {}
+        self._holds_by_request: dict[str, str] = {}
+        self._log: list[str] = []
+        self._log_start = 0
+        self._log_limit = max(16, log_limit)
+
+    # -- capacity views ---------------------------------------------------------------
+
+    def usable_kv(self, worker: WorkerState) -> int:
+        """KV tokens the scheduler may promise on ``worker`` at most."""
+        return int(worker.kv_total_tokens * self._keep)
+
+    def reserved_kv(self, worker_id: str) -> int:
+        book = self._books.get(worker_id)
+        return 0 if book is None else book.reserved
+
+    def free_kv(self, worker: WorkerState) -> int:
+        """KV free for a new placement: min(ledger, heartbeat) view, never negative."""
+        # Hot path (several calls per decision): plain arithmetic, no min()/max() calls.
+        total = worker.kv_total_tokens
+        usable = int(total * self._keep)
+        heartbeat_free = worker.kv_free_tokens - total + usable
+        book = self._books.get(worker.worker_id)
+        if book is None:
+            free = usable if usable < heartbeat_free else heartbeat_free
+        else:
+            free = usable - book.reserved
+            heartbeat_free -= book.unstarted_kv
+            if heartbeat_free < free:
+                free = heartbeat_free
+        return free if free > 0 else 0
+
+    def headroom(self, worker: WorkerState) -> float:
+        """``free_kv / usable_kv`` in [0, 1]; 0 for a worker with no usable KV."""
+        # Same arithmetic as free_kv, inlined: scorers call this for every candidate.
+        total = worker.kv_total_tokens
+        usable = int(total * self._keep)
+        if usable <= 0:
+            return 0.0
+        heartbeat_free = worker.kv_free_tokens - total + usable
+        book = self._books.get(worker.worker_id)
+        if book is None:
+            free = usable if usable < heartbeat_free else heartbeat_free
+        else:
+            free = usable - book.reserved
+            heartbeat_free -= book.unstarted_kv
+            if heartbeat_free < free:
+                free = heartbeat_free
+        return free / usable if free > 0 else 0.0
+
+    def in_flight(self, worker: WorkerState) -> int:
+        """Sequences on the worker or on their way to it."""
+        engine = worker.running + worker.waiting
+        book = self._books.get(worker.worker_id)
+        if book is None:
+            return engine
+        started = len(book.started)
+        return (engine if engine > started else started) + book.unstarted_n
+
+    def room(self, worker: WorkerState) -> int:
+        """Free KV if the worker also has a sequence slot, else 0: what indexes sort by."""
+        if self.in_flight(worker) >= worker.max_num_seqs:
+            return 0
+        return self.free_kv(worker)
+
+    # -- reservations -----------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._where
+
+    def reserve(self, worker: WorkerState, request: QueuedRequest) -> bool:
+        """Reserve ``request.kv_tokens`` on ``worker``; False if that would overcommit.
+
+        A duplicate of an existing reservation is a no-op: True if it names the same worker,
+        False if the request (same attempt) is already reserved elsewhere.
+        """
+        key = request.key
+        where = self._where.get(key)
+        if where is not None:
+            return where == worker.worker_id
+        worker_id = worker.worker_id
+        book = self._books.get(worker_id)
+        if book is None:
+            book = self._books[worker_id] = _Book()
+        if book.reserved + request.kv_tokens > self.usable_kv(worker):
+            return False
+        book.entries[key] = Reservation(request, worker_id)
+        book.reserved += request.kv_tokens
+        book.unstarted_kv += request.kv_tokens
+        book.unstarted_n += 1
+        self._where[key] = worker_id
+        self.last_worker_id = worker_id
+        if request.prefix_hash is not None:
+            self.affinity.record(request.prefix_hash, worker_id)
+        self.unhold(request.request_id)
+        self._touch(worker_id)
+        return True
+
+    def release(self, request_id: str, attempt: int) -> int:
+        """Release a terminal request's reservation; returns the KV freed (0 if none)."""
+        key = (request_id, attempt)
+        worker_id = self._where.pop(key, None)
+        if worker_id is None:
+            return 0
+        book = self._books[worker_id]
+        reservation = book.entries.pop(key)
+        book.reserved -= reservation.kv_tokens
+        if key in book.started:
+            book.started.discard(key)
+        else:
+            book.unstarted_kv -= reservation.kv_tokens
+            book.unstarted_n -= 1
+        book.seen.discard(key)
+        if not book.entries:
+            del self._books[worker_id]
+        self._touch(worker_id)
+        return reservation.kv_tokens
+
+    def mark_started(self, request_id: str, attempt: int) -> bool:
+        """The worker began the request (its ``started`` event); False if unknown."""
+        key = (request_id, attempt)
+        worker_id = self._where.get(key)
+        if worker_id is None:
+            return False
+        self._start(self._books[worker_id], key)
+        self._touch(worker_id)
+        return True
+
+    def reconcile(self, worker_id: str, held: Collection[ReservationKey]) -> list[Reservation]:
+        """Align with a heartbeat listing the (request_id, attempt) the worker holds.
+
+        Listed reservations count as started and seen. A reservation seen in an earlier
+        heartbeat and absent now has ended (its terminal event may still be on its way):
+        it is released and returned. One never seen yet is still in flight on Kafka and
+        stays. Keys the ledger does not know are ignored (the heartbeat's own kv_free
+        already accounts for them).
+        """
+        book = self._books.get(worker_id)
+        if book is None:
+            return []
+        ended = [r for k, r in book.entries.items() if k not in held and k in book.seen]
+        for key in held:
+            if key in book.entries:
+                book.seen.add(key)
+                self._start(book, key)
+        for reservation in ended:
+            self.release(*reservation.key)
+        self._touch(worker_id)
+        return ended
+
+    def drop_worker(self, worker_id: str) -> list[Reservation]:
+        """Release everything on a dead worker and forget its hold; returns what it held."""
+        book = self._books.get(worker_id)
+        held = [] if book is None else list(book.entries.values())
+        for reservation in held:
+            self.release(*reservation.key)
+        holder = self._holds_by_worker.pop(worker_id, None)
+        if holder is not None:
+            del self._holds_by_request[holder]
+        self.affinity.forget_worker(worker_id)
+        return held
+
+    def reservations(self, worker_id: str) -> tuple[Reservation, ...]:
+        book = self._books.get(worker_id)
+        return () if book is None else tuple(book.entries.values())
+
+    def worker_of(self, request_id: str, attempt: int) -> str | None:
+        """Where (request_id, attempt) is reserved, if anywhere."""
+        return self._where.get((request_id, attempt))
+
+    # -- holds ------------------------------------------------------------------------
+
+    def hold(self, worker_id: str, request_id: str) -> None:
+        """Keep ``worker_id`` free of new work until ``request_id`` is placed (anywhere)."""
+        self.unhold(request_id)
+        previous = self._holds_by_worker.get(worker_id)
+        if previous is not None:
+            del self._holds_by_request[previous]
+        self._holds_by_worker[worker_id] = request_id
+        self._holds_by_request[request_id] = worker_id
+
+    def unhold(self, request_id: str) -> None:
+        worker_id = self._holds_by_request.pop(request_id, None)
+        if worker_id is not None:
+            del self._holds_by_worker[worker_id]
+
+    def holder(self, worker_id: str) -> str | None:
+        """The request ``worker_id`` is held for, if any."""
+        return self._holds_by_worker.get(worker_id)
+
+    def hold_of(self, request_id: str) -> str | None:
+        """The worker held for ``request_id``, if any."""
+        return self._holds_by_request.get(request_id)
+
+    def holds(self) -> Mapping[str, str]:
+        """worker_id -> request_id, read-only."""
+        return MappingProxyType(self._holds_by_worker)
+
+    # -- change log -------------------------------------------------------------------
+
+    @property
+    def cursor(self) -> int:
+        """Position after the latest change; pass it back to :meth:`changes_since`."""
+        return self._log_start + len(self._log)
+
+    def changes_since(self, cursor: int) -> Sequence[str] | None:
+        """Worker ids whose books changed since ``cursor`` (repeats possible).
+
+        None when the log no longer reaches back that far: the caller must rescan.
+        """
+        if cursor < self._log_start:
+            return None
+        return self._log[cursor - self._log_start :]
+
+    # -- internals --------------------------------------------------------------------
+
+    def _start(self, book: _Book, key: ReservationKey) -> None:
+        if key not in book.started:
+            book.started.add(key)
+            book.unstarted_kv -= book.entries[key].kv_tokens
+            book.unstarted_n -= 1
+
+    def _touch(self, worker_id: str) -> None:
+        self._log.append(worker_id)
+        if len(self._log) > self._log_limit:
+            half = len(self._log) // 2
+            del self._log[:half]
+            self._log_start += half

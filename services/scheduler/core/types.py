@@ -1,0 +1,163 @@
+"""The values the scheduler decides over, and the decisions it returns.
+
+Everything here is a frozen, slotted dataclass: a request waiting in the pending queue, a
+worker's state as its last heartbeat reported it, the snapshot of the fleet one cycle sees,
+and the four decision kinds. Adapters turn decisions into Kafka messages; the core never
+performs a side effect.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Final
+
+from schemas.common import ErrorCode, Lane, Pool, Priority
+
+#: Heartbeats are sent every second; three missed ones make a worker stale (DESIGN.md).
+HEARTBEAT_INTERVAL_S: Final = 1.0
+DEFAULT_STALE_AFTER_S: Final = 3 * HEARTBEAT_INTERVAL_S
+
+#: A reservation's identity: a request may be placed again (attempt + 1) after worker loss.
+ReservationKey = tuple[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedRequest:
+    """An admitted request waiting for a worker.
+
+    ``kv_tokens`` is the KV reservation ingest computed (prompt + max_tokens, rounded up to
+    whole blocks); the scheduler reserves exactly that. ``enqueued_at`` and ``deadline`` are
+    absolute times in seconds on the same clock as ``now``. ``attempt`` grows by one each
+    time the request is requeued after a worker loss.
+    """
+
+    request_id: str
+    tenant: str
+    model: str
+    model_version: str | None
+    priority: Priority
+    lane: Lane
+    prompt_tokens: int
+    max_tokens: int
+    kv_tokens: int
+    enqueued_at: float
+    deadline: float | None = None
+    attempt: int = 0
+    prefix_hash: str | None = None
+
+    def __post_init__(self) -> None:
+        # A zero reservation would "fit" a worker with no free sequence slot.
+        if self.kv_tokens < 1:
+            raise ValueError(f"{self.request_id}: kv_tokens must be >= 1, got {self.kv_tokens}")
+        if self.attempt < 0:
+            raise ValueError(f"{self.request_id}: attempt must be >= 0, got {self.attempt}")
+
+    @property
+    def key(self) -> ReservationKey:
+        return (self.request_id, self.attempt)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerState:
+    """One worker as its latest heartbeat describes it.
+
+    ``kv_free_tokens`` is what the engine reports free right now; it is advisory (see
+    :meth:`Ledger.free_kv`). ``running`` and ``waiting`` are the engine's own sequence
+    counts, ``tokens_per_s`` its recent generation throughput.
+    """
+
+    worker_id: str
+    model: str
+    model_version: str | None
+    pool: Pool
+    partition: int
+    kv_total_tokens: int
+    kv_free_tokens: int
+    block_size: int
+    running: int
+    waiting: int
+    max_num_seqs: int
+    draining: bool
+    heartbeat_ts: float
+    tokens_per_s: float
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Snapshot:
+    """The fleet as one scheduling cycle sees it; never changes while the cycle runs.
+
+    Fail closed: a worker whose heartbeat is older than ``stale_after_s`` at ``now`` counts
+    as full — it is never a candidate, whatever the profile says — and an empty fleet is a
+    saturated fleet (requests are deferred, not rejected).
+
+    ``memo`` holds indexes derived from the snapshot (candidate lists per route, fleet
+    maxima). They are built on first use, so a caller that reuses one snapshot across many
+    ``schedule()`` calls — between two batches of heartbeats — pays for them once.
+    """
+
+    workers: Mapping[str, WorkerState]
+    now: float
+    stale_after_s: float = DEFAULT_STALE_AFTER_S
+    memo: dict[object, object] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.stale_after_s <= 0:
+            raise ValueError(f"stale_after_s must be > 0, got {self.stale_after_s}")
+        # Read-only view: the indexes in ``memo`` assume the fleet does not change.
+        object.__setattr__(self, "workers", MappingProxyType(dict(self.workers)))
+
+    @classmethod
+    def of(
+        cls,
+        workers: Iterable[WorkerState],
+        now: float,
+        stale_after_s: float = DEFAULT_STALE_AFTER_S,
+    ) -> Snapshot:
+        """A snapshot of ``workers`` (later duplicates of a worker_id win)."""
+        return cls({w.worker_id: w for w in workers}, now, stale_after_s)
+
+    def is_fresh(self, worker: WorkerState) -> bool:
+        """True when the worker's heartbeat is recent enough to trust."""
+        return self.now - worker.heartbeat_ts <= self.stale_after_s
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Send ``request`` to ``worker_id`` (its assignments partition), reserving ``kv_tokens``."""
+
+    request: QueuedRequest
+    worker_id: str
+    partition: int
+    kv_tokens: int
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class Defer:
+    """The request stays queued; ``reason`` says what blocked it this cycle."""
+
+    request_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Reject:
+    """The request ends with an error ``code``; it has left the pending queue."""
+
+    request_id: str
+    code: ErrorCode
+    reason: str
+    retry_after_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Requeue:
+    """Put ``request`` (already at its new attempt) back into the pending queue."""
+
+    request: QueuedRequest
+    reason: str
+
+
+Decision = Placement | Defer | Reject

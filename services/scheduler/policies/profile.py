@@ -1,0 +1,242 @@
+"""Profiles: which plugins a placement pipeline runs, with what weights, validated.
+
+A profile is a plain mapping (parsed TOML/YAML or a literal)::
+
+    filters = ["model-match", "lane-pool", "fresh-heartbeat", "not-draining", "kv-fits",
+               "seq-slots"]
+    picker = "max-score"
+    candidates = 8            # roomiest workers scored per decision; 0 = every feasible one
+    [scorers]                 # name = weight >= 0; combined as a weighted mean
+    kv-headroom = 2.0
+    queue-depth = 1.0
+    throughput = 0.5
+    prefix-affinity = 1.0
+    [params.max-score]        # optional per-plugin parameters
+    tie_epsilon = 1e-9
+
+Missing keys take the values of :data:`DEFAULT_PROFILE`. The six filters above are
+required: they are the capacity and liveness guarantees (never overcommit, stale = full,
+drain takes nothing new), so a profile may add filters but not drop these. Anything wrong
+raises :class:`ConfigError` naming the setting.
+
+``candidates`` bounds the work per decision: scoring every one of 1,000 workers in Python
+costs ~100 µs or more, so llmq scores the K workers with the most room (plus the
+prefix-affinity worker). Baseline pickers use ``candidates = 0`` to see every feasible
+worker, at O(fleet) per decision.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Final
+
+from services.scheduler.core.errors import ConfigError
+from services.scheduler.policies.base import Filter, Picker, Scorer
+from services.scheduler.policies.filters.kv_fits import KvFits
+from services.scheduler.policies.filters.seq_slots import SeqSlots
+from services.scheduler.policies.registry import REGISTRY
+
+REQUIRED_FILTERS: Final = (
+    "model-match",
+    "lane-pool",
+    "fresh-heartbeat",
+    "not-draining",
+    "kv-fits",
+    "seq-slots",
+)
+
+#: llmq's choice: headroom first (slack for decode growth, few preemptions), then short
+#: queues, then prefix-cache reuse, with throughput as a tie-breaker between equals.
+DEFAULT_SCORERS: Final = (
+    ("kv-headroom", 2.0),
+    ("queue-depth", 1.0),
+    ("prefix-affinity", 1.0),
+    ("throughput", 0.5),
+)
+DEFAULT_CANDIDATES: Final = 8
+
+DEFAULT_PROFILE: Final[Mapping[str, object]] = MappingProxyType(
+    {
+        "filters": list(REQUIRED_FILTERS),
+        "scorers": dict(DEFAULT_SCORERS),
+        "picker": "max-score",
+        "candidates": DEFAULT_CANDIDATES,
+    }
+)
+
+#: Baselines for the simulator: same hard filters, scores ignored, every feasible worker.
+BASELINE_PROFILES: Final[Mapping[str, Mapping[str, object]]] = MappingProxyType(
+    {
+        name: MappingProxyType(
+            {"filters": list(REQUIRED_FILTERS), "scorers": {}, "picker": name, "candidates": 0}
+        )
+        for name in ("round-robin", "least-requests", "random")
+    }
+)
+
+#: The filters whose rule the candidate index implements (``ledger.room() >= kv_tokens``).
+INDEXED_FILTERS: Final = (KvFits, SeqSlots)
+
+_KEYS: Final = frozenset({"filters", "scorers", "picker", "candidates", "params"})
+_MAX_CANDIDATES: Final = 100_000
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    """A validated profile (names and numbers only; plugins are built by the pipeline)."""
+
+    filters: tuple[str, ...] = REQUIRED_FILTERS
+    scorers: tuple[tuple[str, float], ...] = DEFAULT_SCORERS
+    picker: str = "max-score"
+    candidates: int = DEFAULT_CANDIDATES
+    params: Mapping[str, Mapping[str, object]] = field(default_factory=dict)
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, object]) -> Profile:
+        unknown = sorted(set(raw) - _KEYS)
+        if unknown:
+            raise ConfigError(unknown[0], f"unknown profile key (known: {sorted(_KEYS)})")
+        merged = {**DEFAULT_PROFILE, **raw}
+        return cls(
+            filters=_filters(merged["filters"]),
+            scorers=_scorers(merged["scorers"]),
+            picker=_name(merged["picker"], "picker"),
+            candidates=_candidates(merged["candidates"]),
+            params=_params(merged.get("params", {})),
+        )
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Pipeline:
+    """Built plugins of a profile, split by stage; weights normalised to sum to 1.
+
+    Hashable by identity: candidate indexes are memoised per pipeline.
+    """
+
+    profile: Profile
+    route_filters: tuple[Filter, ...]
+    index_filters: tuple[Filter, ...]
+    room_filters: tuple[Filter, ...]
+    scorers: tuple[tuple[Scorer, float], ...]
+    picker: Picker
+    candidates: int
+
+
+def build_pipeline(profile: Mapping[str, object] | Profile = DEFAULT_PROFILE) -> Pipeline:
+    """Validate ``profile`` and build its plugins from :data:`REGISTRY`."""
+    prof = profile if isinstance(profile, Profile) else Profile.from_mapping(profile)
+    _check_names(prof)
+    filters = [_build(name, prof, f"filters[{i}]") for i, name in enumerate(prof.filters)]
+    scorers = [(_build(name, prof, f"scorers.{name}"), w) for name, w in prof.scorers]
+    picker = _build(prof.picker, prof, "picker")
+    checked_filters = [_as_filter(p, prof.filters[i], i) for i, p in enumerate(filters)]
+    checked_scorers = [(_as_scorer(p, prof.scorers[i][0]), w) for i, (p, w) in enumerate(scorers)]
+    if not isinstance(picker, Picker):
+        raise ConfigError("picker", f"{prof.picker!r} is not a picker")
+    total = sum(w for _, w in checked_scorers)
+    if picker.uses_scores and total <= 0:
+        raise ConfigError("scorers", f"picker {prof.picker!r} needs a positive total weight")
+    return Pipeline(
+        profile=prof,
+        route_filters=tuple(f for f in checked_filters if f.stage == "route"),
+        index_filters=tuple(f for f in checked_filters if f.stage == "index"),
+        room_filters=tuple(f for f in checked_filters if f.stage == "room"),
+        scorers=tuple((s, w / total) for s, w in checked_scorers if w > 0),
+        picker=picker,
+        candidates=prof.candidates,
+    )
+
+
+# -- validation helpers -------------------------------------------------------------------
+
+
+def _name(value: object, setting: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(setting, f"must be a plugin name, got {value!r}")
+    if value not in REGISTRY:
+        raise ConfigError(setting, f"unknown plugin {value!r} (known: {sorted(REGISTRY)})")
+    return value
+
+
+def _filters(value: object) -> tuple[str, ...]:
+    if isinstance(value, str) or not isinstance(value, Sequence):
+        raise ConfigError("filters", f"must be a list of filter names, got {value!r}")
+    names = tuple(_name(v, f"filters[{i}]") for i, v in enumerate(value))
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise ConfigError(f"filters[{i}]", f"{name!r} is listed twice")
+    missing = [name for name in REQUIRED_FILTERS if name not in names]
+    if missing:
+        raise ConfigError("filters", f"must include {missing} (capacity and liveness guarantees)")
+    return names
+
+
+def _scorers(value: object) -> tuple[tuple[str, float], ...]:
+    if not isinstance(value, Mapping):
+        raise ConfigError("scorers", f"must be a table of name = weight, got {value!r}")
+    out: list[tuple[str, float]] = []
+    for name, weight in value.items():
+        setting = f"scorers.{name}"
+        _name(name, setting)
+        if isinstance(weight, bool) or not isinstance(weight, int | float):
+            raise ConfigError(setting, f"weight must be a number, got {weight!r}")
+        if not math.isfinite(weight) or weight < 0:
+            raise ConfigError(setting, f"weight must be finite and >= 0, got {weight!r}")
+        out.append((name, float(weight)))
+    return tuple(out)
+
+
+def _candidates(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError("candidates", f"must be an integer, got {value!r}")
+    if not 0 <= value <= _MAX_CANDIDATES:
+        raise ConfigError("candidates", f"must be in [0, {_MAX_CANDIDATES}], got {value}")
+    return value
+
+
+def _params(value: object) -> Mapping[str, Mapping[str, object]]:
+    if not isinstance(value, Mapping):
+        raise ConfigError("params", f"must be a table of plugin tables, got {value!r}")
+    out: dict[str, Mapping[str, object]] = {}
+    for name, table in value.items():
+        _name(name, f"params.{name}")
+        if not isinstance(table, Mapping):
+            raise ConfigError(f"params.{name}", f"must be a table, got {table!r}")
+        out[str(name)] = dict(table)
+    return out
+
+
+def _check_names(prof: Profile) -> None:
+    used = {*prof.filters, *(name for name, _ in prof.scorers), prof.picker}
+    for name in prof.params:
+        if name not in used:
+            raise ConfigError(f"params.{name}", "parameters for a plugin the profile does not use")
+
+
+def _build(name: str, prof: Profile, setting: str) -> object:
+    if name not in REGISTRY:
+        raise ConfigError(setting, f"unknown plugin {name!r}")
+    return REGISTRY[name](prof.params.get(name, {}))
+
+
+def _as_filter(plugin: object, name: str, i: int) -> Filter:
+    if not isinstance(plugin, Filter):
+        raise ConfigError(f"filters[{i}]", f"{name!r} is not a filter")
+    if plugin.stage not in ("route", "index", "room"):
+        raise ConfigError(f"filters[{i}]", f"{name!r} has unknown stage {plugin.stage!r}")
+    if plugin.stage == "index" and not isinstance(plugin, INDEXED_FILTERS):
+        raise ConfigError(
+            f"filters[{i}]",
+            f"{name!r} claims stage 'index', which only kv-fits and "
+            "seq-slots may: the candidate index enforces exactly their rule",
+        )
+    return plugin
+
+
+def _as_scorer(plugin: object, name: str) -> Scorer:
+    if not isinstance(plugin, Scorer):
+        raise ConfigError(f"scorers.{name}", f"{name!r} is not a scorer")
+    return plugin

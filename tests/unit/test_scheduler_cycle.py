@@ -1,0 +1,379 @@
+"""One scheduling cycle: placement, rejection, deferral, backfill, holds, lanes (core.cycle)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from services.scheduler import (
+    BASELINE_PROFILES,
+    DEFAULT_PROFILE,
+    Decision,
+    Defer,
+    Ledger,
+    PendingQueue,
+    Pipeline,
+    Placement,
+    QueuedRequest,
+    Reject,
+    Snapshot,
+    WorkerState,
+    build_pipeline,
+    schedule,
+)
+from tests.builders import NOW, make_queue, make_request, make_snapshot, make_worker, seeded
+
+PIPELINE = build_pipeline(DEFAULT_PROFILE)
+
+
+def run(
+    workers: Sequence[WorkerState] | Snapshot,
+    *requests: QueuedRequest,
+    ledger: Ledger | None = None,
+    queue: PendingQueue | None = None,
+    now: float = NOW,
+    pipeline: Pipeline = PIPELINE,
+    max_placements: int | None = None,
+) -> list[Decision]:
+    snapshot = workers if isinstance(workers, Snapshot) else make_snapshot(workers, now=now)
+    queue = queue if queue is not None else make_queue()
+    for request in requests:
+        queue.push(request)
+    return schedule(
+        snapshot,
+        queue,
+        ledger if ledger is not None else Ledger(),
+        pipeline,
+        now,
+        seeded(),
+        max_placements=max_placements,
+    )
+
+
+def placed(decisions: Sequence[Decision]) -> list[tuple[str, str]]:
+    return [(d.request.request_id, d.worker_id) for d in decisions if isinstance(d, Placement)]
+
+
+def kinds(decisions: Sequence[Decision]) -> dict[str, str]:
+    out = {}
+    for d in decisions:
+        if isinstance(d, Placement):
+            out[d.request.request_id] = "placed"
+        elif isinstance(d, Reject):
+            out[d.request_id] = d.code
+        else:
+            out[d.request_id] = "defer"
+    return out
+
+
+def test_a_placement_carries_worker_partition_reservation_and_attempt() -> None:
+    ledger, queue = Ledger(), make_queue()
+    request = make_request("a", kv_tokens=4_096, attempt=2)
+    decisions = run([make_worker("w0", partition=7)], request, ledger=ledger, queue=queue)
+    assert decisions == [Placement(request, "w0", 7, 4_096, 2)]
+    assert ledger.worker_of("a", 2) == "w0" and ledger.reserved_kv("w0") == 4_096
+    assert "a" not in queue
+
+
+def test_the_roomiest_worker_wins_by_default() -> None:
+    ledger = Ledger()
+    busy, idle = make_worker("busy"), make_worker("idle")
+    ledger.reserve(busy, make_request("x", kv_tokens=50_000))
+    assert placed(run([busy, idle], make_request("a"), ledger=ledger)) == [("a", "idle")]
+
+
+@pytest.mark.parametrize(
+    ("worker", "why"),
+    [
+        (make_worker("w", heartbeat_ts=NOW - 10), "stale heartbeat"),
+        (make_worker("w", draining=True), "draining"),
+        (make_worker("w", model="other"), "other model"),
+        (make_worker("w", pool="long"), "long pool, short request"),
+        (make_worker("w", running=256), "no sequence slot"),
+        (make_worker("w", kv_free_tokens=1_000), "heartbeat shows it full"),
+    ],
+)
+def test_ineligible_workers_never_get_work(worker: WorkerState, why: str) -> None:
+    fine = make_worker("fine")
+    assert placed(run([worker, fine], make_request("a"))) == [("a", "fine")], why
+
+
+@pytest.mark.parametrize(
+    ("workers", "request_", "outcome"),
+    [
+        ([make_worker(model="other")], make_request(), "unknown_model"),
+        ([make_worker(model_version="v1")], make_request(model_version="v2"), "unknown_model"),
+        ([make_worker(pool="short")], make_request(lane="long"), "too_large"),
+        ([make_worker(kv_total_tokens=10_000)], make_request(kv_tokens=9_600), "too_large"),
+        # only a draining worker serves the route: wait for its replacement
+        ([make_worker(draining=True)], make_request(), "defer"),
+        # a draining worker could hold it, but no worker taking new work ever could
+        (
+            [make_worker(draining=True), make_worker("small", kv_total_tokens=1_000)],
+            make_request(),
+            "too_large",
+        ),
+        # the only worker serving it is stale: that worker is not live, so: unknown
+        (
+            [make_worker(heartbeat_ts=NOW - 10), make_worker("x", model="other")],
+            make_request(),
+            "unknown_model",
+        ),
+        # nothing fresh at all: the fleet is saturated, not wrong
+        ([make_worker(heartbeat_ts=NOW - 10)], make_request(), "defer"),
+        ([], make_request(), "defer"),
+        # full now but could fit later: defer
+        ([make_worker(kv_free_tokens=0)], make_request(), "defer"),
+    ],
+)
+def test_reject_only_what_no_live_worker_could_ever_take(
+    workers: list[WorkerState], request_: QueuedRequest, outcome: str
+) -> None:
+    queue = make_queue()
+    decisions = run(workers, request_, queue=queue)
+    assert kinds(decisions) == {request_.request_id: outcome}
+    assert (request_.request_id in queue) is (outcome == "defer")
+
+
+def test_cancelled_and_expired_leave_before_anything_is_placed() -> None:
+    queue = make_queue(make_request("c"), make_request("old", deadline=NOW - 1))
+    queue.cancel("c")
+    decisions = run([make_worker()], make_request("ok"), queue=queue)
+    assert [(type(d).__name__, kinds([d])) for d in decisions] == [
+        ("Reject", {"c": "cancelled"}),
+        ("Reject", {"old": "queue_timeout"}),
+        ("Placement", {"ok": "placed"}),
+    ]
+
+
+def test_higher_effective_priority_goes_first_when_one_fits() -> None:
+    worker = make_worker(kv_total_tokens=2_000)  # usable 1,900: one request at a time
+    decisions = run(
+        [worker],
+        make_request("low", priority="low"),
+        make_request("high", priority="high"),
+        make_request("normal"),
+    )
+    assert placed(decisions) == [("high", "w0")]
+
+
+def test_aging_lets_an_old_low_request_overtake_a_fresh_high_one() -> None:
+    worker = make_worker(kv_total_tokens=2_000)
+    decisions = run(
+        [worker],
+        make_request("high", priority="high"),
+        make_request("low", priority="low", enqueued_at=NOW - 61),
+    )
+    assert placed(decisions) == [("low", "w0")]
+
+
+def test_a_blocked_head_blocks_its_class_but_other_classes_backfill() -> None:
+    ledger = Ledger()
+    worker = make_worker(kv_total_tokens=10_000)  # usable 9,500
+    ledger.reserve(worker, make_request("running", kv_tokens=5_000))
+    decisions = run(
+        [worker],
+        make_request("big", kv_tokens=8_000, enqueued_at=NOW - 1),
+        make_request("small-same-class", kv_tokens=1_000),
+        make_request("small-low", priority="low", kv_tokens=1_000),
+        ledger=ledger,
+    )
+    assert kinds(decisions) == {"big": "defer", "small-low": "placed"}
+
+
+def test_an_overdue_blocked_head_holds_its_best_worker() -> None:
+    ledger, queue = Ledger(), make_queue()
+    a, b = make_worker("a", kv_total_tokens=10_000), make_worker("b", kv_total_tokens=10_000)
+    ledger.reserve(a, make_request("on-a", kv_tokens=6_000))
+    ledger.reserve(b, make_request("on-b", kv_tokens=3_000))
+    big = make_request("big", kv_tokens=8_000, enqueued_at=NOW - 31)  # normal: bound 30 s
+    decisions = run([a, b], big, make_request("small", priority="low"), ledger=ledger, queue=queue)
+    assert ledger.hold_of("big") == "b"  # most free KV: closest to fitting
+    assert placed(decisions) == [("small", "a")]  # backfill only off the held worker
+    assert "holding b" in next(d.reason for d in decisions if isinstance(d, Defer))
+    # b drains: the next cycle places big there and ends the hold
+    ledger.release("on-b", 0)
+    assert placed(run([a, b], ledger=ledger, queue=queue)) == [("big", "b")]
+    assert dict(ledger.holds()) == {}
+
+
+def test_no_hold_before_the_aging_bound() -> None:
+    ledger = Ledger()
+    worker = make_worker(kv_total_tokens=10_000)
+    ledger.reserve(worker, make_request("on", kv_tokens=6_000))
+    big = make_request("big", kv_tokens=8_000, enqueued_at=NOW - 29)
+    decisions = run([worker], big, make_request("small", priority="low"), ledger=ledger)
+    assert dict(ledger.holds()) == {}
+    assert placed(decisions) == [("small", "w0")]
+
+
+def test_holds_end_when_the_request_leaves_or_the_worker_goes() -> None:
+    ledger, queue = Ledger(), make_queue()
+    worker = make_worker(kv_total_tokens=10_000)
+    ledger.reserve(worker, make_request("on", kv_tokens=6_000))
+    run(
+        [worker],
+        make_request("big", kv_tokens=8_000, enqueued_at=NOW - 31),
+        ledger=ledger,
+        queue=queue,
+    )
+    assert ledger.hold_of("big") == "w0"
+    run([make_worker(draining=True)], ledger=ledger, queue=queue)
+    assert ledger.hold_of("big") is None
+    run([worker], ledger=ledger, queue=queue)
+    assert ledger.hold_of("big") == "w0"
+    queue.cancel("big")
+    run([worker], ledger=ledger, queue=queue)
+    assert dict(ledger.holds()) == {}
+
+
+def test_a_high_priority_head_that_does_not_fit_holds_at_once() -> None:
+    ledger = Ledger()
+    worker = make_worker(kv_total_tokens=10_000)
+    ledger.reserve(worker, make_request("on", kv_tokens=6_000))
+    run([worker], make_request("big", priority="high", kv_tokens=8_000), ledger=ledger)
+    assert ledger.hold_of("big") == "w0"  # high: aging bound 0 s
+
+
+def test_lanes_interleave_three_to_one_on_any_workers() -> None:
+    worker = make_worker(kv_total_tokens=1_000_000)
+    shorts = [make_request(f"s{i}", enqueued_at=NOW - 10 + i) for i in range(8)]
+    longs = [make_request(f"l{i}", lane="long", enqueued_at=NOW - 100 + i) for i in range(6)]
+    decisions = run([worker], *shorts, *longs, max_placements=10)
+    order = "".join(rid[0].upper() for rid, _ in placed(decisions))
+    assert order == "SLSSSLSSSL"
+
+
+def test_dedicated_pools_take_only_their_lane() -> None:
+    short_w, long_w = make_worker("sw", pool="short"), make_worker("lw", pool="long")
+    decisions = run(
+        [short_w, long_w], make_request("s"), make_request("l", lane="long", kv_tokens=8_192)
+    )
+    assert sorted(placed(decisions)) == [("l", "lw"), ("s", "sw")]
+
+
+def test_max_placements_stops_early() -> None:
+    queue = make_queue(*(make_request(f"r{i}", enqueued_at=NOW - i) for i in range(5)))
+    decisions = run([make_worker()], queue=queue, max_placements=2)
+    assert [rid for rid, _ in placed(decisions)] == ["r4", "r3"]
+    assert len(queue) == 3
+    assert run([make_worker()], queue=queue, max_placements=0) == []
+
+
+def test_sequence_slots_cap_placements() -> None:
+    worker = make_worker(max_num_seqs=3, running=1)
+    decisions = run([worker], *(make_request(f"r{i}") for i in range(4)))
+    assert len(placed(decisions)) == 2
+    assert kinds(decisions)["r2"] == "defer"
+
+
+def test_prefix_affinity_prefers_the_worker_that_served_the_prefix() -> None:
+    ledger = Ledger()
+    a, b = make_worker("a"), make_worker("b")
+    ledger.reserve(b, make_request("earlier", kv_tokens=16, prefix_hash="sys-prompt"))
+    ledger.release("earlier", 0)  # b is as empty as a again; only affinity differs
+    decisions = run([a, b], make_request("next", prefix_hash="sys-prompt"), ledger=ledger)
+    assert placed(decisions) == [("next", "b")]
+
+
+def test_the_affinity_worker_is_a_candidate_even_outside_the_roomiest() -> None:
+    ledger = Ledger()
+    workers = [make_worker(f"w{i}") for i in range(20)]
+    ledger.reserve(workers[0], make_request("x", kv_tokens=1_000, prefix_hash="p"))
+    pipeline = build_pipeline(
+        {**DEFAULT_PROFILE, "candidates": 1, "scorers": {"prefix-affinity": 1.0}}
+    )
+    decisions = run(workers, make_request("y", prefix_hash="p"), ledger=ledger, pipeline=pipeline)
+    assert placed(decisions) == [("y", "w0")]
+
+
+def test_same_seed_same_decisions() -> None:
+    workers = [make_worker(f"w{i}") for i in range(5)]
+    requests = [make_request(f"r{i}", priority="high" if i % 2 else "low") for i in range(20)]
+    assert run(workers, *requests) == run(workers, *requests)
+
+
+@pytest.mark.parametrize("name", sorted(BASELINE_PROFILES))
+def test_baselines_place_only_on_feasible_workers(name: str) -> None:
+    pipeline = build_pipeline(BASELINE_PROFILES[name])
+    workers = [make_worker("full", kv_free_tokens=0), make_worker("a"), make_worker("b")]
+    decisions = run(workers, *(make_request(f"r{i}") for i in range(6)), pipeline=pipeline)
+    assert len(placed(decisions)) == 6
+    assert {w for _, w in placed(decisions)} <= {"a", "b"}
+
+
+def test_round_robin_baseline_alternates() -> None:
+    pipeline = build_pipeline(BASELINE_PROFILES["round-robin"])
+    workers = [make_worker("a"), make_worker("b"), make_worker("c")]
+    decisions = run(
+        workers, *(make_request(f"r{i}", enqueued_at=NOW + i) for i in range(5)), pipeline=pipeline
+    )
+    assert [w for _, w in placed(decisions)] == ["a", "b", "c", "a", "b"]
+
+
+def test_reusing_a_snapshot_sees_releases_between_calls() -> None:
+    ledger, queue = Ledger(), make_queue()
+    snapshot = make_snapshot([make_worker(kv_total_tokens=2_000)])
+    decisions = run(snapshot, make_request("a"), make_request("b"), ledger=ledger, queue=queue)
+    assert kinds(decisions) == {"a": "placed", "b": "defer"}
+    ledger.release("a", 0)
+    assert placed(run(snapshot, ledger=ledger, queue=queue)) == [("b", "w0")]
+
+
+def test_a_hold_goes_to_the_head_ahead_in_effective_priority() -> None:
+    ledger, queue = Ledger(), make_queue()
+    worker = make_worker(kv_total_tokens=10_000)
+    ledger.reserve(worker, make_request("on", kv_tokens=6_000))
+    later = make_request("later", priority="high", kv_tokens=8_000, enqueued_at=NOW - 1)
+    run([worker], later, ledger=ledger, queue=queue)
+    assert ledger.hold_of("later") == "w0"
+    # A low request that has waited 70 s is ahead of a high one that waited 1 s.
+    older = make_request(
+        "older", priority="low", lane="long", kv_tokens=7_000, enqueued_at=NOW - 70
+    )
+    run([worker], older, ledger=ledger, queue=queue)
+    assert ledger.hold_of("older") == "w0" and ledger.hold_of("later") is None
+    # ... and the high one cannot take it back.
+    run([worker], ledger=ledger, queue=queue)
+    assert ledger.hold_of("older") == "w0"
+
+
+def test_a_hold_that_ends_mid_cycle_frees_the_worker_for_the_rest() -> None:
+    ledger, queue = Ledger(), make_queue()
+    worker = make_worker(kv_total_tokens=10_000)
+    ledger.reserve(worker, make_request("on", kv_tokens=6_000))
+    run([worker], make_request("big", priority="high", kv_tokens=8_000), ledger=ledger, queue=queue)
+    ledger.release("on", 0)
+    # The long lane has the turn first: its head is refused by big's hold, then big is
+    # placed (ending the hold) and the long head gets a second look in the same cycle.
+    queue.lanes.charge("short")
+    decisions = run(
+        [worker], make_request("l", lane="long", kv_tokens=1_000), ledger=ledger, queue=queue
+    )
+    assert placed(decisions) == [("big", "w0"), ("l", "w0")]
+    assert not [d for d in decisions if isinstance(d, Defer)]
+
+
+def test_defers_come_after_placements_and_name_the_blocker() -> None:
+    worker = make_worker(kv_total_tokens=2_000, max_num_seqs=1)
+    decisions = run([worker], make_request("a", priority="high"), make_request("b"))
+    assert [type(d).__name__ for d in decisions] == ["Placement", "Defer"]
+    defer = decisions[1]
+    assert isinstance(defer, Defer) and defer.request_id == "b"
+    assert "largest free 0" in defer.reason
+
+
+def test_one_placement_per_call_still_serves_both_dedicated_pools() -> None:
+    ledger, queue = Ledger(), make_queue()
+    workers = [make_worker("sw", pool="short"), make_worker("lw", pool="long")]
+    for i in range(4):
+        queue.push(make_request(f"s{i}", enqueued_at=NOW - 10 + i))
+        queue.push(make_request(f"l{i}", lane="long", enqueued_at=NOW - 10 + i))
+    queue.lanes.charge("long")  # long ahead in turns: short would win every call
+    order = []
+    for _ in range(6):
+        order += [
+            rid for rid, _ in placed(run(workers, ledger=ledger, queue=queue, max_placements=1))
+        ]
+    assert order == ["s0", "l0", "s1", "l1", "s2", "l2"]

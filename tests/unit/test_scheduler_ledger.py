@@ -1,0 +1,167 @@
+"""The reservation ledger: never overcommit, idempotent releases, reconcile (core.ledger)."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.scheduler import ConfigError, Ledger
+from tests.builders import make_request, make_worker
+
+# total 100,000, margin 5 % → usable 95,000
+WORKER = make_worker("w0", kv_total_tokens=100_000)
+
+
+@pytest.mark.parametrize(
+    ("total", "margin", "usable"),
+    [(100_000, 0.05, 95_000), (100_000, 0.0, 100_000), (1_001, 0.1, 900), (0, 0.05, 0)],
+)
+def test_usable_is_total_less_the_safety_margin(total: int, margin: float, usable: int) -> None:
+    ledger = Ledger(kv_safety_margin=margin)
+    assert ledger.usable_kv(make_worker(kv_total_tokens=total)) == usable
+
+
+@pytest.mark.parametrize("margin", [-0.1, 1.0, 1.5])
+def test_margin_out_of_range_is_a_config_error(margin: float) -> None:
+    with pytest.raises(ConfigError) as caught:
+        Ledger(kv_safety_margin=margin)
+    assert caught.value.setting == "ledger.kv_safety_margin"
+
+
+def test_reserve_refuses_to_overcommit() -> None:
+    ledger = Ledger()
+    assert ledger.reserve(WORKER, make_request("a", kv_tokens=90_000))
+    assert ledger.reserve(WORKER, make_request("b", kv_tokens=5_000))  # exactly usable
+    assert not ledger.reserve(WORKER, make_request("c", kv_tokens=1))
+    assert ledger.reserved_kv("w0") == 95_000
+    assert ledger.free_kv(WORKER) == 0
+
+
+def test_duplicate_reserve_is_a_no_op() -> None:
+    ledger = Ledger()
+    request = make_request("a", kv_tokens=1_000)
+    assert ledger.reserve(WORKER, request)
+    assert ledger.reserve(WORKER, request)  # same worker: fine, counted once
+    assert not ledger.reserve(make_worker("w1"), request)  # elsewhere: refused
+    assert ledger.reserved_kv("w0") == 1_000 and ledger.reserved_kv("w1") == 0
+    assert len(ledger) == 1
+
+
+def test_release_is_idempotent_and_per_attempt() -> None:
+    ledger = Ledger()
+    ledger.reserve(WORKER, make_request("a", kv_tokens=1_000, attempt=0))
+    ledger.reserve(WORKER, make_request("a", kv_tokens=1_000, attempt=1))
+    assert ledger.release("a", 0) == 1_000
+    assert ledger.release("a", 0) == 0
+    assert ledger.release("zzz", 0) == 0
+    assert ledger.reserved_kv("w0") == 1_000
+    assert ledger.worker_of("a", 1) == "w0" and ledger.worker_of("a", 0) is None
+    assert ledger.release("a", 1) == 1_000
+    assert ledger.reserved_kv("w0") == 0 and len(ledger) == 0
+
+
+@pytest.mark.parametrize(
+    ("kv_free", "reserved", "started", "free"),
+    [
+        (100_000, 0, False, 95_000),  # idle: usable
+        (100_000, 10_000, False, 85_000),  # ledger and heartbeat agree
+        (100_000, 10_000, True, 85_000),  # started: the heartbeat (lagging) is advisory
+        (50_000, 0, False, 45_000),  # the heartbeat shows load the ledger does not know
+        (50_000, 10_000, False, 35_000),  # ... plus our unstarted reservation
+        (50_000, 10_000, True, 45_000),  # started: already inside kv_free
+        (3_000, 0, False, 0),  # below the margin: never negative
+    ],
+)
+def test_free_kv_is_the_tighter_of_ledger_and_heartbeat(
+    kv_free: int, reserved: int, started: bool, free: int
+) -> None:
+    ledger = Ledger()
+    worker = make_worker("w0", kv_total_tokens=100_000, kv_free_tokens=kv_free)
+    if reserved:
+        assert ledger.reserve(worker, make_request("a", kv_tokens=reserved))
+        if started:
+            assert ledger.mark_started("a", 0)
+    assert ledger.free_kv(worker) == free
+
+
+@pytest.mark.parametrize(
+    ("running", "waiting", "placed", "started", "in_flight"),
+    [
+        (0, 0, 0, 0, 0),
+        (3, 1, 0, 0, 4),
+        (0, 0, 2, 0, 2),  # assignments still on their way
+        (0, 0, 2, 2, 2),  # started, heartbeat not yet showing them
+        (2, 0, 2, 2, 2),  # the heartbeat caught up: counted once
+        (5, 0, 2, 1, 6),  # unknown work + one unstarted
+    ],
+)
+def test_in_flight_counts_engine_and_ledger_once(
+    running: int, waiting: int, placed: int, started: int, in_flight: int
+) -> None:
+    ledger = Ledger()
+    worker = make_worker("w0", running=running, waiting=waiting)
+    for i in range(placed):
+        ledger.reserve(worker, make_request(f"r{i}", kv_tokens=16))
+    for i in range(started):
+        ledger.mark_started(f"r{i}", 0)
+    assert ledger.in_flight(worker) == in_flight
+
+
+def test_room_is_zero_without_a_sequence_slot() -> None:
+    ledger = Ledger()
+    worker = make_worker("w0", running=1, max_num_seqs=2)
+    assert ledger.room(worker) == 95_000
+    ledger.reserve(worker, make_request("a", kv_tokens=16))
+    assert ledger.room(worker) == 0
+
+
+def test_reconcile_releases_what_was_seen_and_is_gone() -> None:
+    ledger = Ledger()
+    for rid in ("a", "b", "c"):
+        ledger.reserve(WORKER, make_request(rid, kv_tokens=100))
+    assert ledger.reconcile("w0", {("a", 0), ("b", 0), ("ghost", 0)}) == []
+    ended = ledger.reconcile("w0", {("b", 0)})  # a finished; c was never seen: in flight
+    assert [r.key for r in ended] == [("a", 0)]
+    assert ledger.worker_of("c", 0) == "w0" and ledger.reserved_kv("w0") == 200
+    assert ledger.release("a", 0) == 0  # its terminal event arrives later: no double free
+    assert ledger.reconcile("nobody", {("x", 0)}) == []
+
+
+def test_drop_worker_releases_everything_and_its_hold() -> None:
+    ledger = Ledger()
+    ledger.reserve(WORKER, make_request("a", kv_tokens=100, prefix_hash="p"))
+    ledger.hold("w0", "big")
+    dropped = ledger.drop_worker("w0")
+    assert [r.key for r in dropped] == [("a", 0)]
+    assert len(ledger) == 0 and ledger.holder("w0") is None and ledger.hold_of("big") is None
+    assert ledger.affinity.get("p") is None
+
+
+def test_holds_are_one_per_worker_and_per_request() -> None:
+    ledger = Ledger()
+    ledger.hold("w0", "a")
+    ledger.hold("w1", "a")  # moving a's hold frees w0
+    assert ledger.holder("w0") is None and ledger.hold_of("a") == "w1"
+    ledger.hold("w1", "b")  # b takes w1 over
+    assert ledger.hold_of("a") is None and dict(ledger.holds()) == {"w1": "b"}
+    ledger.reserve(make_worker("w2"), make_request("b"))  # placed anywhere: hold ends
+    assert dict(ledger.holds()) == {}
+
+
+def test_reserve_records_prefix_affinity_and_the_last_worker() -> None:
+    ledger = Ledger(affinity_capacity=2)
+    ledger.reserve(make_worker("w0"), make_request("a", prefix_hash="p1"))
+    ledger.reserve(make_worker("w1"), make_request("b", prefix_hash="p2"))
+    ledger.reserve(make_worker("w2"), make_request("c", prefix_hash="p3"))
+    assert ledger.affinity.get("p1") is None  # least recently placed, evicted
+    assert ledger.affinity.get("p3") == "w2" and ledger.last_worker_id == "w2"
+
+
+def test_change_log_reports_touched_workers_until_trimmed() -> None:
+    ledger = Ledger(log_limit=16)
+    start = ledger.cursor
+    ledger.reserve(WORKER, make_request("a"))
+    assert list(ledger.changes_since(start) or []) == ["w0"]
+    for i in range(40):
+        ledger.reserve(make_worker(f"x{i}"), make_request(f"x{i}"))
+    assert ledger.changes_since(start) is None  # too old: rescan
+    assert ledger.changes_since(ledger.cursor) == []

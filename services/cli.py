@@ -128,16 +128,231 @@ def schema_export(out_dir: Path) -> None:
     click.echo(f"wrote {len(paths)} files to {out_dir}")
 
 
-# -- up ----------------------------------------------------------------------------------
+# -- bench -------------------------------------------------------------------------------
+@main.group()
+def bench() -> None:
+    """Benchmarks: one scheduling decision, and policies compared on real traces."""
+
+
+@bench.command("decide")
+@click.option("--workers", default=1000, show_default=True, help="Fleet size.")
+@click.option("--pending", default=10000, show_default=True, help="Queued requests.")
+@click.option("--repeats", default=2000, show_default=True, help="Placements measured.")
+@click.option("--seed", default=1, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
+def bench_decide(workers: int, pending: int, repeats: int, seed: int, as_json: bool) -> None:
+    """Time one placement decision of the scheduling core (µs, p50/p99)."""
+    from services.scheduler.bench import bench_decide as run
+
+    figures = run(workers=workers, pending=pending, seed=seed, repeats=repeats)
+    text = (f"one placement with {workers} workers and {pending} pending: "
+            f"p50 {figures['placement_p50_us']:.1f} µs, p99 {figures['placement_p99_us']:.1f} µs")
+    _emit(figures, as_json, text)
+
+
+def _register_optional_commands() -> None:
+    """Commands that live beside the code they drive (added as those modules land)."""
+    try:
+        from services.sim.cli import policies
+    except ImportError:
+        return
+    bench.add_command(policies)
+
+
+_register_optional_commands()
+
+
+# -- submit ------------------------------------------------------------------------------
+@main.command("submit")
+@click.argument("prompt")
+@click.option("--max-tokens", default=128, show_default=True, type=click.IntRange(1))
+@click.option("--priority", type=click.Choice(["high", "normal", "low"]), default="normal",
+              show_default=True)
+@click.option("--lane", type=click.Choice(["short", "long"]), default=None,
+              help="Lane hint (honoured only if the tenant may set it).")
+@click.option("--tenant", default="default", show_default=True)
+@click.option("--model", default="llama-3.1-8b", show_default=True)
+@click.option("--chat", is_flag=True, help="Send PROMPT as one user chat message.")
+@click.option("--timeout", "timeout_s", default=120.0, show_default=True,
+              help="Seconds to wait for the end of the reply.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object at the end.")
+@click.pass_obj
+def submit(settings: Settings, prompt: str, max_tokens: int, priority: str, lane: str | None,
+           tenant: str, model: str, chat: bool, timeout_s: float, as_json: bool) -> None:
+    """Submit PROMPT over Kafka and stream the generated tokens to the terminal."""
+    result = asyncio.run(_submit(settings, prompt, max_tokens, priority, lane, tenant, model,
+                                 chat, timeout_s, stream_out=not as_json))
+    if as_json:
+        click.echo(json.dumps(result, indent=2, sort_keys=True))
+    sys.exit(0 if result["outcome"] == "done" else 1)
+
+
+async def _submit(settings: Settings, prompt: str, max_tokens: int, priority: str,
+                  lane: str | None, tenant: str, model: str, chat: bool, timeout_s: float,
+                  *, stream_out: bool) -> dict[str, Any]:
+    import time
+
+    from llmq.client import LlmqClient
+    from schemas.replies import Done
+
+    async with LlmqClient(settings.bootstrap, tenant=tenant, prefix=settings.topic_prefix,
+                          default_model=model) as client:
+        started = time.time()
+        handle = await client.submit(
+            prompt=None if chat else prompt,
+            messages=[("user", prompt)] if chat else None,
+            max_tokens=max_tokens, priority=priority, lane=lane,  # type: ignore[arg-type]  # click.Choice
+            timeout_s=timeout_s,
+        )
+        text = []
+        try:
+            async for chunk in handle:
+                text.append(chunk.text)
+                if stream_out:
+                    click.echo(chunk.text, nl=False)
+        except TimeoutError as exc:
+            raise click.ClickException(str(exc)) from exc
+        end = handle.result
+        out: dict[str, Any] = {"request_id": handle.request_id, "text": "".join(text),
+                               "e2e_s": round(time.time() - started, 4)}
+        if isinstance(end, Done):
+            out |= {"outcome": "done", "usage": end.usage.model_dump(),
+                    "timings": end.timings.model_dump(), "finish_reason": end.finish_reason}
+            if stream_out:
+                click.echo(f"\n[done: {end.usage.completion_tokens} tokens, ttft "
+                           f"{end.timings.ttft_s or 0:.3f} s, e2e {end.timings.e2e_s:.3f} s]",
+                           err=True)
+        else:
+            assert end is not None
+            out |= {"outcome": "error", "code": end.code, "message": end.message,
+                    "retry_after_s": end.retry_after_s}
+            if stream_out:
+                click.echo(f"\n[error {end.code}: {end.message}]", err=True)
+        return out
+
+
+# -- demo ----------------------------------------------------------------------------------
+@main.command("demo")
+@click.option("--requests", "n", default=200, show_default=True, type=click.IntRange(1))
+@click.option("--rate", default=10.0, show_default=True, help="Arrivals per second.")
+@click.option("--trace", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              default=None, help="Trace file (default: the Azure conversation trace).")
+@click.option("--url", default="http://127.0.0.1:8080", show_default=True,
+              help="Base URL of the ingest HTTP API.")
+@click.option("--model", default="llama-3.1-8b", show_default=True)
+@click.option("--max-prompt", default=4000, show_default=True, help="Clip prompt tokens.")
+@click.option("--max-output", default=400, show_default=True, help="Clip output tokens.")
+@click.option("--timeout", "timeout_s", default=120.0, show_default=True)
+@click.option("--seed", default=1, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@click.pass_obj
+def demo(settings: Settings, n: int, rate: float, trace: Path | None, url: str, model: str,
+         max_prompt: int, max_output: int, timeout_s: float, seed: int, as_json: bool) -> None:
+    """Replay a slice of the Azure trace through the running stack (HTTP and Kafka).
+
+    Needs `llmq up` running. Prints latency by lane and priority, rejections and tokens/s.
+    Trace: Azure LLM inference trace 2023, CC-BY 4.0 (Patel et al., Splitwise, ISCA 2024).
+    """
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from services.common.settings import PROJECT_ROOT
+    from services.demo import plan, run_demo
+
+    path = trace or PROJECT_ROOT.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
+    if not path.exists():
+        raise click.ClickException(f"trace not found: {path} (pass --trace)")
+    requests = plan(path, n, rate, seed, max_prompt, max_output)
+    err = Console(stderr=True)
+    with Progress(console=err, disable=as_json or not err.is_terminal) as bar:
+        task = bar.add_task("demo", total=len(requests))
+        summary = asyncio.run(run_demo(
+            settings.bootstrap, settings.topic_prefix, url, requests, model, seed, timeout_s,
+            progress=lambda done, _total: bar.update(task, completed=done)))
+    if as_json:
+        click.echo(json.dumps(summary, indent=2, sort_keys=True))
+        return
+    table = Table(title=f"llmq demo: {summary['requests']} requests in "
+                        f"{summary['elapsed_s']:.1f} s, {summary['tokens_per_s']} tokens/s")
+    for col in ("group", "requests", "completed", "ttft p50", "ttft p99", "e2e p50", "e2e p99"):
+        table.add_column(col)
+    for name, row in summary["groups"].items():
+        cells = [row[k] for k in ("ttft_p50_s", "ttft_p99_s", "e2e_p50_s", "e2e_p99_s")]
+        table.add_row(name, str(row["requests"]), str(row["completed"]),
+                      *("-" if v is None else f"{v:.3f} s" for v in cells))
+    Console().print(table)
+    click.echo(f"rejections: {summary['rejections'] or 'none'}")
+
+
+# -- up / down ---------------------------------------------------------------------------
 @main.command("up")
+@click.option("--detach", is_flag=True, help="Start in the background; stop with `llmq down`.")
+@click.option("--short-workers", default=2, show_default=True, type=click.IntRange(0))
+@click.option("--long-workers", default=1, show_default=True, type=click.IntRange(0))
+@click.option("--any-workers", default=0, show_default=True, type=click.IntRange(0))
+@click.option("--http-port", default=8080, show_default=True, help="Ingest HTTP port.")
+@click.option("--profile", default="llama3-8b-h100", show_default=True,
+              help="Engine profile of the sim workers.")
+@click.option("--model", default="llama-3.1-8b", show_default=True)
+@click.option("--kafka-only", is_flag=True, help="Start only Kafka and the topics.")
 @click.pass_context
-def up(ctx: click.Context) -> None:
-    """Run the local stack on embedded defaults (Kafka on 127.0.0.1, topics)."""
+def up(ctx: click.Context, detach: bool, short_workers: int, long_workers: int,
+       any_workers: int, http_port: int, profile: str, model: str, kafka_only: bool) -> None:
+    """Run the whole local stack on embedded defaults, in the foreground (Ctrl-C stops it).
+
+    Kafka (embedded, 127.0.0.1), ingest with the OpenAI-compatible API on
+    127.0.0.1:8080, the scheduler, health, and sim workers (2 short-pool + 1 long-pool).
+    """
+    from services.stack import (
+        Stack,
+        StackConfig,
+        run_foreground,
+        settings_env,
+        stack_dir,
+        stack_services,
+        write_services_file,
+    )
+
     settings: Settings = ctx.obj
-    ctx.invoke(kafka_up, timeout=90.0, as_json=False)
+    if not settings.kafka_bootstrap:
+        ctx.invoke(kafka_up, timeout=90.0, as_json=False)
     created = asyncio.run(create_catalog_topics(settings))
     click.echo(f"topics ready ({len(created)} created) with prefix '{settings.topic_prefix}'")
-    click.echo(f"Kafka bootstrap: {settings.bootstrap}   stop with: llmq dev kafka down")
+    if kafka_only:
+        click.echo(f"Kafka bootstrap: {settings.bootstrap}   stop with: llmq down")
+        return
+    cfg = StackConfig(short_workers=short_workers, long_workers=long_workers,
+                      any_workers=any_workers, http_port=http_port, profile=profile,
+                      model=model)
+    stack = Stack(stack_services(cfg), settings_env(settings))
+    click.echo(f"llmq: OpenAI-compatible API on http://127.0.0.1:{http_port}/v1 ; "
+               f"Kafka on {settings.bootstrap} ; workers: {short_workers} short, "
+               f"{long_workers} long, {any_workers} any (sim engine, profile {profile})")
+    if detach:
+        stack.start(log_dir=stack_dir(settings))
+        path = write_services_file(settings, stack)
+        click.echo(f"started in the background; logs and pids in {path.parent}; "
+                   "stop with: llmq down")
+        return
+    click.echo("Ctrl-C stops everything.")
+    status = run_foreground(stack, on_started=lambda: write_services_file(settings, stack))
+    (stack_dir(settings) / "services.json").unlink(missing_ok=True)
+    sys.exit(status)
+
+
+@main.command("down")
+@click.option("--keep-kafka", is_flag=True, help="Leave the embedded broker running.")
+@click.pass_context
+def down(ctx: click.Context, keep_kafka: bool) -> None:
+    """Stop what `llmq up --detach` started (services, then the embedded Kafka)."""
+    from services.stack import stop_detached
+
+    settings: Settings = ctx.obj
+    stopped = stop_detached(settings)
+    click.echo(f"stopped {len(stopped)} services" + (": " + ", ".join(stopped) if stopped else ""))
+    if not keep_kafka and not settings.kafka_bootstrap:
+        ctx.invoke(kafka_down)
 
 
 if __name__ == "__main__":

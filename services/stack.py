@@ -1,0 +1,263 @@
+"""The local stack: every llmq service as a child process, one log stream, clean stop.
+
+``llmq up`` calls :func:`run_foreground`: it starts Kafka (embedded, in the background),
+creates the topics, then starts ingest, scheduler, health and the workers as child
+processes whose output is merged into this terminal with a coloured ``name |`` prefix.
+Ctrl-C (or SIGTERM) stops the children in reverse order — SIGTERM first, so workers drain,
+then SIGKILL after a grace period — and leaves no process behind. ``--detach`` writes a
+pid file per child under ``<home>/stack/`` instead, and ``llmq down`` stops them by pid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from services.common.settings import Settings
+
+_COLOURS = ("36", "35", "33", "32", "34", "31", "96", "95")
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceSpec:
+    """One child process of the stack."""
+
+    name: str
+    argv: tuple[str, ...]
+    env: tuple[tuple[str, str], ...] = ()
+    #: Seconds to wait after starting it before the next one (ordering, not correctness).
+    settle_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class StackConfig:
+    short_workers: int = 2
+    long_workers: int = 1
+    any_workers: int = 0
+    http_port: int = 8080
+    metrics_base_port: int = 9400
+    profile: str = "llama3-8b-h100"
+    model: str = "llama-3.1-8b"
+    extra_env: tuple[tuple[str, str], ...] = field(default=())
+
+
+def stack_services(cfg: StackConfig) -> list[ServiceSpec]:
+    """The processes of the local stack, in start order."""
+    py = sys.executable
+    port = iter(range(cfg.metrics_base_port, cfg.metrics_base_port + 1000))
+    specs = [
+        ServiceSpec(
+            "scheduler",
+            (py, "-m", "services.scheduler"),
+            (("LLMQ_METRICS_PORT", str(next(port))),),
+        ),
+        ServiceSpec(
+            "ingest",
+            (py, "-m", "services.ingest"),
+            (("LLMQ_HTTP_PORT", str(cfg.http_port)), ("LLMQ_METRICS_PORT", str(next(port)))),
+        ),
+        ServiceSpec(
+            "health", (py, "-m", "services.health"), (("LLMQ_METRICS_PORT", str(next(port))),)
+        ),
+    ]
+    slot = 0
+    for pool, count in (("short", cfg.short_workers), ("long", cfg.long_workers),
+                        ("any", cfg.any_workers)):
+        for _ in range(count):
+            specs.append(
+                ServiceSpec(
+                    f"worker-{slot}",
+                    (py, "-m", "services.worker", "--slot", str(slot), "--pool", pool,
+                     "--engine", "sim", "--profile", cfg.profile, "--model", cfg.model),
+                    (("LLMQ_METRICS_PORT", str(next(port))),),
+                )
+            )
+            slot += 1
+    return specs
+
+
+def _pump(name: str, colour: str, stream: IO[bytes], out: IO[str], tty: bool) -> None:
+    prefix = f"\x1b[{colour}m{name:>10} |\x1b[0m " if tty else f"{name:>10} | "
+    for raw in iter(stream.readline, b""):
+        out.write(prefix + raw.decode(errors="replace"))
+        out.flush()
+
+
+class Stack:
+    """Owns the child processes; ``stop()`` is idempotent."""
+
+    def __init__(self, specs: Sequence[ServiceSpec], settings_env: dict[str, str]) -> None:
+        self.specs = list(specs)
+        self.env = settings_env
+        self.procs: list[tuple[ServiceSpec, subprocess.Popen[bytes]]] = []
+        self._threads: list[threading.Thread] = []
+
+    def start(self, log_dir: Path | None = None) -> None:
+        """Start every child; with ``log_dir`` they are detached and log to files there."""
+        tty = sys.stdout.isatty()
+        for i, spec in enumerate(self.specs):
+            env = {**os.environ, **self.env, **dict(spec.env), "PYTHONUNBUFFERED": "1"}
+            if log_dir is not None:
+                log_dir.mkdir(parents=True, exist_ok=True)
+                with (log_dir / f"{spec.name}.log").open("ab") as log:
+                    proc = subprocess.Popen(
+                        spec.argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL, start_new_session=True,
+                    )
+                self.procs.append((spec, proc))
+                continue
+            proc = subprocess.Popen(
+                spec.argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
+            assert proc.stdout is not None
+            thread = threading.Thread(
+                target=_pump,
+                args=(spec.name, _COLOURS[i % len(_COLOURS)], proc.stdout, sys.stdout, tty),
+                daemon=True,
+            )
+            thread.start()
+            self.procs.append((spec, proc))
+            self._threads.append(thread)
+            if spec.settle_s:
+                time.sleep(spec.settle_s)
+
+    def failed(self) -> list[tuple[str, int]]:
+        """Children that exited, with their exit codes."""
+        return [(s.name, p.returncode) for s, p in self.procs if p.poll() is not None]
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM in reverse start order (workers drain first), SIGKILL after ``grace_s``."""
+        for _, proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for _, proc in reversed(self.procs):
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for thread in self._threads:
+            thread.join(timeout=2.0)
+
+
+def settings_env(settings: Settings) -> dict[str, str]:
+    """The settings the children must share, as LLMQ_* variables."""
+    env = {
+        "LLMQ_HOME": str(settings.home),
+        "LLMQ_TOPIC_PREFIX": settings.topic_prefix,
+        "LLMQ_ASSIGNMENT_PARTITIONS": str(settings.assignment_partitions),
+        "LLMQ_KAFKA_PORT": str(settings.kafka_port),
+        "LLMQ_KAFKA_HOST": settings.kafka_host,
+    }
+    if settings.kafka_bootstrap:
+        env["LLMQ_KAFKA_BOOTSTRAP"] = settings.kafka_bootstrap
+    return env
+
+
+def run_foreground(stack: Stack, on_started: Callable[[], object] | None = None) -> int:
+    """Run until Ctrl-C / SIGTERM or until a child dies; returns the exit status."""
+    stopping = threading.Event()
+
+    def _on_signal(signum: int, _frame: object) -> None:
+        stopping.set()
+
+    previous = signal.signal(signal.SIGTERM, _on_signal)
+    stack.start()
+    if on_started is not None:
+        on_started()
+    status = 0
+    try:
+        while not stopping.is_set():
+            dead = stack.failed()
+            if dead:
+                name, code = dead[0]
+                print(f"llmq up: {name} exited with status {code}; stopping the stack",
+                      file=sys.stderr)
+                status = 1
+                break
+            stopping.wait(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        print("llmq up: stopping…", file=sys.stderr)
+        stack.stop()
+        signal.signal(signal.SIGTERM, previous)
+    return status
+
+
+def stack_dir(settings: Settings) -> Path:
+    """``<home>/stack``: services.json and, when detached, one log file per service."""
+    return settings.home / "stack"
+
+
+def metrics_url(spec: ServiceSpec) -> str | None:
+    port = dict(spec.env).get("LLMQ_METRICS_PORT")
+    return f"http://127.0.0.1:{port}/metrics" if port else None
+
+
+def write_services_file(settings: Settings, stack: Stack) -> Path:
+    """Record every child's pid and metrics URL in ``<home>/stack/services.json``.
+
+    ``llmq status`` reads ``metrics_urls`` from it and ``llmq down`` the pids.
+    """
+    path = stack_dir(settings) / "services.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {
+        spec.name: {"pid": proc.pid, "metrics_url": metrics_url(spec), "argv": list(spec.argv)}
+        for spec, proc in stack.procs
+    }
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def stop_detached(settings: Settings, grace_s: float = 20.0) -> list[str]:
+    """Stop the services a detached ``llmq up`` started (by the pids in services.json)."""
+    path = stack_dir(settings) / "services.json"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    pids = {name: int(info["pid"]) for name, info in data.items()}
+    alive = {n: p for n, p in pids.items() if _is_ours(p, data[n].get("argv", []))}
+    for pid in reversed(list(alive.values())):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for pid in alive.values():
+        while _exists(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if _exists(pid):
+            os.kill(pid, signal.SIGKILL)
+    path.unlink(missing_ok=True)
+    return list(alive)
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _is_ours(pid: int, argv: list[str]) -> bool:
+    """The pid still runs the command we started (not a reused pid)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return [c.decode(errors="replace") for c in cmdline if c] == argv

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Run the whole test suite against a real Kafka broker.
-# Uses the broker already answering on LLMQ_KAFKA_PORT (default 9092) if there is one;
+# Uses a broker already answering on LLMQ_KAFKA_PORT (default 9092) if there is one;
 # otherwise starts the embedded broker and stops it again afterwards, whatever the outcome.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bin=.venv/bin
 started=0
-if ! "$bin/llmq" dev kafka status --quiet; then
+if ! "$bin/llmq" dev kafka ping; then
   "$bin/llmq" dev kafka up || exit 1
   started=1
 fi

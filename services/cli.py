@@ -91,6 +91,16 @@ def kafka_status(settings: Settings, as_json: bool, quiet: bool) -> None:
     sys.exit(0 if status.answering else 1)
 
 
+@kafka.command("ping")
+@click.option("--timeout", default=3.0, show_default=True)
+@click.pass_obj
+def kafka_ping(settings: Settings, timeout: float) -> None:
+    """Exit 0 when any broker answers on the configured bootstrap (ours or not), else 1."""
+    from services.common.kafka import broker_answers
+
+    sys.exit(0 if asyncio.run(broker_answers(settings.bootstrap, timeout)) else 1)
+
+
 @dev.command("topics")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.pass_obj

@@ -1,0 +1,492 @@
+"""The worker loop: Kafka wiring around one engine (no decisions beyond the core's).
+
+A :class:`Worker` owns slot p = partition p of ``llmq.assignments`` (``services.worker.slot``
+explains the lock). Its tasks:
+
+- **consume**: reads its partition, decodes each record (undecodable → dead letter, go
+  on), drops what ``core.dedupe`` says to drop, answers late arrivals of recently cancelled
+  requests with ``cancelled``, and starts a :class:`RequestRun` for the rest, at most
+  ``max_in_flight`` at once (beyond that the partition is paused: Kafka is the queue);
+- **control**: every ``CancelRequest`` aborts the matching run (and is remembered for a
+  while); a ``DrainWorker`` for this worker starts the drain;
+- **heartbeat**: a complete ``WorkerHeartbeat`` every interval, and at once when drain
+  begins;
+- **commit**: commits the offset below which every assignment is finished (terminal
+  acknowledged, or dropped), with the finished offsets above it in the commit metadata
+  (``core.offsets``): at-least-once, with as little redo after a restart as possible.
+
+Drain (SIGTERM or ``DrainWorker``): a draining heartbeat goes out at once so the scheduler
+stops placing work here; the worker keeps reading its partition and serves whatever still
+arrives (nothing is dropped), and exits once nothing is in flight, no assignment arrived
+for ``drain_quiet_s`` and the draining heartbeat was acknowledged that long ago. Then: a
+final heartbeat, a final commit, leave the group, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+from aiokafka import TopicPartition
+from aiokafka.abc import ConsumerRebalanceListener
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import KafkaError
+from aiokafka.structs import OffsetAndMetadata
+
+from schemas.codec import decode
+from schemas.common import Pool
+from schemas.messages import ASSIGNMENT_ADAPTER
+from schemas.replies import Error
+from schemas.requests import Assignment
+from schemas.workers import EventAborted, WorkerHeartbeat
+from services.common.guard import Guard, aiokafka_dead_letter
+from services.common.kafka import ensure_topics, make_consumer, make_producer
+from services.common.replies import topic_partitions
+from services.common.settings import Settings
+from services.worker.core import (
+    AttemptLedger,
+    HeartbeatFields,
+    OffsetTracker,
+    RateMeter,
+    RecentCancels,
+    decode_done,
+    encode_done,
+    heartbeat_fields,
+)
+from services.worker.engines.base import Engine
+from services.worker.gpu import NvmlProbe
+from services.worker.kafka_io import ControlMessage, ControlReader, Publisher, WorkerTopics
+from services.worker.metrics import WorkerMetrics
+from services.worker.runner import RequestRun, RunConfig
+from services.worker.settings import WorkerSettings
+from services.worker.slot import (
+    SlotAssignorBase,
+    SlotRefused,
+    check_slot_free,
+    committed_position,
+    slot_assignor,
+    slot_group,
+)
+
+_log = logging.getLogger("services.worker")
+
+#: What happened to one assignment record: a run started, nothing more to do, or its
+#: answer was not acknowledged (the offset stays uncommitted).
+Admitted = Literal["running", "finished", "unacked"]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerIdentity:
+    """Who this worker is, as its heartbeats say."""
+
+    worker_id: str
+    slot: int
+    pool: Pool
+    model: str
+    model_version: str | None
+    engine: str
+
+
+class _SlotListener(ConsumerRebalanceListener):  # type: ignore[misc]  # aiokafka is Any
+    """Tells the worker what the slot group assigned it."""
+
+    def __init__(self, worker: Worker) -> None:
+        self._worker = worker
+
+    async def on_partitions_revoked(self, revoked: Any) -> None:
+        if revoked:
+            await self._worker.commit()  # best effort before a rebalance moves the slot
+
+    async def on_partitions_assigned(self, assigned: Any) -> None:
+        self._worker.on_assigned(set(assigned))
+
+
+class Worker:
+    """One worker process's state and tasks (see the module docstring)."""
+
+    def __init__(self, settings: Settings, ws: WorkerSettings, engine: Engine,
+                 identity: WorkerIdentity, *, clock: Callable[[], float] = time.time) -> None:
+        self.settings = settings
+        self.ws = ws
+        self.engine = engine
+        self.id = identity
+        self.topics = WorkerTopics.of(settings.topic_prefix, settings.assignment_partitions)
+        self.tp = TopicPartition(self.topics.assignments, identity.slot)
+        self.group = slot_group(settings.topic_prefix, identity.slot)
+        self._clock = clock
+        self.started_at = clock()
+        self.metrics = WorkerMetrics()
+        self.ledger = AttemptLedger(ws.dedupe_capacity)
+        self.cancels = RecentCancels(ws.cancel_memory_s)
+        self.tracker = OffsetTracker()
+        self.rate = RateMeter()
+        self.draining = False
+        self.runs: dict[str, RequestRun] = {}  # request_id -> its current run
+        self._run_tasks: set[asyncio.Task[None]] = set()
+        self._producer: Any = None
+        self._consumer: Any = None
+        self._publisher: Publisher | None = None
+        self._control: ControlReader | None = None
+        self._guard: Guard | None = None
+        self._gpu: NvmlProbe | None = None
+        self._assigned: set[TopicPartition] | None = None
+        self._assignor: type[SlotAssignorBase] | None = None
+        self._assigned_event = asyncio.Event()
+        self._heartbeat_wake = asyncio.Event()
+        self._commit_wake = asyncio.Event()
+        self._done = asyncio.Event()
+        self._hard_stop = False
+        self._serving = False
+        self._seq = 0
+        self._last_commit: tuple[int, str] | None = None
+        self._last_record_at = time.monotonic()
+        self._draining_acked_at: float | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._max_in_flight = ws.max_in_flight or engine.capacity().max_num_seqs
+        self.run_cfg = RunConfig(
+            worker_id=identity.worker_id, model=identity.model,
+            events_topic=self.topics.events, chunk_tokens=ws.chunk_tokens,
+            chunk_delay_s=ws.chunk_ms / 1000.0,
+        )
+
+    # ---- lifecycle ---------------------------------------------------------------------
+    async def run(self) -> int:
+        """Start, serve until drained (0) or stopped hard (1). SlotRefused propagates."""
+        try:
+            await self._start()
+            await self._done.wait()
+        finally:
+            await self._shutdown()
+        return 1 if self._hard_stop else 0
+
+    async def _start(self) -> None:
+        bootstrap = self.settings.bootstrap
+        await ensure_topics(bootstrap, self.topics.to_create())
+        partitions = await topic_partitions(bootstrap, self.topics.assignments)
+        if self.id.slot not in partitions:
+            raise SlotRefused(f"slot {self.id.slot} does not exist: {self.topics.assignments} "
+                              f"has partitions 0..{max(partitions)}")
+        await self._check_slot(bootstrap)
+        if self.ws.nvml == "auto" and self.id.engine != "sim":
+            self._gpu = NvmlProbe.open(self.ws.gpu_index)
+        await self.engine.start()
+        self._producer = make_producer(bootstrap)
+        await self._producer.start()
+        self._publisher = Publisher(self._producer, self.ws.send_timeout_s)
+        self._guard = Guard(aiokafka_dead_letter(self._producer, self.topics.deadletter),
+                            name=f"worker.slot{self.id.slot}", logger=_log)
+        # Control first: a cancel sent while we join must not be missed.
+        self._control = ControlReader(bootstrap, self.topics.control, self._on_control)
+        await self._control.start()
+        await self._join_slot(bootstrap)
+        if self.ws.metrics_port is not None:
+            self.metrics.serve(self.ws.metrics_port)
+        for coro in (self._control.run(), self._heartbeats(), self._commits(),
+                     self._consume(), self._drain_watch()):
+            self._spawn(coro)
+        self._serving = True  # only a worker that holds its slot heartbeats and commits
+        _log.info("worker %s: slot %d (%s), pool %s, engine %s, model %s, group %s",
+                  self.id.worker_id, self.id.slot, self.topics.assignments, self.id.pool,
+                  self.id.engine, self.id.model, self.group)
+
+    async def _check_slot(self, bootstrap: str) -> None:
+        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=10_000)
+        await admin.start()
+        try:
+            wait = self.ws.session_timeout_ms / 1000 + 2.0
+            await check_slot_free(admin, self.group, self.id.slot, self.id.worker_id, wait)
+            offset, metadata = await committed_position(admin, self.group, self.tp)
+        finally:
+            await admin.close()
+        done = decode_done(offset, metadata) if offset is not None else set()
+        self.tracker = OffsetTracker(offset, done)
+        if done:
+            _log.info("slot %d: %d request(s) above offset %s finished before the restart; "
+                      "skipping them", self.id.slot, len(done), offset)
+
+    async def _join_slot(self, bootstrap: str) -> None:
+        self._assignor = slot_assignor(self.id.slot, self.id.worker_id, self.started_at)
+        self._consumer = make_consumer(
+            bootstrap, group_id=self.group, client_id=self.id.worker_id,
+            partition_assignment_strategy=(self._assignor,),
+            session_timeout_ms=self.ws.session_timeout_ms,
+            heartbeat_interval_ms=max(300, self.ws.session_timeout_ms // 5),
+        )
+        self._consumer.subscribe([self.topics.assignments], listener=_SlotListener(self))
+        await self._consumer.start()
+        # The group join runs in the background; a fetch drives it along.
+        poll = asyncio.create_task(self._consumer.getmany(timeout_ms=100, max_records=1))
+        try:
+            await asyncio.wait_for(self._assigned_event.wait(),
+                                   self.ws.session_timeout_ms / 1000 + 20)
+        finally:
+            poll.cancel()
+            await asyncio.gather(poll, return_exceptions=True)
+        if self.tp not in (self._assigned or set()):
+            raise SlotRefused(f"slot {self.id.slot} is already held by another worker that "
+                              f"joined group {self.group} at the same time; refusing to "
+                              "start a second worker on the same slot")
+
+    def on_assigned(self, assigned: set[TopicPartition]) -> None:
+        """Group assignment callback: the first one tells if we hold the slot."""
+        had = self._assigned is not None and self.tp in self._assigned
+        self._assigned = assigned
+        if self._assignor is not None:
+            # Tell later rebalances that we hold the slot, so a newcomer cannot take it.
+            self._assignor.holding = self.tp in assigned
+        self._assigned_event.set()
+        if had and self.tp not in assigned:
+            _log.error("slot %d was taken over by another worker; draining", self.id.slot)
+            self.begin_drain("slot taken over")
+
+    def begin_drain(self, reason: str) -> None:
+        """Stop taking new work (the scheduler learns it from the next heartbeat, sent now)."""
+        if self.draining:
+            return
+        self.draining = True
+        _log.info("worker %s: draining (%s); %d request(s) in flight",
+                  self.id.worker_id, reason, len(self.runs))
+        self._heartbeat_wake.set()
+
+    def stop_now(self) -> None:
+        """Second signal: stop without waiting; unfinished requests are redone elsewhere."""
+        _log.warning("worker %s: stopping now; %d request(s) left unfinished",
+                     self.id.worker_id, len(self.runs))
+        self._hard_stop = True
+        self._done.set()
+
+    async def _shutdown(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for task in list(self._run_tasks):
+            task.cancel()  # only left on a hard stop: their offsets stay uncommitted
+        await asyncio.gather(*self._run_tasks, return_exceptions=True)
+        if self._serving:
+            await self._heartbeat()  # final: draining, nothing running
+            await self.commit()
+        await self._close_clients()
+
+    async def _close_clients(self) -> None:
+        for closer in (
+            self._control.stop() if self._control else None,
+            self._consumer.stop() if self._consumer else None,
+            self._producer.stop() if self._producer else None,
+            self.engine.close(),
+        ):
+            if closer is None:
+                continue
+            try:
+                await asyncio.wait_for(closer, 30)
+            except Exception:
+                _log.warning("shutdown step failed", exc_info=True)
+        if self._gpu is not None:
+            self._gpu.close()
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        task.add_done_callback(self._task_ended)
+        self._tasks.append(task)
+
+    def _task_ended(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            _log.error("worker task %s died", task.get_name(), exc_info=exc)
+            self._hard_stop = True
+            self._done.set()
+
+    # ---- assignments -------------------------------------------------------------------
+    async def _consume(self) -> None:
+        while True:
+            room = self._max_in_flight - len(self._run_tasks)
+            self._flow(room > 0)
+            try:
+                batches = await self._consumer.getmany(timeout_ms=100,
+                                                       max_records=max(1, room))
+            except KafkaError:
+                _log.warning("slot %d: fetch failed", self.id.slot, exc_info=True)
+                await asyncio.sleep(0.5)
+                continue
+            for tp, records in batches.items():
+                if tp != self.tp:
+                    continue
+                for record in records:
+                    await self._on_record(record)
+
+    def _flow(self, open_: bool) -> None:
+        """Pause the partition at max_in_flight, resume below it (Kafka keeps the backlog)."""
+        if self.tp not in self._consumer.assignment():
+            return
+        paused = self.tp in self._consumer.paused()
+        if open_ and paused:
+            self._consumer.resume(self.tp)
+        elif not open_ and not paused:
+            self._consumer.pause(self.tp)
+
+    async def _on_record(self, record: Any) -> None:
+        self._last_record_at = time.monotonic()
+        if not self.tracker.begin(record.offset):
+            return  # redelivered after a rebalance or restart: already handled
+        assert self._guard is not None
+        state = await self._guard.run(record, lambda: self._admit(record))
+        if state is None:
+            self.metrics.requests.labels("deadletter").inc()
+        if state in (None, "finished"):
+            self.tracker.finish(record.offset)
+            self._commit_wake.set()
+
+    async def _admit(self, record: Any) -> Admitted:
+        a: Assignment = decode(record.value, ASSIGNMENT_ADAPTER)
+        rid, attempt = a.request_id, a.attempt
+        if a.worker_id != self.id.worker_id:
+            _log.warning("slot %d: assignment of %s#%d is for worker %s, not us: dropped",
+                         self.id.slot, rid, attempt, a.worker_id)
+            self.metrics.requests.labels("misaddressed").inc()
+            return "finished"
+        verdict = self.ledger.admit(rid, attempt)
+        if verdict in ("duplicate", "stale"):
+            _log.info("slot %d: %s assignment %s#%d dropped", self.id.slot, verdict, rid,
+                      attempt)
+            self.metrics.requests.labels(verdict).inc()
+            return "finished"
+        if self.cancels.matches(rid, a.request.tenant, self._clock()):
+            return "finished" if await self._answer_cancelled(a) else "unacked"
+        older = self.runs.get(rid)
+        if older is not None:
+            older.stop("superseded", f"attempt {attempt} replaces it")
+        self._start_run(a, record.offset)
+        return "running"
+
+    def _start_run(self, a: Assignment, offset: int) -> None:
+        assert self._publisher is not None
+        run = RequestRun(a, self.engine, self._publisher, self.run_cfg, clock=self._clock,
+                         on_tokens=self._count_tokens)
+        self.runs[a.request_id] = run
+        task = asyncio.create_task(self._run_one(run, offset), name=f"run:{run.engine_id}")
+        self._run_tasks.add(task)
+        task.add_done_callback(self._run_tasks.discard)
+
+    async def _run_one(self, run: RequestRun, offset: int) -> None:
+        try:
+            outcome = await run.run()
+        finally:
+            if self.runs.get(run.request_id) is run:
+                del self.runs[run.request_id]
+        self.metrics.requests.labels(outcome.kind).inc()
+        if outcome.acked:
+            self.tracker.finish(offset)
+            self._commit_wake.set()
+        else:
+            _log.error("request %s: its answer was not acknowledged; offset %d stays "
+                       "uncommitted (a restart runs it again)", run.engine_id, offset)
+
+    def _count_tokens(self, n: int) -> None:
+        self.rate.add(n, time.monotonic())
+        self.metrics.tokens.inc(n)
+
+    async def _answer_cancelled(self, a: Assignment) -> bool:
+        """A late assignment of a cancelled request: its one terminal, without running it."""
+        assert self._publisher is not None
+        now = self._clock()
+        reply = Error(request_id=a.request_id, attempt=a.attempt, code="cancelled",
+                      message="cancelled before it started", ts=now)
+        event = EventAborted(request_id=a.request_id, tenant=a.request.tenant,
+                             attempt=a.attempt, worker_id=self.id.worker_id, ts=now,
+                             code="cancelled")
+        self.metrics.requests.labels("cancelled").inc()
+        return (await self._publisher.send_acked(a.admitted.reply_topic, reply)
+                and await self._publisher.send_acked(self.topics.events, event))
+
+    # ---- control -----------------------------------------------------------------------
+    async def _on_control(self, msg: ControlMessage) -> None:
+        if msg.kind == "drain":
+            if msg.worker_id == self.id.worker_id:
+                self.begin_drain(f"drain command from {msg.issued_by}: {msg.reason}")
+            return
+        self.cancels.add(msg.request_id, msg.tenant, self._clock())
+        run = self.runs.get(msg.request_id)
+        if run is not None and run.assignment.request.tenant == msg.tenant:
+            run.stop("cancelled", msg.reason or f"cancelled by {msg.issued_by}")
+
+    # ---- heartbeats --------------------------------------------------------------------
+    async def _heartbeats(self) -> None:
+        while True:
+            await self._heartbeat()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._heartbeat_wake.wait(),
+                                       self.ws.heartbeat_interval_s)
+            self._heartbeat_wake.clear()
+
+    def heartbeat_fields(self) -> HeartbeatFields:
+        sample = self._gpu.sample() if self._gpu is not None else None
+        return heartbeat_fields(self.engine.capacity(), sample,
+                                tokens_per_s=self.rate.rate(time.monotonic()))
+
+    async def _heartbeat(self) -> None:
+        assert self._publisher is not None
+        fields = self.heartbeat_fields()
+        draining = self.draining
+        hb = WorkerHeartbeat(
+            worker_id=self.id.worker_id, engine=self.id.engine, model=self.id.model,
+            model_version=self.id.model_version, pool=self.id.pool, partition=self.id.slot,
+            draining=draining, interval_s=self.ws.heartbeat_interval_s,
+            started_at=self.started_at, seq=self._seq, ts=self._clock(), **asdict(fields),
+        )
+        self._seq += 1
+        self.metrics.observe(fields, draining)
+        if await self._publisher.send_acked(self.topics.heartbeats, hb) and draining \
+                and self._draining_acked_at is None:
+            self._draining_acked_at = time.monotonic()
+
+    # ---- commits -----------------------------------------------------------------------
+    async def _commits(self) -> None:
+        while True:
+            await self._commit_wake.wait()
+            self._commit_wake.clear()
+            if not await self.commit():
+                await asyncio.sleep(0.5)
+                self._commit_wake.set()  # retry
+            await asyncio.sleep(0.02)  # coalesce bursts of finishing requests
+
+    async def commit(self) -> bool:
+        """Commit what the tracker allows; True when done (or nothing to do)."""
+        point = self.tracker.commit_point()
+        if point is None or self._consumer is None:
+            return True
+        metadata = encode_done(point, self.tracker.done_above())
+        if self._last_commit == (point, metadata):
+            return True
+        try:
+            await asyncio.wait_for(
+                self._consumer.commit({self.tp: OffsetAndMetadata(point, metadata)}), 10
+            )
+        except (KafkaError, TimeoutError) as exc:
+            _log.warning("slot %d: commit of offset %d failed (%r); will retry",
+                         self.id.slot, point, exc)
+            return False
+        self.tracker.committed(point)
+        self._last_commit = (point, metadata)
+        return True
+
+    # ---- drain -------------------------------------------------------------------------
+    async def _drain_watch(self) -> None:
+        quiet = self.ws.resolved_drain_quiet_s()
+        while True:
+            await asyncio.sleep(0.05)
+            if not self.draining or self.runs or self._run_tasks:
+                continue
+            now = time.monotonic()
+            if self._draining_acked_at is None or now - self._draining_acked_at < quiet:
+                continue
+            if now - self._last_record_at < quiet:
+                continue
+            _log.info("worker %s: drained; exiting", self.id.worker_id)
+            self._done.set()
+            return

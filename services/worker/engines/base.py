@@ -1,0 +1,135 @@
+"""The one Protocol every inference engine implements, and the plain values it speaks.
+
+The worker app is the only caller. An engine turns a :class:`GenerateRequest` into an async
+stream of :class:`TokenDelta` values, aborts a request by id, and reports its
+:class:`EngineCapacity` (a cheap, synchronous view: engines that learn their load over the
+network refresh it in the background). Nothing here imports Kafka, HTTP or vLLM.
+
+Stream contract (what the worker relies on):
+
+- deltas come in order; ``tokens`` may be 0 for a delta that only carries the finish;
+- the last delta has ``finish_reason`` set; a stream that ends without one is an engine
+  failure;
+- ``abort(request_id)`` ends that request's stream with :class:`EngineAborted` (a no-op for
+  unknown or finished ids); closing the iterator early (``aclose``, task cancellation)
+  aborts the request too, so the engine frees its KV either way;
+- a request the engine cannot run raises :class:`EngineError` with the terminal error code
+  the client should get.
+
+Note: :class:`EngineCapacity` here is the live load view of an engine; the unrelated
+``services.worker.engines.sim.capacity.EngineCapacity`` is the saturated throughput of a
+simulated profile (used by benchmarks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Literal, Protocol, runtime_checkable
+
+from schemas.common import ErrorCode
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True, slots=True)
+class ChatTurn:
+    """One chat message as the engine sees it (role and text)."""
+
+    role: str
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateRequest:
+    """What an engine is asked to generate. ``request_id`` is unique per attempt on a worker.
+
+    Exactly one of ``prompt`` and ``messages`` is set. ``prompt_tokens`` is admission's
+    estimate (the ``sim`` engine uses it as the prompt length; real engines count their own).
+    """
+
+    request_id: str
+    model: str
+    max_tokens: int
+    prompt_tokens: int
+    prompt: str | None = None
+    messages: tuple[ChatTurn, ...] | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TokenDelta:
+    """New output of one request: ``text`` made of ``tokens`` tokens.
+
+    The final delta carries ``finish_reason``, and where the engine knows them the
+    authoritative ``prompt_tokens`` / ``completion_tokens`` of the whole request.
+    """
+
+    text: str
+    tokens: int
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCapacity:
+    """An engine's load and capacity now. KV in tokens and bytes; VRAM in bytes (0/0 when
+    the engine does not know it); ``gpu_util`` in [0, 1] or None."""
+
+    kv_total_tokens: int
+    kv_free_tokens: int
+    kv_total_bytes: int
+    kv_free_bytes: int
+    block_size: int
+    running: int
+    waiting: int
+    max_num_seqs: int
+    vram_total_bytes: int = 0
+    vram_used_bytes: int = 0
+    gpu_util: float | None = None
+    tokens_per_s: float = 0.0
+
+
+class EngineError(Exception):
+    """The engine cannot run a request; ``code`` is the terminal error the client gets."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code: ErrorCode = code
+        self.message = message
+
+
+class EngineAborted(Exception):
+    """The request's stream ended because ``abort(request_id)`` was called."""
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """An inference engine behind one worker."""
+
+    #: Engine kind as heartbeats report it: ``sim``, ``vllm``, ``openai``.
+    name: str
+
+    async def start(self) -> None:
+        """Load the model / open connections; ready to generate when it returns."""
+
+    async def close(self) -> None:
+        """Stop and free everything; requests still streaming end with EngineAborted."""
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
+        """Stream the output of ``request`` (see the module docstring for the contract)."""
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """End ``request_id``'s stream and free its resources; no-op if unknown."""
+
+    def capacity(self) -> EngineCapacity:
+        """The current load view (cheap; no I/O)."""
+        ...

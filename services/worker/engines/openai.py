@@ -1,0 +1,339 @@
+"""The ``openai`` engine: an external vLLM (or any OpenAI-compatible) server over HTTP.
+
+Generation streams from ``POST /v1/completions`` (or ``/v1/chat/completions`` for chat
+requests) with ``stream=true`` and ``stream_options.include_usage``: each server-sent
+``data:`` event carrying text is one delta (one token each; the final usage event corrects
+the totals when the server batches tokens), ``data: [DONE]`` ends it. Aborting closes the
+HTTP stream, which makes vLLM abort the request and free its KV.
+
+Capacity comes from the server's Prometheus ``/metrics``, polled every
+``metrics_interval_s`` in the background (vLLM names, summed over engines):
+``vllm:kv_cache_usage_perc`` (fraction 0..1; older vLLM: ``vllm:gpu_cache_usage_perc``),
+``vllm:num_requests_running``, ``vllm:num_requests_waiting``, and the pool size from the
+labels of ``vllm:cache_config_info`` (``num_gpu_blocks``, ``block_size``) when exposed, else
+the profile's. KV bytes per token come from the profile (the server does not publish them).
+
+Unknown state fails closed (STYLE.md §6): while ``/metrics`` cannot be read (server down,
+5xx) the engine reports no free KV, so the scheduler sends nothing. A server without a
+``/metrics`` endpoint at all (404) is accounted locally instead: free KV = pool − Σ (prompt +
+max tokens) of the requests in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Final
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from schemas.common import ErrorCode
+from services.worker.core.rate import RateMeter
+from services.worker.engines.base import (
+    EngineAborted,
+    EngineCapacity,
+    EngineError,
+    FinishReason,
+    GenerateRequest,
+    TokenDelta,
+)
+from services.worker.engines.sim.model import EngineProfile
+
+_log = logging.getLogger(__name__)
+
+_KV_USAGE: Final = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+_RUNNING: Final = "vllm:num_requests_running"
+_WAITING: Final = "vllm:num_requests_waiting"
+_CACHE_INFO: Final = "vllm:cache_config_info"
+
+
+@dataclass(frozen=True, slots=True)
+class ServerLoad:
+    """What one /metrics scrape said. ``kv_usage`` in [0, 1]; pool size when published."""
+
+    kv_usage: float | None
+    running: int
+    waiting: int
+    num_gpu_blocks: int | None = None
+    block_size: int | None = None
+
+
+def parse_vllm_metrics(text: str) -> ServerLoad:
+    """Parse a Prometheus text exposition of a vLLM server (see the module docstring)."""
+    usage: list[float] = []
+    running = waiting = 0
+    blocks: int | None = None
+    block_size: int | None = None
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in _KV_USAGE:
+                usage.append(float(sample.value))
+            elif sample.name == _RUNNING:
+                running += int(sample.value)
+            elif sample.name == _WAITING:
+                waiting += int(sample.value)
+            elif sample.name == _CACHE_INFO:
+                blocks = _int_label(sample.labels, "num_gpu_blocks") or blocks
+                block_size = _int_label(sample.labels, "block_size") or block_size
+    kv = min(1.0, max(0.0, sum(usage) / len(usage))) if usage else None
+    return ServerLoad(kv, running, waiting, blocks, block_size)
+
+
+def _int_label(labels: dict[str, str], name: str) -> int | None:
+    raw = labels.get(name, "")
+    return int(raw) if raw.isdigit() and int(raw) > 0 else None
+
+
+def _status_code(status: int) -> ErrorCode:
+    """Terminal error code for an HTTP error from the server."""
+    if status == 404:
+        return "unknown_model"
+    if status == 413:
+        return "too_large"
+    if status in (400, 422):
+        return "invalid"
+    if status in (429, 503):
+        return "overloaded"
+    return "worker_lost"
+
+
+def _finish(reason: object) -> FinishReason | None:
+    if reason == "length":
+        return "length"
+    # stop, eos, content_filter, tool_calls: the model ended the answer itself.
+    return None if reason in (None, "abort") else "stop"
+
+
+def request_body(req: GenerateRequest, served_model: str) -> tuple[str, dict[str, Any]]:
+    """Path and JSON body of the streaming request for ``req``."""
+    body: dict[str, Any] = {
+        "model": served_model,
+        "max_tokens": req.max_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if req.stop:
+        body["stop"] = list(req.stop)
+    if req.seed is not None:
+        body["seed"] = req.seed
+    if req.top_k is not None:
+        body["top_k"] = req.top_k  # a vLLM extension; OpenAI itself has no top_k
+    if req.messages is not None:
+        body["messages"] = [{"role": m.role, "content": m.content} for m in req.messages]
+        return "/v1/chat/completions", body
+    body["prompt"] = req.prompt or ""
+    return "/v1/completions", body
+
+
+class _Tally:
+    """Running totals of one stream."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.finish: FinishReason | None = None
+        self.prompt_tokens: int | None = None
+        self.completion_tokens: int | None = None
+
+    def take(self, event: dict[str, Any]) -> TokenDelta | None:
+        """Account one SSE event; the delta to yield, if it carries text."""
+        usage = event.get("usage")
+        if isinstance(usage, dict):
+            self.prompt_tokens = _opt_int(usage.get("prompt_tokens"))
+            self.completion_tokens = _opt_int(usage.get("completion_tokens"))
+        choices = event.get("choices") or []
+        if not choices or not isinstance(choices[0], dict):
+            return None
+        choice = choices[0]
+        delta = choice.get("delta")
+        text = choice.get("text") if delta is None else (delta or {}).get("content")
+        reason = _finish(choice.get("finish_reason"))
+        if reason is not None:
+            self.finish = reason
+        if isinstance(text, str) and text:
+            self.tokens += 1
+            return TokenDelta(text, 1)
+        return None
+
+    def last(self) -> TokenDelta:
+        if self.finish is None:
+            raise EngineError("worker_lost", "stream ended without a finish reason")
+        return TokenDelta("", 0, finish_reason=self.finish, prompt_tokens=self.prompt_tokens,
+                          completion_tokens=self.completion_tokens)
+
+
+def _opt_int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+class OpenAIEngine:
+    """The ``openai`` engine (see the module docstring)."""
+
+    name = "openai"
+
+    def __init__(self, base_url: str, served_model: str, *, profile: EngineProfile,
+                 api_key: str | None = None, metrics_interval_s: float = 1.0,
+                 connect_timeout_s: float = 5.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.served_model = served_model
+        self.profile = profile
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._metrics_interval_s = metrics_interval_s
+        # No read timeout: a long generation may pause; deadlines are the worker's job.
+        self._timeout = httpx.Timeout(connect=connect_timeout_s, read=None, write=30.0,
+                                      pool=connect_timeout_s)
+        self._client: httpx.AsyncClient | None = None
+        self._poller: asyncio.Task[None] | None = None
+        self._load: ServerLoad | None = None
+        self._metrics_missing = False  # the server answered 404 on /metrics
+        self._responses: dict[str, httpx.Response] = {}
+        self._in_flight: dict[str, int] = {}  # request_id -> prompt + max tokens
+        self._aborted: set[str] = set()
+        self._rate = RateMeter()
+
+    async def start(self) -> None:
+        self._client = httpx.AsyncClient(base_url=self.base_url, headers=self._headers,
+                                         timeout=self._timeout)
+        await self.refresh_metrics()
+        self._poller = asyncio.create_task(self._poll(), name="openai-engine-metrics")
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+            self._poller = None
+        for request_id in list(self._responses):
+            await self.abort(request_id)
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    # ---- generation ------------------------------------------------------------------
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
+        if self._client is None:
+            raise EngineError("worker_lost", "openai engine is not started")
+        path, body = request_body(request, self.served_model)
+        rid = request.request_id
+        self._in_flight[rid] = request.prompt_tokens + request.max_tokens
+        tally = _Tally()
+        try:
+            async with self._client.stream("POST", path, json=body) as response:
+                self._responses[rid] = response
+                await self._check_status(response)
+                async for event in self._events(response):
+                    if rid in self._aborted:
+                        # Lines already buffered still arrive after aclose(): drop them.
+                        raise EngineAborted(f"request {rid} aborted")
+                    delta = tally.take(event)
+                    if delta is not None:
+                        self._rate.add(delta.tokens, time.monotonic())
+                        yield delta
+                yield tally.last()
+        except (httpx.HTTPError, EngineError) as exc:
+            if rid in self._aborted:
+                raise EngineAborted(f"request {rid} aborted") from None
+            if isinstance(exc, EngineError):
+                raise
+            raise EngineError("worker_lost", f"engine server: {type(exc).__name__}: {exc}") \
+                from None
+        finally:
+            self._responses.pop(rid, None)
+            self._in_flight.pop(rid, None)
+            self._aborted.discard(rid)
+
+    async def abort(self, request_id: str) -> None:
+        response = self._responses.get(request_id)
+        if response is not None:
+            self._aborted.add(request_id)
+            await response.aclose()  # vLLM aborts a request whose client went away
+
+    @staticmethod
+    async def _check_status(response: httpx.Response) -> None:
+        if response.status_code < 400:
+            return
+        body = (await response.aread()).decode(errors="replace")[:500]
+        raise EngineError(_status_code(response.status_code),
+                          f"engine server answered {response.status_code}: {body}")
+
+    @staticmethod
+    async def _events(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+        """The JSON payloads of an SSE stream, until ``[DONE]``."""
+        async for line in response.aiter_lines():
+            if not line.startswith("data:"):
+                continue  # comments, event names, blank separators
+            data = line.removeprefix("data:").strip()
+            if data == "[DONE]":
+                return
+            try:
+                event = json.loads(data)
+            except json.JSONDecodeError:
+                raise EngineError("worker_lost", f"bad SSE payload: {data[:200]}") from None
+            if isinstance(event, dict):
+                if "error" in event:
+                    raise EngineError("worker_lost", f"engine server error: {event['error']}")
+                yield event
+
+    # ---- capacity --------------------------------------------------------------------
+    async def refresh_metrics(self) -> None:
+        """Scrape /metrics once; on failure the load becomes unknown (fail closed)."""
+        assert self._client is not None
+        try:
+            response = await self._client.get("/metrics", timeout=5.0)
+        except httpx.HTTPError as exc:
+            _log.warning("openai engine: /metrics unreachable: %s", exc)
+            self._load = None
+            return
+        if response.status_code == 404:
+            self._metrics_missing = True
+            self._load = None
+            return
+        if response.status_code >= 400:
+            _log.warning("openai engine: /metrics answered %s", response.status_code)
+            self._load = None
+            return
+        try:
+            self._load = parse_vllm_metrics(response.text)
+        except ValueError as exc:
+            _log.warning("openai engine: /metrics unparsable: %s", exc)
+            self._load = None
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self._metrics_interval_s)
+            await self.refresh_metrics()
+
+    def capacity(self) -> EngineCapacity:
+        load, p = self._load, self.profile
+        block_size = (load.block_size if load else None) or p.block_size
+        blocks = (load.num_gpu_blocks if load else None) or p.num_blocks
+        total = blocks * block_size
+        if load is not None and load.kv_usage is not None:
+            free = round(total * (1.0 - load.kv_usage))
+            running, waiting = load.running, load.waiting
+        elif self._metrics_missing:
+            free = max(0, total - sum(self._in_flight.values()))
+            running, waiting = min(len(self._in_flight), p.max_num_seqs), 0
+        else:
+            free = 0  # unknown: fail closed
+            running, waiting = len(self._in_flight), 0
+        return EngineCapacity(
+            kv_total_tokens=total,
+            kv_free_tokens=free,
+            kv_total_bytes=total * p.kv_bytes_per_token,
+            kv_free_bytes=free * p.kv_bytes_per_token,
+            block_size=block_size,
+            running=running,
+            waiting=waiting,
+            max_num_seqs=p.max_num_seqs,
+            tokens_per_s=self._rate.rate(time.monotonic()),
+        )

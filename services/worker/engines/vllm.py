@@ -1,0 +1,179 @@
+"""The ``vllm`` engine: vLLM's ``AsyncLLM`` (V1 engine) in the worker's own process.
+
+Optional: needs the ``vllm`` extra (``pip install 'llmq[vllm]'``) and, in practice, a GPU.
+vLLM is imported in :meth:`VllmEngine.start`, never when this module is imported, so the
+worker package stays importable without it.
+
+API used (vLLM ≥ 0.8, V1): ``AsyncLLM.from_engine_args(AsyncEngineArgs(model=..., ...))``;
+``async for out in llm.generate(prompt, SamplingParams(...), request_id)`` yields
+``RequestOutput`` values whose ``outputs[0].text`` / ``.token_ids`` are cumulative (the
+default ``RequestOutputKind.CUMULATIVE``), so this adapter emits the difference to the
+previous output as a delta; ``await llm.abort(request_id)``; ``llm.shutdown()``. Chat
+requests are rendered with the tokenizer's chat template (``await llm.get_tokenizer()``).
+
+Capacity: pool size from ``vllm_config.cache_config`` (``num_gpu_blocks`` × ``block_size``),
+batch limit from ``scheduler_config.max_num_seqs``; AsyncLLM exposes no live KV figure to
+an in-process caller, so free KV is estimated from the requests in flight (computed tokens
+so far, rounded up to blocks), and running/waiting are split at ``max_num_seqs``. VRAM and
+utilisation come from NVML in the worker app.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+from services.worker.core.rate import RateMeter
+from services.worker.engines.base import (
+    EngineAborted,
+    EngineCapacity,
+    EngineError,
+    FinishReason,
+    GenerateRequest,
+    TokenDelta,
+)
+from services.worker.engines.sim.model import EngineProfile
+
+INSTALL_HINT = "the vllm engine needs vLLM: pip install 'llmq[vllm]' (GPU machines)"
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class VllmEngine:
+    """The ``vllm`` engine (see the module docstring)."""
+
+    name = "vllm"
+
+    def __init__(self, model: str, *, profile: EngineProfile,
+                 engine_args: Mapping[str, Any] | None = None) -> None:
+        self.model = model
+        self.profile = profile
+        self._engine_args = dict(engine_args or {})
+        self._llm: Any = None
+        self._sampling_cls: Any = None
+        self._tokenizer: Any = None
+        self._tokens: dict[str, int] = {}  # request_id -> prompt + generated tokens so far
+        self._aborted: set[str] = set()
+        self._rate = RateMeter()
+
+    async def start(self) -> None:
+        try:
+            from vllm import SamplingParams
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
+        except ImportError as exc:
+            raise RuntimeError(f"{INSTALL_HINT} ({exc})") from exc
+        self._sampling_cls = SamplingParams
+        args = AsyncEngineArgs(model=self.model, **self._engine_args)
+        self._llm = AsyncLLM.from_engine_args(args)
+
+    async def close(self) -> None:
+        if self._llm is not None:
+            for request_id in list(self._tokens):
+                await self.abort(request_id)
+            self._llm.shutdown()
+            self._llm = None
+
+    def _sampling(self, req: GenerateRequest) -> Any:
+        options: dict[str, Any] = {
+            "max_tokens": req.max_tokens,
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "presence_penalty": req.presence_penalty,
+            "frequency_penalty": req.frequency_penalty,
+            "stop": list(req.stop) or None,
+            "seed": req.seed,
+        }
+        if req.top_k is not None:
+            options["top_k"] = req.top_k
+        return self._sampling_cls(**options)
+
+    async def _prompt(self, req: GenerateRequest) -> str:
+        if req.messages is None:
+            return req.prompt or ""
+        if self._tokenizer is None:
+            self._tokenizer = await self._llm.get_tokenizer()
+        turns = [{"role": m.role, "content": m.content} for m in req.messages]
+        rendered: str = self._tokenizer.apply_chat_template(
+            turns, tokenize=False, add_generation_prompt=True
+        )
+        return rendered
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
+        if self._llm is None:
+            raise EngineError("worker_lost", "vllm engine is not started")
+        rid = request.request_id
+        prompt = await self._prompt(request)
+        text_len = n_tokens = 0
+        self._tokens[rid] = request.prompt_tokens
+        finished = False
+        try:
+            async for out in self._llm.generate(prompt, self._sampling(request), rid):
+                if rid in self._aborted:
+                    raise EngineAborted(f"request {rid} aborted")
+                completion = out.outputs[0]
+                text, count = completion.text, len(completion.token_ids)
+                prompt_tokens = len(out.prompt_token_ids or ())
+                self._tokens[rid] = prompt_tokens + count
+                self._rate.add(count - n_tokens, time.monotonic())
+                reason = _finish_reason(completion.finish_reason) if out.finished else None
+                delta = TokenDelta(
+                    text[text_len:], count - n_tokens, finish_reason=reason,
+                    prompt_tokens=prompt_tokens if reason else None,
+                    completion_tokens=count if reason else None,
+                )
+                text_len, n_tokens = len(text), count
+                if delta.tokens or delta.text or reason:
+                    yield delta
+                if out.finished:
+                    finished = True
+                    if reason is None:
+                        raise EngineAborted(f"request {rid} was aborted by vLLM")
+                    return
+            if rid in self._aborted:
+                raise EngineAborted(f"request {rid} aborted")
+            raise EngineError("worker_lost", "vLLM stream ended without finishing")
+        finally:
+            self._tokens.pop(rid, None)
+            self._aborted.discard(rid)
+            if not finished and self._llm is not None:
+                with contextlib.suppress(Exception):  # best effort: free the KV
+                    await self._llm.abort(rid)
+
+    async def abort(self, request_id: str) -> None:
+        if self._llm is not None and request_id in self._tokens:
+            self._aborted.add(request_id)
+            await self._llm.abort(request_id)
+
+    def capacity(self) -> EngineCapacity:
+        p = self.profile
+        block_size, blocks, max_seqs = p.block_size, p.num_blocks, p.max_num_seqs
+        if self._llm is not None:
+            cache = self._llm.vllm_config.cache_config
+            block_size = int(cache.block_size or block_size)
+            blocks = int(cache.num_gpu_blocks or blocks)
+            max_seqs = int(self._llm.vllm_config.scheduler_config.max_num_seqs or max_seqs)
+        total = blocks * block_size
+        used = sum(_ceil_div(n, block_size) for n in self._tokens.values()) * block_size
+        free = max(0, total - used)
+        per_token = p.kv_bytes_per_token
+        n = len(self._tokens)
+        return EngineCapacity(
+            kv_total_tokens=total, kv_free_tokens=free,
+            kv_total_bytes=total * per_token, kv_free_bytes=free * per_token,
+            block_size=block_size, running=min(n, max_seqs), waiting=max(0, n - max_seqs),
+            max_num_seqs=max_seqs, tokens_per_s=self._rate.rate(time.monotonic()),
+        )
+
+
+def _finish_reason(reason: object) -> FinishReason | None:
+    """vLLM's finish_reason → ours; None for an abort ("abort") or unknown state."""
+    if reason == "length":
+        return "length"
+    if reason == "stop":
+        return "stop"
+    return None

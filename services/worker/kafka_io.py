@@ -1,0 +1,170 @@
+"""The worker's Kafka plumbing: topic names, a batching publisher, the control reader.
+
+- :class:`WorkerTopics` names the topics a worker uses, taken from the catalog by the
+  messages they carry (the catalog is the only place that spells topic names).
+- :class:`Publisher` produces wire messages without waiting for each ack: ``send`` returns
+  the delivery future, ``acked`` waits for many at once (bounded by a timeout). Hot paths
+  (token chunks) never wait per message; a request waits once, before its terminal.
+- :class:`ControlReader` reads every partition of ``llmq.control`` from its end, without a
+  consumer group (every worker must see every command), and hands decoded commands to a
+  callback. Undecodable control records are logged and skipped here, not dead-lettered:
+  the scheduler's control consumer (a group, so once per record) dead-letters them, and
+  every worker doing it too would multiply one bad record by the size of the fleet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from aiokafka import TopicPartition
+from aiokafka.errors import KafkaError
+
+from schemas.base import WireMessage
+from schemas.codec import SchemaError, decode, encode
+from schemas.control import CancelRequest, DrainWorker
+from schemas.messages import CONTROL_ADAPTER
+from schemas.requests import Assignment
+from schemas.topics import TopicSpec, catalog, message_key
+from schemas.workers import EventStarted, WorkerHeartbeat
+from services.common.kafka import TopicRequest, make_consumer
+from services.common.replies import topic_partitions
+
+_log = logging.getLogger(__name__)
+
+ControlMessage = DrainWorker | CancelRequest
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerTopics:
+    """Topic names of one deployment (prefix) as a worker sees them."""
+
+    assignments: str
+    heartbeats: str
+    events: str
+    control: str
+    deadletter: str
+    specs: tuple[TopicSpec, ...]
+
+    @classmethod
+    def of(cls, prefix: str, assignment_partitions: int) -> WorkerTopics:
+        specs = tuple(catalog(prefix, assignment_partitions))
+
+        def carrying(model: type[WireMessage] | None) -> str:
+            for spec in specs:
+                if (model is None and spec.adapter is None) or model in spec.models:
+                    return spec.name
+            raise LookupError(f"no catalog topic carries {model}")
+
+        return cls(
+            assignments=carrying(Assignment),
+            heartbeats=carrying(WorkerHeartbeat),
+            events=carrying(EventStarted),
+            control=carrying(CancelRequest),
+            deadletter=carrying(None),
+            specs=specs,
+        )
+
+    def to_create(self) -> list[TopicRequest]:
+        """The catalog topics (every service ensures them at start; idempotent)."""
+        return [TopicRequest(s.name, s.partitions, s.config) for s in self.specs]
+
+
+class Publisher:
+    """Sends wire messages on a started aiokafka producer (idempotent, acks=all)."""
+
+    def __init__(self, producer: Any, timeout_s: float) -> None:
+        self._producer = producer
+        self.timeout_s = timeout_s
+
+    async def send(self, topic: str, msg: WireMessage) -> asyncio.Future[Any]:
+        """Queue ``msg`` for ``topic`` (key from the catalog); returns its delivery future.
+
+        Waits only for buffer space, not for the broker.
+        """
+        future: asyncio.Future[Any] = await asyncio.wait_for(
+            self._producer.send(topic, encode(msg), key=message_key(msg)), self.timeout_s
+        )
+        return future
+
+    async def acked(self, futures: Iterable[asyncio.Future[Any]]) -> bool:
+        """True once every future is acknowledged; False on an error or the timeout."""
+        pending = list(futures)
+        if not pending:
+            return True
+        try:
+            await asyncio.wait_for(asyncio.gather(*pending), self.timeout_s)
+        except (KafkaError, TimeoutError, OSError) as exc:
+            _log.error("broker did not acknowledge %d record(s): %r", len(pending), exc)
+            return False
+        return True
+
+    async def send_acked(self, topic: str, msg: WireMessage) -> bool:
+        """Send one message and wait for its ack (low-rate messages: heartbeats, terminals)."""
+        try:
+            future = await self.send(topic, msg)
+        except (KafkaError, TimeoutError, OSError) as exc:
+            _log.error("could not send %s to %s: %r", msg.kind, topic, exc)
+            return False
+        return await self.acked([future])
+
+
+class ControlReader:
+    """Every command on the control topic from now on, decoded (see the module docstring)."""
+
+    def __init__(self, bootstrap: str, topic: str,
+                 handle: Callable[[ControlMessage], Awaitable[None]]) -> None:
+        self.topic = topic
+        self._bootstrap = bootstrap
+        self._handle = handle
+        self._consumer: Any = None
+
+    async def start(self) -> None:
+        """Assign every partition at its current end; commands sent after this are seen."""
+        partitions = await topic_partitions(self._bootstrap, self.topic)
+        consumer = make_consumer(self._bootstrap, enable_auto_commit=False)
+        await consumer.start()
+        try:
+            tps = [TopicPartition(self.topic, p) for p in partitions]
+            consumer.assign(tps)
+            await consumer.seek_to_end(*tps)
+            for tp in tps:
+                await consumer.position(tp)  # resolve the lazy seek now
+        except BaseException:
+            await consumer.stop()
+            raise
+        self._consumer = consumer
+
+    async def stop(self) -> None:
+        if self._consumer is not None:
+            await self._consumer.stop()
+            self._consumer = None
+
+    async def run(self) -> None:
+        """Read until cancelled."""
+        while True:
+            try:
+                batches = await self._consumer.getmany(timeout_ms=200)
+            except KafkaError:
+                _log.warning("control reader: fetch failed", exc_info=True)
+                await asyncio.sleep(0.5)
+                continue
+            for records in batches.values():
+                for record in records:
+                    await self._one(record)
+
+    async def _one(self, record: Any) -> None:
+        try:
+            msg: ControlMessage = decode(record.value, CONTROL_ADAPTER)
+        except SchemaError as exc:
+            _log.warning("control: undecodable record %s/%s/%s skipped: %s",
+                         record.topic, record.partition, record.offset, exc)
+            return
+        try:
+            await self._handle(msg)
+        except Exception:
+            # One command must not stop the worker from seeing the next one.
+            _log.exception("control: handling %s failed", msg.kind)

@@ -1,0 +1,308 @@
+"""One assignment on the engine, from ``event.started`` to its one terminal reply.
+
+:class:`RequestRun` owns the life of one ``(request_id, attempt)`` on this worker:
+
+1. deadline already passed → ``Error(timeout)`` + ``event.aborted(timeout)``, nothing run;
+2. ``event.started``; a pump task feeds the engine's deltas into the run's inbox;
+3. first token → ``event.first_token``; deltas are batched into ``TokenChunk`` messages
+   (``core.batching``) on the request's reply topic, without waiting for acks;
+4. exactly one ending, whichever comes first: the engine finishes (``Done`` +
+   ``event.done``), the deadline passes (abort, ``Error(timeout)`` + ``event.aborted``),
+   :meth:`stop` is called for a cancel (abort, ``Error(cancelled)`` + ``event.aborted``)
+   or a newer attempt (abort, nothing sent: clients keep the newest attempt), or the engine
+   fails (``Error(code)`` + ``event.failed``). Buffered text is flushed before the terminal.
+
+The terminal reply is sent once every chunk was acknowledged, and the terminal event once
+the reply was: ``event.done`` means "the done reply is durable". :meth:`run` returns an
+:class:`Outcome` whose ``acked`` tells the app whether the assignment's offset may be
+committed. Any unexpected error still ends the request with ``Error(worker_lost)``.
+
+Everything the run waits on comes through one inbox (deltas, the end of the stream, a
+failure, a stop), so timeouts, cancels and tokens are handled in one loop without
+cancelling the engine's iterator mid-step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from schemas.common import ErrorCode
+from schemas.replies import Done, Error, Timings, TokenChunk, Usage
+from schemas.requests import Assignment
+from schemas.workers import (
+    EventAborted,
+    EventDone,
+    EventFailed,
+    EventFirstToken,
+    EventStarted,
+)
+from services.worker.core.batching import Chunk, ChunkBatcher
+from services.worker.core.deadline import deadline_of, timing
+from services.worker.engines.base import (
+    ChatTurn,
+    Engine,
+    EngineAborted,
+    EngineError,
+    GenerateRequest,
+    TokenDelta,
+)
+from services.worker.kafka_io import Publisher
+
+_log = logging.getLogger(__name__)
+
+StopReason = Literal["cancelled", "timeout", "superseded"]
+OutcomeKind = Literal["done", "timeout", "cancelled", "superseded", "failed"]
+
+
+@dataclass(frozen=True, slots=True)
+class RunConfig:
+    """What every run of one worker shares."""
+
+    worker_id: str
+    model: str
+    events_topic: str
+    chunk_tokens: int = 16
+    chunk_delay_s: float = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """How a run ended, tokens streamed, and whether everything it sent was acknowledged."""
+
+    kind: OutcomeKind
+    tokens: int
+    acked: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _Stop:
+    reason: StopReason
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Failed:
+    code: ErrorCode
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Ended:
+    """The stream ended; ``last`` is its final delta (None: it ended without one)."""
+
+    last: TokenDelta | None
+
+
+_Item = TokenDelta | _Stop | _Failed | _Ended
+
+
+def engine_request(a: Assignment, engine_id: str) -> GenerateRequest:
+    """The engine's view of an assignment."""
+    req, s = a.request, a.request.sampling
+    return GenerateRequest(
+        request_id=engine_id,
+        model=req.model,
+        max_tokens=req.max_tokens,
+        prompt_tokens=a.admitted.prompt_tokens,
+        prompt=req.prompt,
+        messages=None if req.messages is None
+        else tuple(ChatTurn(m.role, m.content) for m in req.messages),
+        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+        stop=tuple(s.stop), seed=s.seed,
+    )
+
+
+class RequestRun:
+    """One attempt of one request on this worker (see the module docstring)."""
+
+    def __init__(self, assignment: Assignment, engine: Engine, publisher: Publisher,
+                 cfg: RunConfig, *, clock: Callable[[], float] = time.time,
+                 on_tokens: Callable[[int], None] | None = None) -> None:
+        self.assignment = assignment
+        self.engine = engine
+        self.publisher = publisher
+        self.cfg = cfg
+        self._clock = clock
+        self._on_tokens = on_tokens
+        self._inbox: asyncio.Queue[_Item] = asyncio.Queue()
+        self._batcher = ChunkBatcher(cfg.chunk_tokens, cfg.chunk_delay_s)
+        self._futures: list[asyncio.Future[Any]] = []
+        self._started_at: float | None = None
+        self._first_token_at: float | None = None
+        self._tokens = 0
+        req = assignment.request
+        self.deadline = deadline_of(req.created_at, req.timeout_s, assignment.deadline)
+
+    @property
+    def request_id(self) -> str:
+        return self.assignment.request_id
+
+    @property
+    def attempt(self) -> int:
+        return self.assignment.attempt
+
+    @property
+    def engine_id(self) -> str:
+        """Id of the attempt inside the engine (unique even if attempts overlap)."""
+        return f"{self.request_id}#{self.attempt}"
+
+    def stop(self, reason: StopReason, message: str) -> None:
+        """End the run early (cancel, supersede); the first ending wins."""
+        self._inbox.put_nowait(_Stop(reason, message))
+
+    # ---- the run -----------------------------------------------------------------------
+    async def run(self) -> Outcome:
+        if self._clock() >= self.deadline:
+            return await self._terminal(_Stop("timeout", "deadline passed before it started"))
+        self._started_at = self._clock()
+        await self._send(self.cfg.events_topic, self._event(EventStarted))
+        pump = asyncio.create_task(self._pump(), name=f"pump:{self.engine_id}")
+        try:
+            ending = await self._stream()
+        except Exception as exc:
+            _log.exception("request %s: run failed", self.engine_id)
+            ending = _Failed("worker_lost", f"worker error: {type(exc).__name__}")
+        finally:
+            if not pump.done():
+                pump.cancel()  # closes the engine's iterator, which aborts the request
+            await asyncio.gather(pump, return_exceptions=True)
+        if not isinstance(ending, _Ended):
+            await self.engine.abort(self.engine_id)
+        return await self._terminal(ending)
+
+    async def _pump(self) -> None:
+        last: TokenDelta | None = None
+        try:
+            async for delta in self.engine.generate(engine_request(self.assignment,
+                                                                   self.engine_id)):
+                last = delta
+                self._inbox.put_nowait(delta)
+        except EngineError as exc:
+            self._inbox.put_nowait(_Failed(exc.code, exc.message))
+            return
+        except EngineAborted as exc:
+            # Aborts we start end the run before this is read; this one came from elsewhere
+            # (the engine shutting down).
+            self._inbox.put_nowait(_Failed("worker_lost", f"engine aborted it: {exc}"))
+            return
+        self._inbox.put_nowait(_Ended(last))
+
+    async def _stream(self) -> _Stop | _Failed | _Ended:
+        while True:
+            wake = self.deadline
+            due = self._batcher.due_at()
+            if due is not None:
+                wake = min(wake, due)
+            try:
+                item = await asyncio.wait_for(self._inbox.get(),
+                                              max(0.0, wake - self._clock()))
+            except TimeoutError:
+                now = self._clock()
+                if now >= self.deadline:
+                    return _Stop("timeout", f"deadline passed after {self._tokens} tokens")
+                await self._send_chunk(self._batcher.flush(now))
+                continue
+            if not isinstance(item, TokenDelta):
+                return item
+            await self._on_delta(item)
+
+    async def _on_delta(self, delta: TokenDelta) -> None:
+        now = self._clock()
+        if delta.tokens > 0 and self._first_token_at is None:
+            self._first_token_at = now
+            ttft = max(0.0, now - self.assignment.request.created_at)
+            await self._send(self.cfg.events_topic, self._event(EventFirstToken, ttft_s=ttft))
+        self._tokens += delta.tokens
+        if self._on_tokens is not None and delta.tokens:
+            self._on_tokens(delta.tokens)
+        await self._send_chunk(self._batcher.add(delta.text, delta.tokens, now))
+
+    # ---- sending -----------------------------------------------------------------------
+    async def _send(self, topic: str, msg: Any) -> None:
+        self._futures.append(await self.publisher.send(topic, msg))
+        if len(self._futures) > 64:
+            # Keep only what is still in flight; failures stay so the terminal sees them.
+            self._futures = [f for f in self._futures if not f.done() or f.exception()]
+
+    async def _send_chunk(self, chunk: Chunk | None) -> None:
+        if chunk is None:
+            return
+        msg = TokenChunk(request_id=self.request_id, attempt=self.attempt, seq=chunk.seq,
+                         text=chunk.text, tokens=chunk.tokens, ts=self._clock())
+        await self._send(self.assignment.admitted.reply_topic, msg)
+
+    async def _terminal(self, ending: _Stop | _Failed | _Ended) -> Outcome:
+        try:
+            return await self._send_terminal(ending)
+        except Exception:
+            _log.exception("request %s: could not send its terminal", self.engine_id)
+            return Outcome("failed", self._tokens, acked=False)
+
+    async def _send_terminal(self, ending: _Stop | _Failed | _Ended) -> Outcome:
+        await self._send_chunk(self._batcher.flush(self._clock(), force=True))
+        if isinstance(ending, _Stop) and ending.reason == "superseded":
+            # A newer attempt runs; the client keeps that one, so this one says nothing more.
+            return Outcome("superseded", self._tokens, await self.publisher.acked(self._futures))
+        reply, event, kind = self._ending(ending)
+        replied = await self.publisher.acked(
+            [*self._futures, await self.publisher.send(self.assignment.admitted.reply_topic,
+                                                       reply)]
+        )
+        if not replied:
+            return Outcome(kind, self._tokens, acked=False)
+        return Outcome(kind, self._tokens,
+                       await self.publisher.send_acked(self.cfg.events_topic, event))
+
+    def _ending(self, ending: _Stop | _Failed | _Ended) -> tuple[Any, Any, OutcomeKind]:
+        """(reply, event, outcome kind) for how the run ended."""
+        now = self._clock()
+        usage = self._usage(ending.last if isinstance(ending, _Ended) else None)
+        if isinstance(ending, _Ended):
+            if ending.last is None or ending.last.finish_reason is None:
+                ending = _Failed("worker_lost", "engine stream ended without finishing")
+            else:
+                return self._done(ending.last, usage, now), \
+                    self._event(EventDone, finish_reason=ending.last.finish_reason,
+                                usage=usage), "done"
+        if isinstance(ending, _Stop):
+            if ending.reason == "timeout":
+                return self._error("timeout", ending.message, now), \
+                    self._event(EventAborted, code="timeout", usage=usage), "timeout"
+            return self._error("cancelled", ending.message, now), \
+                self._event(EventAborted, code="cancelled", usage=usage), "cancelled"
+        return self._error(ending.code, ending.message, now), \
+            self._event(EventFailed, code=ending.code, message=ending.message[:4096],
+                        usage=usage), "failed"
+
+    def _usage(self, last: TokenDelta | None) -> Usage:
+        prompt = self.assignment.admitted.prompt_tokens
+        completion = self._tokens
+        if last is not None:
+            prompt = last.prompt_tokens if last.prompt_tokens is not None else prompt
+            if last.completion_tokens is not None:
+                completion = last.completion_tokens
+        return Usage(prompt_tokens=prompt, completion_tokens=completion)
+
+    def _done(self, last: TokenDelta, usage: Usage, now: float) -> Done:
+        assert last.finish_reason is not None
+        created = self.assignment.request.created_at
+        t = timing(created, self._started_at or now, self._first_token_at, now)
+        return Done(request_id=self.request_id, attempt=self.attempt, model=self.cfg.model,
+                    finish_reason=last.finish_reason, usage=usage,
+                    timings=Timings(queued_s=t.queued_s, ttft_s=t.ttft_s, e2e_s=t.e2e_s),
+                    ts=now)
+
+    def _error(self, code: ErrorCode, message: str, now: float) -> Error:
+        return Error(request_id=self.request_id, attempt=self.attempt, code=code,
+                     message=message[:4096], ts=now)
+
+    def _event(self, cls: Any, **fields: Any) -> Any:
+        return cls(request_id=self.request_id, tenant=self.assignment.request.tenant,
+                   attempt=self.attempt, worker_id=self.cfg.worker_id, ts=self._clock(),
+                   **fields)

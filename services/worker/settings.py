@@ -1,0 +1,112 @@
+"""Settings of one worker process (``LLMQ_WORKER_*``, plus ``LLMQ_METRICS_PORT``).
+
+Read once in ``services.worker.__main__`` (command-line flags override the environment)
+and passed down frozen, next to the shared :class:`services.common.settings.Settings`.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import AliasChoices, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from schemas.base import ID_PATTERN, MODEL_PATTERN, NAME_PATTERN
+from schemas.common import Pool
+
+EngineKind = Literal["sim", "openai", "vllm"]
+
+
+class WorkerSettings(BaseSettings):
+    """Each field maps to ``LLMQ_WORKER_<NAME>``; the metrics port also to
+    ``LLMQ_METRICS_PORT`` (shared by every service)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="LLMQ_WORKER_", frozen=True, extra="ignore", populate_by_name=True
+    )
+
+    slot: int = Field(ge=0, le=100_000, description="Partition of <prefix>.assignments owned.")
+    pool: Pool = Field(default="any", description="Lanes taken: short, long or any.")
+    engine: EngineKind = Field(default="sim", description="Engine: sim, openai or vllm.")
+    profile: str = Field(
+        default="llama3-8b-h100",
+        description="sim engine profile (services/worker/engines/sim/profiles.toml); the "
+        "openai/vllm engines take KV bytes per token and fallback capacity from it.",
+    )
+    profile_file: Path | None = Field(
+        default=None, description="Extra profiles TOML (its names win over shipped ones)."
+    )
+    model: str | None = Field(
+        default=None, pattern=MODEL_PATTERN,
+        description="Model name served and heartbeated; default: the profile's model.",
+    )
+    model_version: str | None = Field(default=None, pattern=NAME_PATTERN)
+    worker_id: str | None = Field(
+        default=None, pattern=ID_PATTERN,
+        description="Stable worker id; default <host>-slot<N> (stable across restarts, so a "
+        "restarted worker picks up its own unfinished assignments).",
+    )
+    openai_url: str | None = Field(
+        default=None, description="Base URL of the OpenAI-compatible server (openai engine)."
+    )
+    openai_model: str | None = Field(
+        default=None, description="Model name the server serves; default: model."
+    )
+    openai_api_key: str | None = Field(default=None, description="Bearer token, if needed.")
+    vllm_args: dict[str, Any] = Field(
+        default_factory=dict, description="Extra AsyncEngineArgs for the vllm engine (JSON)."
+    )
+    heartbeat_interval_s: float = Field(default=1.0, gt=0, le=60)
+    chunk_tokens: int = Field(default=16, ge=1, le=4096, description="Flush a chunk at N tokens.")
+    chunk_ms: float = Field(default=50.0, ge=0, le=10_000, description="... or after M ms.")
+    time_scale: float = Field(
+        default=1.0, ge=0, le=1000,
+        description="sim engine: real seconds per simulated second (0.01 = 100x faster).",
+    )
+    seed: int = Field(default=0, ge=0, description="sim engine: seed of the simulated text.")
+    max_in_flight: int | None = Field(
+        default=None, ge=1, le=1 << 20,
+        description="Requests handed to the engine at once; default: its max_num_seqs.",
+    )
+    dedupe_capacity: int = Field(default=100_000, ge=1, le=10_000_000)
+    cancel_memory_s: float = Field(default=60.0, gt=0, le=86_400)
+    send_timeout_s: float = Field(
+        default=30.0, gt=0, le=600, description="Longest wait for the broker to ack a send."
+    )
+    drain_quiet_s: float | None = Field(
+        default=None, ge=0, le=600,
+        description="Draining: exit once idle and no assignment arrived for this long "
+        "(default 2 heartbeat intervals, so the scheduler saw the draining heartbeat).",
+    )
+    session_timeout_ms: int = Field(
+        default=10_000, ge=1_000, le=300_000,
+        description="Slot group session timeout: how long a dead worker holds its slot.",
+    )
+    nvml: Literal["auto", "off"] = Field(
+        default="auto", description="auto: read VRAM/utilisation from NVML when a GPU is "
+        "present (not for the sim engine, whose GPU is simulated).",
+    )
+    gpu_index: int = Field(default=0, ge=0, le=64, description="NVML device index.")
+    metrics_port: int | None = Field(
+        default=None, ge=1, le=65535,
+        validation_alias=AliasChoices("LLMQ_METRICS_PORT", "LLMQ_WORKER_METRICS_PORT",
+                                      "metrics_port"),
+        description="Serve Prometheus metrics on 127.0.0.1:<port> when set.",
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    def resolved_worker_id(self) -> str:
+        """``worker_id``, or ``<host>-slot<N>`` made safe for an id."""
+        if self.worker_id is not None:
+            return self.worker_id
+        host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname().split(".")[0])
+        host = host.strip("-_.")[:100] or "host"
+        return f"{host}-slot{self.slot}"
+
+    def resolved_drain_quiet_s(self) -> float:
+        if self.drain_quiet_s is not None:
+            return self.drain_quiet_s
+        return 2 * self.heartbeat_interval_s

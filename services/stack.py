@@ -44,7 +44,10 @@ class StackConfig:
     long_workers: int = 1
     any_workers: int = 0
     http_port: int = 8080
+    health_port: int = 8081
     metrics_base_port: int = 9400
+    #: Sim engine speed: 1.0 is real time; tests use e.g. 0.05 (20× faster).
+    time_scale: float = 1.0
     profile: str = "llama3-8b-h100"
     model: str = "llama-3.1-8b"
     extra_env: tuple[tuple[str, str], ...] = field(default=())
@@ -66,7 +69,9 @@ def stack_services(cfg: StackConfig) -> list[ServiceSpec]:
             (("LLMQ_HTTP_PORT", str(cfg.http_port)), ("LLMQ_METRICS_PORT", str(next(port)))),
         ),
         ServiceSpec(
-            "health", (py, "-m", "services.health"), (("LLMQ_METRICS_PORT", str(next(port))),)
+            "health",
+            (py, "-m", "services.health"),
+            (("LLMQ_HEALTH_PORT", str(cfg.health_port)), ("LLMQ_METRICS_PORT", str(next(port)))),
         ),
     ]
     slot = 0
@@ -77,7 +82,8 @@ def stack_services(cfg: StackConfig) -> list[ServiceSpec]:
                 ServiceSpec(
                     f"worker-{slot}",
                     (py, "-m", "services.worker", "--slot", str(slot), "--pool", pool,
-                     "--engine", "sim", "--profile", cfg.profile, "--model", cfg.model),
+                     "--engine", "sim", "--profile", cfg.profile, "--model", cfg.model,
+                     "--time-scale", str(cfg.time_scale)),
                     (("LLMQ_METRICS_PORT", str(next(port))),),
                 )
             )

@@ -160,16 +160,17 @@ def bench_decide(workers: int, pending: int, repeats: int, seed: int, as_json: b
     _emit(figures, as_json, text)
 
 
-def _register_optional_commands() -> None:
-    """Commands that live beside the code they drive (added as those modules land)."""
-    try:
-        from services.sim.cli import policies
-    except ImportError:
-        return
+def _register_commands() -> None:
+    """Commands that live beside the code they drive."""
+    from services.ops.cli import drain, status
+    from services.sim.cli import policies
+
     bench.add_command(policies)
+    main.add_command(status)
+    main.add_command(drain)
 
 
-_register_optional_commands()
+_register_commands()
 
 
 # -- submit ------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Iterator
 
 import pytest
 
@@ -27,7 +28,53 @@ def bootstrap(settings: Settings) -> str:
     return settings.bootstrap
 
 
+async def _delete_topics(bootstrap: str, keep: set[str] | None, prefix: str | None) -> None:
+    """Delete the topics a test (or the session) created, so the broker stays small."""
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=30_000)
+    await admin.start()
+    try:
+        names = [
+            t for t in await admin.list_topics()
+            if not t.startswith("__")
+            and (prefix is None or t.startswith(prefix))
+            and (keep is None or t not in keep)
+        ]
+        for i in range(0, len(names), 200):
+            await admin.delete_topics(names[i : i + 200], timeout_ms=30_000)
+    finally:
+        await admin.close()
+
+
+async def _topic_names(bootstrap: str) -> set[str]:
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        return set(await admin.list_topics())
+    finally:
+        await admin.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _clean_topics_after_session(settings: Settings) -> Iterator[None]:
+    """Every topic the test session created is deleted at its end (each test makes its own
+    prefix; thousands of partitions left behind would exhaust a small broker heap)."""
+    if not asyncio.run(broker_answers(settings.bootstrap, 3.0)):
+        yield
+        return
+    before = asyncio.run(_topic_names(settings.bootstrap))
+    yield
+    asyncio.run(_delete_topics(settings.bootstrap, keep=before, prefix=None))
+
+
 @pytest.fixture
-def topic_prefix() -> str:
-    """A unique topic prefix per test, so tests never see each other's messages."""
-    return f"t{uuid.uuid4().hex[:10]}"
+def topic_prefix(settings: Settings) -> Iterator[str]:
+    """A unique topic prefix per test, so tests never see each other's messages; the
+    test's topics are deleted afterwards."""
+    prefix = f"t{uuid.uuid4().hex[:10]}"
+    yield prefix
+    if asyncio.run(broker_answers(settings.bootstrap, 3.0)):
+        asyncio.run(_delete_topics(settings.bootstrap, keep=None, prefix=prefix + "."))

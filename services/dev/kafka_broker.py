@@ -100,8 +100,9 @@ def server_properties(cfg: BrokerConfig) -> str:
         "share.coordinator.state.topic.min.isr=1",
         # The default 3 s delay makes every test's first consumer group join slow.
         "group.initial.rebalance.delay.ms=0",
-        # Per-tenant reply topics are created on first use.
-        "auto.create.topics.enable=true",
+        # Topics are created by their owners with the catalog's partition counts; an
+        # auto-created topic would get 1 partition (one worker slot) by accident.
+        "auto.create.topics.enable=false",
         "log.retention.hours=24",
         "log.segment.bytes=67108864",
     ]

@@ -1,0 +1,79 @@
+"""Drain progress: phases and outcome from the drained worker's heartbeats (pure)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from schemas.workers import WorkerHeartbeat
+from services.health.core import HealthPolicy
+from services.ops.drain_progress import DrainProgress
+from tests.fakes.heartbeat_worker import heartbeat
+
+T0 = 1_000_000.0
+STARTED = T0 - 600.0
+
+
+def hb(seq: int, at: float, **changes: Any) -> WorkerHeartbeat:
+    fields: dict[str, Any] = {"started_at": STARTED, "seq": seq, "ts": at, "interval_s": 1.0,
+                              "running": 3, "waiting": 0}
+    fields.update(changes)
+    return heartbeat("w1", **fields)
+
+
+def follow(*beats: WorkerHeartbeat, tombstone: bool = False) -> DrainProgress:
+    progress = DrainProgress(hb(0, T0), HealthPolicy())
+    for beat in beats:
+        progress.observe(beat)
+    if tombstone:
+        progress.observe_tombstone()
+    return progress
+
+
+@pytest.mark.parametrize(
+    ("progress", "now", "phase", "outcome"),
+    [
+        # just requested: still beating, not yet draining
+        (follow(), T0 + 1, "requested", None),
+        (follow(hb(1, T0 + 1, draining=True, running=2)), T0 + 1.5, "draining", None),
+        # drained: last word "draining, nothing in flight", then silence
+        (follow(hb(1, T0 + 1, draining=True, running=0)), T0 + 2, "draining", None),
+        (follow(hb(1, T0 + 1, draining=True, running=0)), T0 + 4.5, "stopped", "drained"),
+        # silent with work in flight: lost (fail closed)
+        (follow(hb(1, T0 + 1, draining=True, running=2)), T0 + 5, "stopped", "lost"),
+        # never acknowledged the drain and went quiet: lost
+        (follow(hb(1, T0 + 1, running=0)), T0 + 5, "stopped", "lost"),
+        # draining, nothing running, but requests still waiting: not drained
+        (follow(hb(1, T0 + 1, draining=True, running=0, waiting=2)), T0 + 5, "stopped",
+         "lost"),
+        # tombstone after an idle beat: drained
+        (follow(hb(1, T0 + 1, draining=True, running=0), tombstone=True), T0 + 1, "stopped",
+         "drained"),
+        (follow(hb(1, T0 + 1, running=2), tombstone=True), T0 + 1, "stopped", "lost"),
+        # restarted under the same id after draining: the drained process is gone
+        (follow(hb(1, T0 + 1, draining=True, running=0),
+                hb(0, T0 + 2, started_at=T0 + 1.5, running=0)), T0 + 2, "stopped", "drained"),
+        # an older, out-of-order beat changes nothing
+        (follow(hb(2, T0 + 1, draining=True, running=0), hb(1, T0 + 0.5, running=3)),
+         T0 + 4.5, "stopped", "drained"),
+    ],
+)
+def test_progress(progress: DrainProgress, now: float, phase: str,
+                  outcome: str | None) -> None:
+    assert progress.phase(now) == phase
+    assert progress.outcome(now) == outcome
+
+
+def test_other_workers_are_ignored() -> None:
+    progress = follow()
+    progress.observe(heartbeat("w2", started_at=STARTED, seq=9, ts=T0, draining=True))
+    assert progress.phase(T0) == "requested"
+
+
+def test_update_reports_in_flight_work() -> None:
+    progress = follow(hb(1, T0 + 1, draining=True, running=2, waiting=1))
+    update = progress.update(T0 + 1.5)
+    assert (update.phase, update.running, update.waiting, update.age_s) == (
+        "draining", 2, 1, 0.5)
+    assert "draining; 2 running, 1 waiting" in update.describe()

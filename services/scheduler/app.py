@@ -1,0 +1,455 @@
+"""Faust wiring of the scheduler: agents, the log reader, the dispatch loop. No decisions —
+every input goes to :class:`~services.scheduler.runtime.state.SchedulerState`, which calls
+the core; this module moves records between Kafka and it.
+
+What runs (one process, one event loop):
+
+1. **log reader** (:class:`~services.scheduler.runtime.reader.LogReader`, plain aiokafka,
+   no group): ``llmq.heartbeats`` → fleet view, ``llmq.assignments`` + ``llmq.events`` →
+   assignment log → ledger. This is the documented equivalent of a ``GlobalTable`` of
+   workers (faust 0.15 wants a table to own its changelog; the heartbeat topic is the
+   workers' own compacted topic), and it is also how a restart rebuilds the ledger: the
+   reader replays all three topics from the beginning, the ledger is rebuilt from the
+   active assignments (``SchedulerState.restore``), and only then are requests consumed.
+   Every replica reads every event, so releases reach whichever replica holds a
+   reservation.
+2. **agent ``scheduler-requests``** on the six request topics, ``stream.noack()``: each
+   admitted request goes into the pending queue unacknowledged; its record is acked once
+   the assignment (or terminal reply + event) produced for it was acknowledged by the
+   broker, strictly in offset order per partition (:class:`OrderedAcks`: faust 0.15 would
+   otherwise commit past a pending record). A redelivered request that was already
+   assigned or finished is acked and skipped. After a rebalance the agent first waits
+   until the reader has caught up with the assignments and events topics, so a request
+   the previous owner assigned is recognised.
+3. **agent ``scheduler-control``** on ``llmq.control`` (a group: each command once):
+   cancels go to the state; drains need nothing here (the worker's heartbeat says
+   ``draining`` and the core's not-draining filter does the rest).
+4. **dispatch loop**: every ``dispatch_interval_s`` and whenever woken (an arrival, a
+   release, a cancel, a reader batch): worker loss, one ``schedule()`` call, effects into
+   the outbox, one batched flush, acks, pause/resume of request topics, and every
+   ``status_interval_s`` a ``QueueStatus`` per model.
+
+Every record is handled inside a :class:`~services.common.guard.Guard`: one bad record goes
+to ``llmq.deadletter`` and the agent goes on. Records are consumed raw
+(``value_serializer="raw"``) and decoded with ``schemas.codec.decode`` inside the guard.
+
+Faust settings beyond ``make_app``'s (why):
+
+- ``stream_wait_empty=False``: requests stay unacked while they wait in the queue, for
+  as long as their deadline allows. Faust would wait for every one of them before a
+  rebalance or a stop completes; they are redelivered instead (and recognised).
+- ``broker_commit_livelock_soft_timeout`` = one hour: a partition whose head request waits
+  for capacity commits nothing meanwhile, by design; faust's 5-minute "commit did not
+  advance" warning would fire for every such partition.
+
+Pausing: ``app.consumer.pause_partitions`` drops records of a just-paused partition that
+faust had already fetched into the batch it is iterating, while the fetch position has
+moved past them (faust would later count them as a gap and commit past them). So a
+partition is paused only once the agent has received a record from it, and resumed only
+after seeking it back to one past the last record received (copies that follow are
+ignored by offset). A rebalance resumes every partition and seeks to the committed
+offsets; the next cycle pauses again what the queue still wants paused.
+
+Producing: one idempotent aiokafka producer (``acks=all``) for everything the scheduler
+writes; sends are batched per cycle and bounded by ``send_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, cast
+
+import faust
+from mode import Service
+
+from schemas.codec import decode
+from schemas.control import CancelRequest
+from schemas.messages import (
+    ASSIGNMENT_ADAPTER,
+    CONTROL_ADAPTER,
+    EVENT_ADAPTER,
+    HEARTBEAT_ADAPTER,
+    REQUEST_ADAPTER,
+)
+from schemas.workers import EventStarted
+from services.common.faust_app import make_app
+from services.common.guard import Guard, Headers
+from services.common.kafka import ensure_topics, make_producer
+from services.common.settings import Settings
+from services.scheduler import build_pipeline
+from services.scheduler.runtime.flow import OrderedAcks, PauseLadder
+from services.scheduler.runtime.messages import Outgoing
+from services.scheduler.runtime.metrics import SchedulerMetrics
+from services.scheduler.runtime.outbox import Outbox
+from services.scheduler.runtime.reader import LogReader
+from services.scheduler.runtime.state import Effect, RuntimeConfig, SchedulerState, Ticket
+from services.scheduler.runtime.topics import SchedulerTopics
+from services.scheduler.settings import SchedulerSettings
+
+_log = logging.getLogger("services.scheduler")
+_RAW: dict[str, Any] = {
+    "key_type": bytes, "value_type": bytes, "key_serializer": "raw", "value_serializer": "raw",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerRuntime:
+    """What the scheduler is built from (``__main__`` makes it)."""
+
+    settings: Settings
+    scheduler: SchedulerSettings
+    topics: SchedulerTopics
+    clock: Callable[[], float] = time.time
+
+    @property
+    def app_id(self) -> str:
+        return app_id(self.settings, self.scheduler)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerApp:
+    """The built Faust app and the scheduler it runs."""
+
+    app: faust.App
+    scheduler: Scheduler
+
+
+def app_id(settings: Settings, scheduler: SchedulerSettings) -> str:
+    """Faust app id (= consumer group): ``<topic_prefix>-<app_name>``, as make_app names it."""
+    return f"{settings.topic_prefix}-{scheduler.app_name}"
+
+
+def build_app(rt: SchedulerRuntime) -> SchedulerApp:
+    """The Faust app with its agents, rebalance hooks and the scheduler service."""
+    app = make_app(
+        rt.scheduler.app_name, rt.settings,
+        datadir=str(rt.settings.home / "faust" / rt.app_id),
+        stream_wait_empty=False,
+        broker_commit_livelock_soft_timeout=3600.0,
+    )
+    sched = Scheduler(rt, app)
+
+    @app.agent(app.topic(*rt.topics.request_names, **_RAW), name="scheduler-requests")
+    async def requests(stream: Any) -> None:
+        await sched.ready.wait()
+        async for event in stream.noack().events():
+            await sched.on_request_event(event)
+
+    @app.agent(app.topic(rt.topics.control, **_RAW), name="scheduler-control")
+    async def control(stream: Any) -> None:
+        await sched.ready.wait()
+        async for event in stream.events():
+            await sched.on_control_event(event)
+
+    # cast: mode types receivers with mypy_extensions' VarArg/NamedArg, which mypy 2 no
+    # longer matches against any function; the receivers have the documented signature.
+    app.on_partitions_revoked.connect(cast(Any, sched.on_revoked))
+    app.on_partitions_assigned.connect(cast(Any, sched.on_assigned))
+    app.service(_scheduler_service(sched))
+    return SchedulerApp(app, sched)
+
+
+class Scheduler:
+    """The scheduler's I/O around one :class:`SchedulerState` (module docstring)."""
+
+    def __init__(self, rt: SchedulerRuntime, app: faust.App) -> None:
+        cfg, topics = rt.scheduler, rt.topics
+        self.rt = rt
+        self.app = app
+        self.clock = rt.clock
+        self.state = SchedulerState(
+            RuntimeConfig(
+                scheduler_id=cfg.resolved_scheduler_id(),
+                assignments_topic=topics.assignments,
+                events_topic=topics.events,
+                status_topic=topics.status,
+                default_block_size=cfg.default_block_size,
+                max_placements=cfg.max_placements_per_cycle,
+                kv_safety_margin=cfg.kv_safety_margin,
+                heartbeat_staleness=cfg.heartbeat_staleness,
+                drain_window_s=cfg.drain_window_s,
+                cancel_memory_s=cfg.cancel_memory_s,
+                finished_memory_s=cfg.finished_memory_s,
+            ),
+            cfg.queue_config(),
+            build_pipeline(cfg.profile()),
+            random.Random(cfg.seed),
+        )
+        self.metrics = SchedulerMetrics()
+        self.acks: OrderedAcks[Any] = OrderedAcks()
+        self.ladder = PauseLadder(cfg.max_pending, cfg.pause_band, cfg.resume_hysteresis)
+        self.outbox = Outbox(self._send, cfg.send_timeout_s)
+        self.guard = Guard(self._dead_letter, name="scheduler", logger=_log)
+        self.reader = LogReader(
+            rt.settings.bootstrap,
+            {
+                topics.heartbeats: self._on_heartbeat,
+                topics.assignments: self._on_assignment,
+                topics.events: self._on_event,
+            },
+            self.guard,
+            on_batch=self._wake,
+        )
+        self.ready = asyncio.Event()
+        self.wake = asyncio.Event()
+        self._topic_keys = dict((topic, key) for key, topic in topics.requests)
+        self._known_topics = {t.name for t in topics.to_create()}
+        self._paused: set[Any] = set()
+        self._barrier_needed = False
+        self._producer: Any = None
+        self._main_task: asyncio.Task[None] | None = None
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._producer = make_producer(self.rt.settings.bootstrap)
+        await self._producer.start()
+        await self.reader.start()
+        self._main_task = asyncio.create_task(self._main(), name="scheduler-dispatch")
+
+    async def stop(self) -> None:
+        if self._main_task is not None:
+            self._main_task.cancel()
+            await asyncio.gather(self._main_task, return_exceptions=True)
+        try:
+            await asyncio.wait_for(self._flush(), self.rt.scheduler.send_timeout_s)
+        except Exception:
+            _log.warning("scheduler: final flush incomplete; unacked requests are redelivered",
+                         exc_info=True)
+        await self.reader.stop()
+        if self._producer is not None:
+            await self._producer.stop()
+
+    async def _main(self) -> None:
+        cfg = self.rt.scheduler
+        try:
+            await asyncio.wait_for(self.reader.caught_up.wait(), cfg.catchup_timeout_s)
+        except TimeoutError as exc:
+            _log.error("scheduler: heartbeats/assignments/events not read to their end "
+                       "within %.0f s", cfg.catchup_timeout_s)
+            await self.app.crash(exc)
+            return
+        restored = self.state.restore()
+        self.ready.set()
+        _log.info(
+            "scheduler ready: id %s | app id %s | %d workers known | %d reservations "
+            "restored | max_pending %d", self.state.config.scheduler_id, self.rt.app_id,
+            len(self.state.fleet), restored, cfg.max_pending,
+        )
+        await self._dispatch_loop()
+
+    # -- the dispatch loop --------------------------------------------------------------
+
+    def _wake(self) -> None:
+        self.wake.set()
+
+    async def _dispatch_loop(self) -> None:
+        cfg = self.rt.scheduler
+        next_status = 0.0
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.wake.wait(), cfg.dispatch_interval_s)
+            self.wake.clear()
+            try:
+                now = self.clock()
+                if now >= next_status:
+                    next_status = now + cfg.status_interval_s
+                    self._publish_status(now)
+                await self._cycle(now)
+            except Exception:
+                # A bug in one cycle must not stop scheduling: log it, try again shortly.
+                _log.exception("scheduler: dispatch cycle failed")
+                await asyncio.sleep(0.5)
+
+    async def _cycle(self, now: float) -> None:
+        result = self.state.tick(now)
+        m = self.metrics
+        m.decision_seconds.observe(result.schedule_s)
+        m.placements.inc(result.placed)
+        m.rejected(result.rejected)
+        m.requeues.inc(result.requeued)
+        m.workers_lost.inc(len(result.lost_workers))
+        for worker_id in result.lost_workers:
+            _log.warning("scheduler: worker %s is dead (stale heartbeat)", worker_id)
+        self.outbox.submit(result.effects)
+        await self._flush()
+        await self._apply_pauses()
+        m.set_depth(self.state.depth())
+        m.outbox.set(len(self.outbox))
+        if result.more:
+            self.wake.set()
+
+    def _publish_status(self, now: float) -> None:
+        statuses = self.state.statuses(now)
+        if statuses:
+            topic = self.rt.topics.status
+            self.outbox.submit([Effect(first=tuple(Outgoing.of(topic, s) for s in statuses))])
+        self.state.prune(now)
+
+    async def _flush(self) -> None:
+        await self._ensure_topics(self.outbox.topics())
+        failures = self.outbox.failures
+        tickets = await self.outbox.flush()
+        self.metrics.send_failures.inc(self.outbox.failures - failures)
+        self._ack(tickets)
+
+    def _ack(self, tickets: list[Ticket]) -> None:
+        for tp, offset in tickets:
+            for event in self.acks.done(tp, offset):
+                event.ack()
+
+    # -- backpressure -------------------------------------------------------------------
+
+    async def _apply_pauses(self) -> None:
+        self.ladder.update(len(self.state.pending))
+        self.metrics.paused_topics.set(len(self.ladder.paused))
+        consumer = self.app.consumer
+        try:
+            assigned = consumer.assignment()
+        except Exception:  # not started or between generations: next cycle
+            return
+        # Only partitions that delivered a record since they were assigned are paused: for
+        # them the agent knows where to resume (module docstring). One that delivered
+        # nothing yet is paused right after its first record.
+        wanted = {
+            tp for tp in assigned
+            if self._topic_keys.get(tp.topic) in self.ladder.paused
+            and self.acks.next_offset(tp) is not None
+        }
+        if wanted:
+            consumer.pause_partitions(wanted)  # idempotent; a rebalance resumes everything
+        resume = {tp for tp in self._paused - wanted if tp in assigned}
+        self._paused = wanted
+        if resume:
+            try:
+                await self._resume(resume)
+            except Exception:
+                self._paused |= resume  # retried next cycle
+                raise
+
+    async def _resume(self, tps: set[Any]) -> None:
+        """Seek back to one past the last record received, then resume (module docstring)."""
+        consumer = self.app.consumer
+        for tp in tps:
+            offset = self.acks.next_offset(tp)
+            if offset is not None:
+                await consumer.seek(tp, offset)
+        consumer.resume_partitions(tps)
+        _log.info("scheduler: resumed %d request partition(s)", len(tps))
+
+    # -- agents -------------------------------------------------------------------------
+
+    async def on_request_event(self, event: Any) -> None:
+        if self._barrier_needed:
+            self._barrier_needed = False
+            topics = self.rt.topics
+            if not await self.reader.barrier(
+                {topics.assignments, topics.events}, self.rt.scheduler.catchup_timeout_s
+            ):
+                _log.warning("scheduler: assignments/events not caught up after rebalance")
+        message = event.message
+        if not self.acks.received(message.tp, message.offset, event):
+            return  # a copy of a record already received (redelivery after a seek)
+        ticket: Ticket = (message.tp, message.offset)
+        handled = await self.guard.run(message, partial(self._on_request, message, ticket))
+        if handled is None:  # dead-lettered: the record is done with
+            self.outbox.submit([Effect(tickets=(ticket,))])
+        self.wake.set()
+
+    async def _on_request(self, message: Any, ticket: Ticket) -> bool:
+        admitted = decode(message.value, REQUEST_ADAPTER)
+        self.outbox.submit(self.state.on_request(admitted, ticket, self.clock()))
+        return True
+
+    async def on_control_event(self, event: Any) -> None:
+        await self.guard.run(event.message, partial(self._on_control, event.message))
+
+    async def _on_control(self, message: Any) -> None:
+        command = decode(message.value, CONTROL_ADAPTER)
+        if isinstance(command, CancelRequest) and self.state.on_cancel(command, self.clock()):
+            self.wake.set()
+
+    async def on_revoked(self, sender: Any, *args: Any, signal: Any, **_: Any) -> None:
+        """Pending requests of revoked partitions go to their new owner (never acked by us
+        from now on); what is in flight is flushed so the new owner reads it back.
+        (A faust signal receiver: ``args[0]`` is the set of revoked partitions.)"""
+        revoked: set[Any] = set(args[0]) if args else set()
+        mine = {tp for tp in revoked if tp.topic in self._topic_keys}
+        dropped = self.state.drop_sources(mine)
+        self.acks.forget(mine)
+        self._paused -= mine
+        if dropped:
+            _log.info("scheduler: %d pending request(s) left with revoked partitions", dropped)
+        try:
+            await asyncio.wait_for(self._flush(), self.rt.scheduler.send_timeout_s)
+        except Exception:
+            _log.warning("scheduler: flush at rebalance incomplete", exc_info=True)
+
+    async def on_assigned(self, sender: Any, *args: Any, signal: Any, **_: Any) -> None:
+        """Before the next request: read assignments and events up to their end now."""
+        self._barrier_needed = True
+
+    # -- log reader handlers (synchronous; the reader runs them in its guard) -----------
+
+    def _on_heartbeat(self, record: Any) -> None:
+        if record.value is None:
+            if record.key is not None:
+                self.state.forget_worker(record.key.decode(errors="replace"))
+            return
+        self.state.observe_heartbeat(decode(record.value, HEARTBEAT_ADAPTER))
+
+    def _on_assignment(self, record: Any) -> None:
+        self.outbox.submit(self.state.observe_assignment(decode(record.value, ASSIGNMENT_ADAPTER)))
+
+    def _on_event(self, record: Any) -> None:
+        event = decode(record.value, EVENT_ADAPTER)
+        if isinstance(event, EventStarted) and self.ready.is_set():
+            placed = self.state.log.active(event.request_id)
+            if placed is not None and placed.attempt == event.attempt:
+                self.metrics.queue_wait_seconds.observe(
+                    max(0.0, event.ts - placed.admitted.admitted_at)
+                )
+        self.state.observe_event(event)
+
+    # -- producing ----------------------------------------------------------------------
+
+    async def _send(self, out: Outgoing) -> Any:
+        return await self._producer.send(
+            out.topic, out.value, key=out.key, partition=out.partition
+        )
+
+    async def _dead_letter(self, key: bytes | None, value: bytes | None, headers: Headers) -> Any:
+        return await asyncio.wait_for(
+            self._producer.send_and_wait(
+                self.rt.topics.deadletter, value, key=key, headers=headers
+            ),
+            self.rt.scheduler.send_timeout_s,
+        )
+
+    async def _ensure_topics(self, topics: set[str]) -> None:
+        """Create reply topics on first use (a tenant's default one may not exist yet)."""
+        for topic in topics - self._known_topics:
+            request = self.rt.topics.reply_request(topic)
+            if request is not None:
+                await ensure_topics(self.rt.settings.bootstrap, [request])
+            self._known_topics.add(topic)
+
+
+def _scheduler_service(sched: Scheduler) -> type[Any]:
+    """A mode Service (started with the app) that runs the scheduler's own tasks."""
+
+    class SchedulerService(Service):
+        async def on_start(self) -> None:
+            await sched.start()
+
+        async def on_stop(self) -> None:
+            await sched.stop()
+
+    return SchedulerService

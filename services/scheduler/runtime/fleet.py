@@ -1,0 +1,106 @@
+"""The scheduler's view of the fleet: the newest heartbeat of every worker.
+
+Fed by every record of ``llmq.heartbeats`` (compacted; read from the beginning, so every
+scheduler replica sees the whole fleet). Heartbeats of one worker are ordered by
+``(started_at, seq)``: a restarted worker's first beat wins over the old process's last
+one, and a late duplicate never rolls the view back. A tombstone (null value) removes the
+worker.
+
+Liveness, failing closed (STYLE.md §6): a worker is alive while ``now - ts <= staleness ×
+interval_s`` (its own interval, DESIGN.md: 3 intervals). :meth:`FleetView.snapshot` holds
+only live workers, so the core never sees a stale one as a candidate; an unknown worker is
+as dead as a stale one. The scheduler declares dead every worker that holds reservations
+and is not alive (see :class:`services.scheduler.runtime.state.SchedulerState`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from schemas.workers import WorkerHeartbeat
+from services.scheduler import DEFAULT_STALE_AFTER_S, Snapshot, WorkerState
+
+
+class FleetView:
+    """Newest heartbeat per worker and the liveness rule (module docstring)."""
+
+    def __init__(self, staleness: float = 3.0) -> None:
+        if staleness <= 0:
+            raise ValueError(f"staleness must be > 0, got {staleness}")
+        self.staleness = staleness
+        self._beats: dict[str, WorkerHeartbeat] = {}
+
+    def __len__(self) -> int:
+        return len(self._beats)
+
+    def __contains__(self, worker_id: object) -> bool:
+        return worker_id in self._beats
+
+    def observe(self, hb: WorkerHeartbeat) -> bool:
+        """Keep ``hb`` if it is the worker's newest; True when the view changed."""
+        old = self._beats.get(hb.worker_id)
+        if old is not None and (hb.started_at, hb.seq) <= (old.started_at, old.seq):
+            return False
+        self._beats[hb.worker_id] = hb
+        return True
+
+    def forget(self, worker_id: str) -> bool:
+        """A tombstone: the worker left the fleet. True if it was known."""
+        return self._beats.pop(worker_id, None) is not None
+
+    def get(self, worker_id: str) -> WorkerHeartbeat | None:
+        return self._beats.get(worker_id)
+
+    def is_alive(self, worker_id: str, now: float) -> bool:
+        """Known and heard from within ``staleness`` of its own intervals."""
+        hb = self._beats.get(worker_id)
+        return hb is not None and self._fresh(hb, now)
+
+    def live(self, now: float) -> Iterator[WorkerHeartbeat]:
+        return (hb for hb in self._beats.values() if self._fresh(hb, now))
+
+    def state(self, worker_id: str) -> WorkerState | None:
+        """The core's view of a known worker, alive or not."""
+        hb = self._beats.get(worker_id)
+        return None if hb is None else worker_state(hb)
+
+    def snapshot(self, now: float) -> Snapshot:
+        """The live workers as the core's frozen snapshot.
+
+        The snapshot's ``stale_after_s`` covers the slowest live worker's own staleness
+        bound, so the core's fresh-heartbeat rule agrees with this view (every worker in
+        the snapshot passes it; dead ones are not in it at all).
+        """
+        live = list(self.live(now))
+        bound = max(
+            (self.staleness * hb.interval_s for hb in live), default=DEFAULT_STALE_AFTER_S
+        )
+        return Snapshot.of((worker_state(hb) for hb in live), now, max(bound, 1e-9))
+
+    def block_size(self, model: str) -> int | None:
+        """The largest block size of any known worker of ``model`` (None: none known)."""
+        sizes = [hb.block_size for hb in self._beats.values() if hb.model == model]
+        return max(sizes) if sizes else None
+
+    def _fresh(self, hb: WorkerHeartbeat, now: float) -> bool:
+        return now - hb.ts <= self.staleness * hb.interval_s
+
+
+def worker_state(hb: WorkerHeartbeat) -> WorkerState:
+    """The core's value for one heartbeat (field for field)."""
+    return WorkerState(
+        worker_id=hb.worker_id,
+        model=hb.model,
+        model_version=hb.model_version,
+        pool=hb.pool,
+        partition=hb.partition,
+        kv_total_tokens=hb.kv_total_tokens,
+        kv_free_tokens=hb.kv_free_tokens,
+        block_size=hb.block_size,
+        running=hb.running,
+        waiting=hb.waiting,
+        max_num_seqs=hb.max_num_seqs,
+        draining=hb.draining,
+        heartbeat_ts=hb.ts,
+        tokens_per_s=hb.tokens_per_s,
+    )

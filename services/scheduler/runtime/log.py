@@ -1,0 +1,204 @@
+"""The assignment log: what was assigned where, and how each attempt ended.
+
+"Every decision is replayable": the scheduler's decisions are the records of
+``llmq.assignments`` (each carries the admitted request verbatim) and its terminal events on
+``llmq.events``; the workers' lifecycle events are on ``llmq.events`` too. Reading both
+topics from the beginning rebuilds this log, and from it the reservation ledger, after a
+restart (kill -9 included). The scheduler also records its own placements here the moment
+it decides them, so a redelivered request is recognised before its assignment is read back.
+
+Per request the log keeps the attempts assigned, started, streamed (``first_token``),
+ended (a terminal event) and lost (its worker died and the request was requeued). Records
+of the two topics may come in any order; the status is derived, not accumulated:
+
+- ``finished``: some attempt ended, and no later attempt was assigned;
+- ``active``: the latest assigned attempt has not ended and was not lost;
+- ``lost``: the latest assigned attempt was lost (its requeue waits in the pending queue);
+- ``unknown``: never assigned nor ended.
+
+An active entry keeps its :class:`Assignment` (the reservation is rebuilt from it; a requeue
+needs the admitted request). A finished entry drops it and is forgotten
+``memory_s`` after its deadline (:meth:`AssignmentLog.prune`); an active or lost one is
+never pruned. Plain state, no I/O: one owner feeds it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from schemas.requests import Assignment
+from schemas.workers import EventFirstToken, EventStarted, LifecycleEvent
+
+Status = Literal["unknown", "active", "finished", "lost"]
+
+
+@dataclass(slots=True)
+class _Entry:
+    assigned: set[int] = field(default_factory=set)
+    started: set[int] = field(default_factory=set)
+    streamed: set[int] = field(default_factory=set)
+    ended: set[int] = field(default_factory=set)
+    lost: set[int] = field(default_factory=set)
+    #: The latest assignment, while it is active or lost (None once finished).
+    latest: Assignment | None = None
+    model: str | None = None
+    #: Worker the entry is indexed under (its active attempt's worker), if any.
+    indexed: str | None = None
+    expires_at: float = 0.0
+
+    def status(self) -> Status:
+        top = max(self.assigned, default=0)
+        if self.ended and max(self.ended) >= top:
+            return "finished"
+        if top == 0:
+            return "unknown"
+        return "lost" if top in self.lost else "active"
+
+
+class AssignmentLog:
+    """Per-request record of assignments and lifecycle events (module docstring)."""
+
+    def __init__(self, memory_s: float = 3600.0) -> None:
+        self.memory_s = memory_s
+        self._entries: dict[str, _Entry] = {}
+        self._by_worker: dict[str, set[str]] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # -- feeding ----------------------------------------------------------------------
+
+    def observe_assignment(self, assignment: Assignment) -> bool:
+        """Record an assignment (own or read back); True if it became the active attempt."""
+        entry = self._entry(assignment.request_id)
+        attempt = assignment.attempt
+        if attempt in entry.assigned:
+            return False
+        entry.assigned.add(attempt)
+        request = assignment.request
+        entry.model = request.model
+        entry.expires_at = max(entry.expires_at, request.created_at + request.timeout_s)
+        if attempt == max(entry.assigned):
+            entry.latest = assignment
+        self._settle(assignment.request_id, entry)
+        return self.active(assignment.request_id) is assignment
+
+    def observe_event(self, event: LifecycleEvent) -> bool:
+        """Record a lifecycle event; True if it is news (not a duplicate)."""
+        entry = self._entry(event.request_id)
+        attempt = event.attempt
+        entry.expires_at = max(entry.expires_at, event.ts)
+        if isinstance(event, EventStarted):
+            target = entry.started
+        elif isinstance(event, EventFirstToken):
+            target = entry.streamed
+        else:
+            target = entry.ended
+        if attempt in target:
+            return False
+        target.add(attempt)
+        self._settle(event.request_id, entry)
+        return True
+
+    def mark_lost(self, request_id: str, attempt: int) -> None:
+        """The attempt's worker died; its requeue (attempt + 1) waits in memory."""
+        entry = self._entry(request_id)
+        entry.lost.add(attempt)
+        self._settle(request_id, entry)
+
+    def mark_ended(self, request_id: str, attempt: int, expires_at: float) -> None:
+        """The scheduler itself ended the request (its terminal event is on its way)."""
+        entry = self._entry(request_id)
+        entry.ended.add(attempt)
+        entry.expires_at = max(entry.expires_at, expires_at)
+        self._settle(request_id, entry)
+
+    # -- reading ----------------------------------------------------------------------
+
+    def status(self, request_id: str) -> Status:
+        entry = self._entries.get(request_id)
+        return "unknown" if entry is None else entry.status()
+
+    def active(self, request_id: str) -> Assignment | None:
+        """The assignment of the active attempt, if the request has one."""
+        entry = self._entries.get(request_id)
+        if entry is None or entry.status() != "active":
+            return None
+        return entry.latest
+
+    def latest(self, request_id: str) -> Assignment | None:
+        """The latest assignment while the request is active or lost."""
+        entry = self._entries.get(request_id)
+        return None if entry is None else entry.latest
+
+    def started(self, request_id: str, attempt: int) -> bool:
+        entry = self._entries.get(request_id)
+        return entry is not None and attempt in entry.started
+
+    def streamed(self, request_id: str, attempt: int) -> bool:
+        entry = self._entries.get(request_id)
+        return entry is not None and attempt in entry.streamed
+
+    def model_of(self, request_id: str) -> str | None:
+        entry = self._entries.get(request_id)
+        return None if entry is None else entry.model
+
+    def active_on(self, worker_id: str) -> list[Assignment]:
+        """Active assignments on ``worker_id``."""
+        found = []
+        for request_id in self._by_worker.get(worker_id, ()):
+            assignment = self.active(request_id)
+            if assignment is not None:
+                found.append(assignment)
+        return found
+
+    def workers(self) -> list[str]:
+        """Workers holding at least one active assignment."""
+        return list(self._by_worker)
+
+    def all_active(self) -> list[Assignment]:
+        """Every active assignment, oldest placement first."""
+        found = [
+            a for w in self._by_worker for a in self.active_on(w)
+        ]
+        found.sort(key=lambda a: (a.assigned_at, a.request_id))
+        return found
+
+    def prune(self, now: float) -> int:
+        """Forget finished (and never-assigned) entries ``memory_s`` past their deadline."""
+        horizon = now - self.memory_s
+        stale = [
+            rid
+            for rid, e in self._entries.items()
+            if e.expires_at < horizon and e.status() in ("finished", "unknown")
+        ]
+        for request_id in stale:
+            del self._entries[request_id]
+        return len(stale)
+
+    # -- internals --------------------------------------------------------------------
+
+    def _entry(self, request_id: str) -> _Entry:
+        entry = self._entries.get(request_id)
+        if entry is None:
+            entry = self._entries[request_id] = _Entry()
+        return entry
+
+    def _settle(self, request_id: str, entry: _Entry) -> None:
+        """Re-derive what the entry is indexed under; drop the payload once finished."""
+        status = entry.status()
+        if status == "finished":
+            entry.latest = None
+        worker = entry.latest.worker_id if status == "active" and entry.latest else None
+        if worker == entry.indexed:
+            return
+        if entry.indexed is not None:
+            held = self._by_worker.get(entry.indexed)
+            if held is not None:
+                held.discard(request_id)
+                if not held:
+                    del self._by_worker[entry.indexed]
+        if worker is not None:
+            self._by_worker.setdefault(worker, set()).add(request_id)
+        entry.indexed = worker

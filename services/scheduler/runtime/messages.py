@@ -1,0 +1,144 @@
+"""Between wire messages and the core's values: one function per translation, no decisions.
+
+- :func:`queued_request`: an ``AdmittedRequest`` as the core's ``QueuedRequest`` (its KV
+  reservation rounded up to whole blocks, its queue deadline, its place in line);
+- :func:`assignment`: a ``Placement`` as the ``Assignment`` for the chosen worker;
+- :func:`terminal`: a scheduler-side ending (``Reject`` code) as the terminal ``Error`` for
+  the client and the matching terminal event for ingest (docs/live-system.md, "Who sends
+  the terminal reply");
+- :class:`Outgoing`: an encoded record to produce (topic, partition, key, value).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from schemas.base import WireMessage
+from schemas.codec import encode
+from schemas.common import ErrorCode
+from schemas.replies import Error
+from schemas.requests import AdmittedRequest, Assignment
+from schemas.topics import message_key
+from schemas.workers import EventAborted, EventFailed
+from services.scheduler import Placement, QueuedRequest
+
+
+@dataclass(frozen=True, slots=True)
+class Outgoing:
+    """One record to produce; ``partition`` None lets the producer's partitioner choose."""
+
+    topic: str
+    key: bytes
+    value: bytes
+    partition: int | None = None
+
+    @classmethod
+    def of(cls, topic: str, msg: WireMessage, partition: int | None = None) -> Outgoing:
+        return cls(topic, message_key(msg), encode(msg), partition)
+
+
+def kv_tokens_for(prompt_tokens: int, max_tokens: int, block_size: int) -> int:
+    """KV token slots a request may hold: prompt + max_tokens rounded up to whole blocks
+    (the rule of ``services.ingest.core.tokens.kv_tokens_for``)."""
+    blocks = -(-(prompt_tokens + max_tokens) // block_size)
+    return max(1, blocks * block_size)
+
+
+def deadline_of(admitted: AdmittedRequest) -> float:
+    """End of the request's end-to-end budget: ``created_at + timeout_s``."""
+    return admitted.request.created_at + admitted.request.timeout_s
+
+
+def queued_request(
+    admitted: AdmittedRequest, block_size: int, attempt: int = 1, kv_tokens: int | None = None
+) -> QueuedRequest:
+    """The core's value for an admitted request.
+
+    ``enqueued_at`` is the admission time, so a request keeps its place in line across a
+    scheduler restart and a requeue; attempt 1 is the first placement (Assignment.attempt
+    starts at 1). ``kv_tokens`` overrides the estimate (a restored reservation keeps the
+    exact amount its assignment carried).
+    """
+    request = admitted.request
+    return QueuedRequest(
+        request_id=request.request_id,
+        tenant=request.tenant,
+        model=request.model,
+        model_version=request.model_version,
+        priority=admitted.priority,
+        lane=admitted.lane,
+        prompt_tokens=admitted.prompt_tokens,
+        max_tokens=request.max_tokens,
+        kv_tokens=(
+            kv_tokens
+            if kv_tokens is not None
+            else kv_tokens_for(admitted.prompt_tokens, request.max_tokens, block_size)
+        ),
+        enqueued_at=admitted.admitted_at,
+        deadline=deadline_of(admitted),
+        attempt=attempt,
+        prefix_hash=request.prefix_hash,
+    )
+
+
+def restored_request(assignment: Assignment) -> QueuedRequest:
+    """The reservation an assignment stands for, exactly as it was placed."""
+    return queued_request(
+        assignment.admitted, 1, attempt=assignment.attempt, kv_tokens=assignment.kv_tokens
+    )
+
+
+def assignment(admitted: AdmittedRequest, placement: Placement, now: float) -> Assignment:
+    """The Assignment for ``placement``: the admitted request verbatim, on the worker's
+    partition, with the reservation and the end-to-end deadline."""
+    return Assignment(
+        admitted=admitted,
+        worker_id=placement.worker_id,
+        partition=placement.partition,
+        attempt=placement.attempt,
+        kv_tokens=placement.kv_tokens,
+        deadline=deadline_of(admitted),
+        assigned_at=now,
+    )
+
+
+def terminal(
+    admitted: AdmittedRequest,
+    *,
+    code: ErrorCode,
+    message: str,
+    attempt: int,
+    reply_attempt: int,
+    worker_id: str,
+    events_topic: str,
+    now: float,
+    retry_after_s: float | None = None,
+) -> tuple[Outgoing, Outgoing]:
+    """The terminal reply and the matching terminal event of a scheduler-side ending.
+
+    ``reply_attempt`` is 0 for a request that never reached a worker (Error's rule),
+    otherwise the attempt; the event always carries ``attempt`` (events start at 1).
+    Cancels end with ``event.aborted``, everything else with ``event.failed``.
+    """
+    request = admitted.request
+    text = message[:4096]
+    reply = Error(
+        request_id=request.request_id,
+        attempt=reply_attempt,
+        code=code,
+        message=text,
+        retry_after_s=retry_after_s,
+        ts=now,
+    )
+    event: EventAborted | EventFailed
+    if code == "cancelled":
+        event = EventAborted(
+            request_id=request.request_id, tenant=request.tenant, attempt=attempt,
+            worker_id=worker_id, ts=now, code="cancelled",
+        )
+    else:
+        event = EventFailed(
+            request_id=request.request_id, tenant=request.tenant, attempt=attempt,
+            worker_id=worker_id, ts=now, code=code, message=text,
+        )
+    return Outgoing.of(admitted.reply_topic, reply), Outgoing.of(events_topic, event)

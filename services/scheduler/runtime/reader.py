@@ -1,0 +1,172 @@
+"""The log reader: heartbeats, assignments and events, every partition, from the beginning.
+
+This is the one module of the runtime that talks to Kafka (aiokafka). It is the
+scheduler's documented equivalent of a Faust ``GlobalTable`` over ``llmq.heartbeats``:
+faust 0.15 wants a table to own its changelog topic, while the heartbeat topic is written
+by workers as plain JSON and already compacted. One plain consumer without a group
+(assigned every partition, so every replica sees everything) reads all three topics from
+the beginning:
+
+- ``llmq.heartbeats`` → the fleet view (a null value removes a worker);
+- ``llmq.assignments`` and ``llmq.events`` → the assignment log, from which the ledger is
+  rebuilt at start (restart safety) and kept current afterwards (releases on terminal
+  events; other replicas' placements).
+
+:attr:`LogReader.caught_up` is set once everything that was in the three topics at start
+was handled; the scheduler consumes no request before that. :meth:`LogReader.barrier`
+waits until what is in the assignments and events topics *now* was handled (used after a
+rebalance, so a request redelivered from another replica is recognised as assigned).
+
+Records that fail to decode are dead-lettered through the guard when they are new; the
+history replayed at start was dead-lettered by whoever read it first, so it is only
+logged (a restart must not flood the dead letter with old records).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from aiokafka import TopicPartition
+from aiokafka.errors import KafkaError
+
+from services.common.guard import Guard
+from services.common.kafka import make_consumer
+from services.common.replies import topic_partitions
+
+#: Handles one record of a topic (decoding included); raising dead-letters it.
+Handler = Callable[[Any], None]
+
+_log = logging.getLogger(__name__)
+
+
+class LogReader:
+    """Reads ``handlers``' topics from the beginning into their handlers (module docstring)."""
+
+    def __init__(
+        self,
+        bootstrap: str,
+        handlers: Mapping[str, Handler],
+        guard: Guard,
+        *,
+        on_batch: Callable[[], None] | None = None,
+        poll_ms: int = 50,
+    ) -> None:
+        self.caught_up = asyncio.Event()
+        self._bootstrap = bootstrap
+        self._handlers = dict(handlers)
+        self._guard = guard
+        self._on_batch = on_batch
+        self._poll_ms = poll_ms
+        self._consumer: Any = None
+        self._task: asyncio.Task[None] | None = None
+        self._tps: list[TopicPartition] = []
+        self._history: dict[TopicPartition, int] = {}  # end offsets at start
+        self._handled: dict[TopicPartition, int] = {}  # next offset to handle
+        self._targets: list[dict[TopicPartition, int]] = []  # ends barriers wait for
+        self._progress = asyncio.Condition()
+        #: Replayed records that did not decode (logged, not dead-lettered).
+        self.bad_history = 0
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    async def start(self) -> None:
+        tps = [
+            TopicPartition(topic, p)
+            for topic in self._handlers
+            for p in await topic_partitions(self._bootstrap, topic)
+        ]
+        consumer = make_consumer(self._bootstrap)
+        await consumer.start()
+        try:
+            consumer.assign(tps)
+            await consumer.seek_to_beginning(*tps)
+            ends: dict[TopicPartition, int] = await consumer.end_offsets(tps)
+        except BaseException:
+            await consumer.stop()
+            raise
+        self._consumer, self._tps, self._history = consumer, tps, dict(ends)
+        self._task = asyncio.create_task(self._run(), name="scheduler-log-reader")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        if self._consumer is not None:
+            await self._consumer.stop()
+            self._consumer = None
+
+    async def barrier(self, topics: set[str], timeout_s: float) -> bool:
+        """Wait until ``topics`` were handled up to their current end; False on timeout."""
+        tps = [tp for tp in self._tps if tp.topic in topics]
+        ends: dict[TopicPartition, int] = await self._consumer.end_offsets(tps)
+        self._targets.append(ends)
+        try:
+            async with self._progress:
+                await asyncio.wait_for(
+                    self._progress.wait_for(lambda: self._reached(ends) or not self.running),
+                    timeout_s,
+                )
+        except TimeoutError:
+            return False
+        finally:
+            self._targets.remove(ends)
+        return self._reached(ends)
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                batches = await self._consumer.getmany(timeout_ms=self._poll_ms)
+            except KafkaError:
+                _log.warning("log reader: fetch failed", exc_info=True)
+                await asyncio.sleep(0.5)
+                continue
+            for tp, records in batches.items():
+                handler = self._handlers[tp.topic]
+                history = self._history.get(tp, 0)
+                for record in records:
+                    await self._handle(handler, record, record.offset < history)
+                    self._handled[tp] = record.offset + 1
+            if batches and self._on_batch is not None:
+                self._on_batch()
+            await self._skip_empty_tails()
+            if not self.caught_up.is_set() and self._reached(self._history):
+                self.caught_up.set()
+            async with self._progress:
+                self._progress.notify_all()
+
+    async def _handle(self, handler: Handler, record: Any, replayed: bool) -> None:
+        if not replayed:
+            await self._guard.run(record, _sync(handler, record))
+            return
+        try:
+            handler(record)
+        except Exception as exc:
+            self.bad_history += 1
+            _log.warning("log reader: skipped replayed record %s/%s/%s: %s",
+                         record.topic, record.partition, record.offset, exc)
+
+    def _reached(self, ends: Mapping[TopicPartition, int]) -> bool:
+        return all(self._handled.get(tp, 0) >= end for tp, end in ends.items())
+
+    async def _skip_empty_tails(self) -> None:
+        """A partition whose tail was compacted or deleted has no record at ``end - 1``:
+        once the position passed a waited-for end, everything before it was handled
+        (called between batches, so every record fetched was)."""
+        targets = [] if self.caught_up.is_set() else [self._history]
+        for ends in [*targets, *self._targets]:
+            for tp, end in ends.items():
+                if self._handled.get(tp, 0) < end and await self._consumer.position(tp) >= end:
+                    self._handled[tp] = end
+
+
+def _sync(handler: Handler, record: Any) -> Callable[[], Any]:
+    async def run() -> None:
+        handler(record)
+
+    return run

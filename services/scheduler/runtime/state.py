@@ -1,0 +1,461 @@
+"""The scheduler's runtime state: one owner of the queue, the ledger and what feeds them.
+
+:class:`SchedulerState` sits between Faust and the pure core. It owns the
+:class:`PendingQueue`, the :class:`Ledger`, the :class:`FleetView`, the
+:class:`AssignmentLog`, the drain meter and the cancel memory, and it turns inputs into
+calls of the core and the core's decisions into :class:`Effect` values — records to produce
+plus the source records to acknowledge once the broker has them. It decides nothing
+itself: placement, ordering, expiry, cancellation and worker-loss fates are the core's
+(``schedule``, ``requeue_lost``); this class translates, records and keeps the books
+consistent. Synchronous and I/O-free: the Faust app calls it from one event loop, tests
+drive it directly.
+
+Invariants kept here:
+
+- every request in the pending queue is tracked here (its admitted request and the
+  tickets of its source records), and nothing else is;
+- every active assignment in the log holds a reservation in the ledger (after
+  :meth:`SchedulerState.restore`), placed by the core or restored from the log;
+- a request gets one terminal from the scheduler at most: each one is recorded in the
+  log before it is sent, and a redelivered copy of a finished request is acked unanswered.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Hashable
+from dataclasses import dataclass, field, replace
+from typing import Final, Literal
+
+from schemas.common import ErrorCode, Lane, Priority
+from schemas.control import CancelRequest
+from schemas.requests import AdmittedRequest, Assignment
+from schemas.status import QueueStatus
+from schemas.workers import (
+    EventAborted,
+    EventDone,
+    EventFailed,
+    EventStarted,
+    LifecycleEvent,
+    WorkerHeartbeat,
+)
+from services.scheduler import (
+    Ledger,
+    PendingQueue,
+    Pipeline,
+    Placement,
+    QueueConfig,
+    QueuedRequest,
+    Reject,
+    Requeue,
+    WorkerState,
+    requeue_lost,
+    schedule,
+)
+from services.scheduler.runtime.fleet import FleetView, worker_state
+from services.scheduler.runtime.log import AssignmentLog
+from services.scheduler.runtime.messages import (
+    Outgoing,
+    assignment,
+    deadline_of,
+    queued_request,
+    restored_request,
+    terminal,
+)
+from services.scheduler.runtime.meters import DrainMeter, RecentCancels
+
+_log = logging.getLogger(__name__)
+
+#: A source record to acknowledge: (topic-partition, offset).
+Ticket = tuple[Hashable, int]
+
+#: KV of the stand-in worker a restored reservation is booked on (see ``_book``).
+_UNBOUNDED: Final = 1 << 62
+
+
+@dataclass(frozen=True, slots=True)
+class Effect:
+    """Records to produce, then source records to acknowledge.
+
+    ``first`` goes out first; ``then`` once ``first`` is acknowledged (a terminal event
+    only after its reply is durable); ``tickets`` are acked once both are.
+    """
+
+    first: tuple[Outgoing, ...] = ()
+    then: tuple[Outgoing, ...] = ()
+    tickets: tuple[Ticket, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeConfig:
+    """What the state needs to know besides the core's config."""
+
+    scheduler_id: str
+    assignments_topic: str
+    events_topic: str
+    status_topic: str
+    default_block_size: int = 16
+    max_placements: int | None = 512
+    kv_safety_margin: float = 0.05
+    heartbeat_staleness: float = 3.0
+    drain_window_s: float = 30.0
+    cancel_memory_s: float = 600.0
+    finished_memory_s: float = 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class TickResult:
+    """What one dispatch cycle produced, with figures for metrics."""
+
+    effects: list[Effect]
+    placed: int
+    rejected: dict[ErrorCode, int]
+    requeued: int
+    lost_workers: list[str]
+    schedule_s: float
+    #: True when the cycle stopped at ``max_placements``: run another one soon.
+    more: bool
+
+
+@dataclass(slots=True)
+class _Tracked:
+    """A request in the pending queue, as this process holds it."""
+
+    admitted: AdmittedRequest
+    queued: QueuedRequest
+    origin: Literal["record", "requeue"]
+    tickets: list[Ticket] = field(default_factory=list)
+
+
+class SchedulerState:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        config: RuntimeConfig,
+        queue_config: QueueConfig,
+        pipeline: Pipeline,
+        rng: random.Random,
+    ) -> None:
+        self.config = config
+        self.pipeline = pipeline
+        self.rng = rng
+        self.pending = PendingQueue(queue_config)
+        self.ledger = Ledger(kv_safety_margin=config.kv_safety_margin)
+        self.fleet = FleetView(config.heartbeat_staleness)
+        self.log = AssignmentLog(config.finished_memory_s)
+        self.drain = DrainMeter(config.drain_window_s)
+        self.cancels = RecentCancels(config.cancel_memory_s)
+        #: True once the ledger was rebuilt from the log (:meth:`restore`).
+        self.restored = False
+        self._tracked: dict[str, _Tracked] = {}
+        self._pending_models: dict[str, list[int]] = {}  # model -> [requests, tokens]
+
+    # -- fleet ------------------------------------------------------------------------
+
+    def observe_heartbeat(self, hb: WorkerHeartbeat) -> bool:
+        return self.fleet.observe(hb)
+
+    def forget_worker(self, worker_id: str) -> bool:
+        return self.fleet.forget(worker_id)
+
+    # -- the log: assignments and lifecycle events --------------------------------------
+
+    def observe_assignment(self, record: Assignment) -> list[Effect]:
+        """An assignment read from ``llmq.assignments`` (ours, or another replica's)."""
+        if not self.log.observe_assignment(record):
+            return []
+        effects: list[Effect] = []
+        tracked = self._tracked.get(record.request_id)
+        if tracked is not None and tracked.queued.attempt <= record.attempt:
+            # Placed elsewhere meanwhile: it leaves our queue, its records are done.
+            self.pending.remove(record.request_id)
+            self._untrack(record.request_id)
+            effects.append(Effect(tickets=tuple(tracked.tickets)))
+        if self.restored:
+            for older in range(1, record.attempt):
+                self.ledger.release(record.request_id, older)
+            self._book(record)
+        return effects
+
+    def observe_event(self, event: LifecycleEvent) -> bool:
+        """A lifecycle event; True when it freed capacity (worth a dispatch cycle)."""
+        news = self.log.observe_event(event)
+        if isinstance(event, EventStarted):
+            self.ledger.mark_started(event.request_id, event.attempt)
+            return False
+        if not isinstance(event, EventDone | EventFailed | EventAborted):
+            return False
+        freed = self.ledger.release(event.request_id, event.attempt) > 0
+        usage = event.usage
+        if news and usage is not None:
+            model = self.log.model_of(event.request_id)
+            if model is not None:
+                self.drain.add(model, event.ts, usage.total_tokens)
+        return freed
+
+    def restore(self) -> int:
+        """Rebuild the ledger from the log (after both topics were read to their end):
+        every active assignment books its reservation again. Returns how many."""
+        active = self.log.all_active()
+        for record in active:
+            self._book(record)
+        self.restored = True
+        return len(active)
+
+    # -- requests and control -----------------------------------------------------------
+
+    def on_request(self, admitted: AdmittedRequest, ticket: Ticket, now: float) -> list[Effect]:
+        """An admitted request read from its topic (maybe a redelivery)."""
+        request_id = admitted.request_id
+        status = self.log.status(request_id)
+        if status != "unknown":
+            # Assigned and running (its reservation is booked), finished, or requeued
+            # after a worker loss (pending at its next attempt): nothing more to do.
+            return [Effect(tickets=(ticket,))]
+        tracked = self._tracked.get(request_id)
+        if tracked is not None:
+            tracked.tickets.append(ticket)  # a duplicate record of a pending request
+            return []
+        if self.cancels.matches(request_id, admitted.request.tenant, now):
+            self.cancels.discard(request_id)
+            return [self._end(admitted, 1, "cancelled", "cancelled before it was queued",
+                              self.config.scheduler_id, now, (ticket,))]
+        block = self.fleet.block_size(admitted.request.model) or self.config.default_block_size
+        queued = queued_request(admitted, block)
+        # Always admitted: the record is in memory already. The pause ladder keeps the
+        # queue near its bound by pausing the topics (module docstring of runtime.flow).
+        self.pending.push(queued, force=True)
+        self._track(_Tracked(admitted, queued, "record", [ticket]))
+        return []
+
+    def on_cancel(self, cancel: CancelRequest, now: float) -> bool:
+        """A cancel command; True when a pending request was cancelled (the next cycle
+        reports it). A running one is the worker's to abort: only remembered here, in case
+        its worker is lost before it does."""
+        queued = self.pending.get(cancel.request_id)
+        if queued is not None:
+            if queued.tenant != cancel.tenant:
+                return False  # a mismatch is ignored (schemas.control)
+            return self.pending.cancel(cancel.request_id)
+        if self.log.status(cancel.request_id) != "finished":
+            self.cancels.add(cancel.request_id, cancel.tenant, cancel.issued_at, now)
+        return False
+
+    def drop_sources(self, revoked: set[Hashable]) -> int:
+        """Partitions were revoked: their pending requests go to the new owner (they were
+        not acked). Requeues stay: nothing on Kafka would bring them back. Returns how many
+        requests left the queue."""
+        dropped = 0
+        for request_id, tracked in list(self._tracked.items()):
+            kept = [t for t in tracked.tickets if t[0] not in revoked]
+            if len(kept) == len(tracked.tickets):
+                continue
+            tracked.tickets = kept
+            if tracked.origin == "record" and not kept:
+                self.pending.remove(request_id)
+                self._untrack(request_id)
+                dropped += 1
+        return dropped
+
+    # -- the dispatch cycle -----------------------------------------------------------
+
+    def tick(self, now: float) -> TickResult:
+        """Worker loss, then one ``schedule()`` call; everything it decided as effects."""
+        effects: list[Effect] = []
+        lost = [w for w in self.log.workers() if not self.fleet.is_alive(w, now)]
+        requeued = 0
+        for worker_id in lost:
+            fates, count = self._lose_worker(worker_id, now)
+            effects.extend(fates)
+            requeued += count
+        snapshot = self.fleet.snapshot(now)
+        started = time.perf_counter()
+        decisions = schedule(
+            snapshot, self.pending, self.ledger, self.pipeline, now, self.rng,
+            max_placements=self.config.max_placements,
+        )
+        schedule_s = time.perf_counter() - started
+        placed = 0
+        rejected: dict[ErrorCode, int] = {}
+        for decision in decisions:
+            try:
+                if isinstance(decision, Placement):
+                    effects.append(self._placed(decision, now))
+                    placed += 1
+                elif isinstance(decision, Reject):
+                    effects.append(self._rejected(decision, now))
+                    rejected[decision.code] = rejected.get(decision.code, 0) + 1
+            except Exception:
+                # A bug translating one decision must not lose the others of the cycle.
+                _log.exception("scheduler: could not publish %r", decision)
+                if isinstance(decision, Placement):
+                    self.ledger.release(decision.request.request_id, decision.attempt)
+        more = self.config.max_placements is not None and placed >= self.config.max_placements
+        return TickResult(effects, placed, rejected, requeued, lost, schedule_s, more)
+
+    def statuses(self, now: float) -> list[QueueStatus]:
+        """``QueueStatus`` per model: queued demand, reserved KV, drain rate, live fleet."""
+        running: dict[str, int] = {}
+        for worker_id in self.log.workers():
+            for reservation in self.ledger.reservations(worker_id):
+                model = reservation.request.model
+                running[model] = running.get(model, 0) + reservation.kv_tokens
+        live: dict[str, list[int]] = {}  # model -> [workers, largest usable KV]
+        for hb in self.fleet.live(now):
+            figures = live.setdefault(hb.model, [0, 0])
+            if not hb.draining:
+                figures[0] += 1
+                figures[1] = max(figures[1], self.ledger.usable_kv(worker_state(hb)))
+        models = set(self._pending_models) | set(running) | set(live) | set(self.drain.models())
+        out = []
+        for model in sorted(models):
+            requests, tokens = self._pending_models.get(model, (0, 0))
+            workers, usable = live.get(model, (0, 0))
+            out.append(
+                QueueStatus(
+                    model=model,
+                    scheduler_id=self.config.scheduler_id,
+                    pending_requests=requests,
+                    pending_tokens=tokens,
+                    running_tokens=running.get(model, 0),
+                    drain_tokens_per_s=self.drain.rate(model, now),
+                    live_workers=workers,
+                    max_usable_kv_tokens=usable,
+                    ts=now,
+                )
+            )
+        return out
+
+    def prune(self, now: float) -> None:
+        self.log.prune(now)
+        self.cancels.prune(now)
+
+    # -- views --------------------------------------------------------------------------
+
+    def depth(self) -> dict[tuple[Priority, Lane], int]:
+        return self.pending.counts()
+
+    def tracked(self) -> int:
+        return len(self._tracked)
+
+    def reserved_kv(self, worker_id: str) -> int:
+        return self.ledger.reserved_kv(worker_id)
+
+    # -- internals --------------------------------------------------------------------
+
+    def _placed(self, placement: Placement, now: float) -> Effect:
+        request_id = placement.request.request_id
+        tracked = self._untrack(request_id)
+        record = assignment(tracked.admitted, placement, now)
+        self.log.observe_assignment(record)
+        out = Outgoing.of(self.config.assignments_topic, record, partition=placement.partition)
+        return Effect(first=(out,), tickets=tuple(tracked.tickets))
+
+    def _rejected(self, reject: Reject, now: float) -> Effect:
+        tracked = self._untrack(reject.request_id)
+        return self._end(
+            tracked.admitted, tracked.queued.attempt, reject.code, reject.reason,
+            self.config.scheduler_id, now, tuple(tracked.tickets), reject.retry_after_s,
+        )
+
+    def _lose_worker(self, worker_id: str, now: float) -> tuple[list[Effect], int]:
+        """The core decides each held request's fate; this records and publishes it."""
+        held = {a.request_id: a for a in self.log.active_on(worker_id)}
+        for record in held.values():
+            if self.ledger.worker_of(record.request_id, record.attempt) is None:
+                self._book(record)  # keeps "every active assignment is booked" true
+        streamed = {rid for rid, a in held.items() if self.log.streamed(rid, a.attempt)}
+        effects: list[Effect] = []
+        requeued = 0
+        for fate in requeue_lost(self.ledger, worker_id, streamed):
+            if isinstance(fate, Requeue):
+                record = held[fate.request.request_id]
+                self.log.mark_lost(record.request_id, record.attempt)
+                effects.extend(self._requeue(record, fate, now))
+                requeued += 1
+            else:
+                record = held[fate.request_id]
+                effects.append(
+                    self._end(record.admitted, record.attempt, fate.code, fate.reason,
+                              worker_id, now, ())
+                )
+        return effects, requeued
+
+    def _requeue(self, record: Assignment, fate: Requeue, now: float) -> list[Effect]:
+        request = fate.request
+        if self.cancels.matches(request.request_id, request.tenant, now):
+            self.cancels.discard(request.request_id)
+            return [self._end(record.admitted, request.attempt, "cancelled",
+                              "cancelled while its worker was lost", self.config.scheduler_id,
+                              now, (), reply_attempt=request.attempt)]
+        self.pending.push(request, force=True)  # already admitted work: past the bound
+        self._track(_Tracked(record.admitted, request, "requeue"))
+        return []
+
+    def _end(
+        self,
+        admitted: AdmittedRequest,
+        attempt: int,
+        code: ErrorCode,
+        reason: str,
+        worker_id: str,
+        now: float,
+        tickets: tuple[Ticket, ...],
+        retry_after_s: float | None = None,
+        reply_attempt: int | None = None,
+    ) -> Effect:
+        """One scheduler-side terminal: recorded first, then the reply, then the event."""
+        request_id = admitted.request_id
+        if reply_attempt is None:
+            # Attempt 1 still pending never reached a worker: Error's attempt is 0 then.
+            reply_attempt = 0 if attempt == 1 and self.log.latest(request_id) is None else attempt
+        self.log.mark_ended(request_id, attempt, deadline_of(admitted))
+        reply, event = terminal(
+            admitted, code=code, message=reason, attempt=attempt, reply_attempt=reply_attempt,
+            worker_id=worker_id, events_topic=self.config.events_topic, now=now,
+            retry_after_s=retry_after_s,
+        )
+        return Effect(first=(reply,), then=(event,), tickets=tickets)
+
+    def _book(self, record: Assignment) -> None:
+        """Book an existing assignment's reservation in the ledger.
+
+        It is a fact, not a request: it is booked on a stand-in of the worker with
+        unbounded KV so the ledger cannot refuse it. If the worker since reports less KV,
+        its books exceed its usable KV and the ledger's free KV is 0: fail closed, no new
+        work there until releases bring it back under.
+        """
+        known = self.fleet.state(record.worker_id)
+        stand_in = (
+            replace(known, kv_total_tokens=_UNBOUNDED, kv_free_tokens=_UNBOUNDED)
+            if known is not None
+            else WorkerState(
+                worker_id=record.worker_id, model=record.request.model, model_version=None,
+                pool="any", partition=record.partition, kv_total_tokens=_UNBOUNDED,
+                kv_free_tokens=_UNBOUNDED, block_size=1, running=0, waiting=0,
+                max_num_seqs=1, draining=True, heartbeat_ts=0.0, tokens_per_s=0.0,
+            )
+        )
+        self.ledger.reserve(stand_in, restored_request(record))
+        if self.log.started(record.request_id, record.attempt):
+            # Its started event may have been read before the booking (replay order).
+            self.ledger.mark_started(record.request_id, record.attempt)
+
+    def _track(self, tracked: _Tracked) -> None:
+        self._tracked[tracked.queued.request_id] = tracked
+        figures = self._pending_models.setdefault(tracked.queued.model, [0, 0])
+        figures[0] += 1
+        figures[1] += tracked.queued.prompt_tokens + tracked.queued.max_tokens
+
+    def _untrack(self, request_id: str) -> _Tracked:
+        tracked = self._tracked.pop(request_id)
+        model = tracked.queued.model
+        figures = self._pending_models[model]
+        figures[0] -= 1
+        figures[1] -= tracked.queued.prompt_tokens + tracked.queued.max_tokens
+        if figures[0] == 0:
+            del self._pending_models[model]
+        return tracked

@@ -1,0 +1,148 @@
+"""Settings of the scheduler service (``LLMQ_SCHEDULER_*``, plus ``LLMQ_METRICS_PORT``).
+
+Read once in ``services.scheduler.__main__`` (command-line flags override the environment)
+and passed down frozen, next to the shared :class:`services.common.settings.Settings`.
+:meth:`SchedulerSettings.queue_config` and :meth:`SchedulerSettings.profile` turn them into
+the core's validated config values.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+
+from pydantic import AliasChoices, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from services.scheduler import DEFAULT_PROFILE, QueueConfig
+
+_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+
+
+class SchedulerSettings(BaseSettings):
+    """Each field maps to ``LLMQ_SCHEDULER_<NAME>``; the metrics port to ``LLMQ_METRICS_PORT``."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="LLMQ_SCHEDULER_", frozen=True, extra="ignore", populate_by_name=True
+    )
+
+    app_name: str = Field(
+        default="scheduler",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,40}$",
+        description="Faust app name; the app id (consumer group) is <topic_prefix>-<name>.",
+    )
+    scheduler_id: str | None = Field(
+        default=None,
+        pattern=_NAME,
+        description="This instance's id: worker_id of the events it sends, scheduler_id of "
+        "its QueueStatus. Default scheduler-<host>, stable across restarts.",
+    )
+    max_pending: int = Field(
+        default=100_000, ge=1, le=10_000_000,
+        description="Bound of the pending queue; request topics pause as it fills.",
+    )
+    pause_band: float = Field(
+        default=0.1, ge=0.0, lt=1.0,
+        description="Request topics pause between (1 - band) and 100 % of max_pending, "
+        "lowest priority (low.long) first, high.short last.",
+    )
+    resume_hysteresis: float = Field(
+        default=0.05, gt=0.0, lt=1.0,
+        description="A paused topic resumes once the queue is this fraction of max_pending "
+        "below its pause threshold.",
+    )
+    aging_s_per_class: float = Field(
+        default=30.0, gt=0.0, le=86_400.0,
+        description="Seconds of waiting that raise a request by one priority class.",
+    )
+    short_weight: float = Field(
+        default=3.0, gt=0.0, le=1000.0, description="Weight of the short lane on 'any' workers."
+    )
+    long_weight: float = Field(
+        default=1.0, gt=0.0, le=1000.0, description="Weight of the long lane on 'any' workers."
+    )
+    kv_safety_margin: float = Field(
+        default=0.05, ge=0.0, lt=1.0,
+        description="Fraction of each worker's KV never promised (decode growth, fragmentation).",
+    )
+    profile_file: Path | None = Field(
+        default=None, description="Placement profile (TOML); none: the core's DEFAULT_PROFILE."
+    )
+    heartbeat_staleness: float = Field(
+        default=3.0, gt=0.0, le=100.0,
+        description="A worker is dead once its heartbeat is this many of its own interval_s "
+        "old (DESIGN.md: 3).",
+    )
+    default_block_size: int = Field(
+        default=16, ge=1, le=1 << 16,
+        description="KV block size used to round reservations when no live worker of the "
+        "model reports one.",
+    )
+    dispatch_interval_s: float = Field(
+        default=0.05, gt=0.0, le=10.0,
+        description="Longest pause of the dispatch loop; arrivals and releases wake it sooner.",
+    )
+    max_placements_per_cycle: int = Field(
+        default=512, ge=1, le=1_000_000,
+        description="Placements per schedule() call: bounds one batch of sends.",
+    )
+    status_interval_s: float = Field(
+        default=1.0, gt=0.0, le=60.0, description="Period of QueueStatus on llmq.status."
+    )
+    drain_window_s: float = Field(
+        default=30.0, gt=0.0, le=3600.0,
+        description="Sliding window of the measured drain rate (tokens finished per second).",
+    )
+    send_timeout_s: float = Field(
+        default=10.0, gt=0.0, le=300.0,
+        description="Wait this long for the broker to acknowledge one batch of sends; what is "
+        "not acknowledged is sent again (its request stays unacked meanwhile).",
+    )
+    catchup_timeout_s: float = Field(
+        default=120.0, gt=0.0, le=3600.0,
+        description="Start fails if heartbeats, assignments and events cannot be read up to "
+        "their end within this long.",
+    )
+    cancel_memory_s: float = Field(
+        default=600.0, ge=0.0, le=86_400.0,
+        description="A cancel for a request not seen yet is remembered this long.",
+    )
+    finished_memory_s: float = Field(
+        default=3600.0, ge=0.0, le=7 * 86_400.0,
+        description="A finished request is remembered this long past its deadline, so that a "
+        "redelivered copy is skipped rather than answered twice.",
+    )
+    seed: int | None = Field(
+        default=None, ge=0, description="Seed of the pickers' RNG; none: from the OS."
+    )
+    metrics_port: int | None = Field(
+        default=None, ge=1, le=65535,
+        validation_alias=AliasChoices("LLMQ_METRICS_PORT", "LLMQ_SCHEDULER_METRICS_PORT"),
+        description="Prometheus metrics on 127.0.0.1:<port>; none: off.",
+    )
+    log_level: str = Field(default="info", pattern=r"^(debug|info|warning|error)$")
+
+    def resolved_scheduler_id(self) -> str:
+        """``scheduler_id``, or ``scheduler-<host>`` made safe for an id."""
+        if self.scheduler_id is not None:
+            return self.scheduler_id
+        host = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname().split(".")[0]) or "host"
+        return f"scheduler-{host[:40].strip('-_') or 'host'}"
+
+    def queue_config(self) -> QueueConfig:
+        """The core's validated queue config."""
+        return QueueConfig(
+            aging_s_per_class=self.aging_s_per_class,
+            max_pending=self.max_pending,
+            lane_weights={"short": self.short_weight, "long": self.long_weight},
+        )
+
+    def profile(self) -> Mapping[str, object]:
+        """The placement profile mapping (``build_pipeline`` validates it)."""
+        if self.profile_file is None:
+            return DEFAULT_PROFILE
+        with self.profile_file.open("rb") as handle:
+            return tomllib.load(handle)

@@ -1,0 +1,100 @@
+"""FleetView: newest heartbeat per worker, liveness by each worker's own interval."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from schemas.workers import WorkerHeartbeat
+from services.scheduler.runtime.fleet import FleetView, worker_state
+from tests.builders_schemas import make_heartbeat
+
+T = 1_000.0
+
+
+def hb(worker_id: str = "w0", **changes: Any) -> WorkerHeartbeat:
+    fields: dict[str, Any] = {
+        "worker_id": worker_id, "started_at": T - 100, "seq": 1, "ts": T, "interval_s": 1.0,
+        "model": "m", "model_version": None,
+    }
+    fields.update(changes)
+    return make_heartbeat(**fields)
+
+
+@pytest.mark.parametrize(
+    ("interval_s", "age_s", "staleness", "alive"),
+    [
+        (1.0, 0.0, 3.0, True),
+        (1.0, 3.0, 3.0, True),  # exactly three intervals: still alive
+        (1.0, 3.01, 3.0, False),
+        (5.0, 14.0, 3.0, True),  # a slow heartbeat is judged by its own interval
+        (5.0, 15.5, 3.0, False),
+        (0.5, 1.6, 3.0, False),
+        (1.0, 1.5, 1.0, False),  # a tighter staleness setting
+    ],
+)
+def test_liveness_is_three_of_the_workers_own_intervals(
+    interval_s: float, age_s: float, staleness: float, alive: bool
+) -> None:
+    fleet = FleetView(staleness)
+    fleet.observe(hb(interval_s=interval_s))
+    now = T + age_s
+    assert fleet.is_alive("w0", now) is alive
+    assert ("w0" in fleet.snapshot(now).workers) is alive
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "kept_seq"),
+    [
+        ((T - 100, 1), (T - 100, 2), 2),  # newer beat of the same process
+        ((T - 100, 5), (T - 100, 2), 5),  # a late duplicate never rolls back
+        ((T - 100, 500), (T - 1, 0), 0),  # a restarted process wins from its first beat
+        ((T - 1, 0), (T - 100, 500), 0),  # ... and the old process's last beat loses
+    ],
+)
+def test_newest_heartbeat_wins_by_started_at_then_seq(
+    first: tuple[float, int], second: tuple[float, int], kept_seq: int
+) -> None:
+    fleet = FleetView()
+    fleet.observe(hb(started_at=first[0], seq=first[1]))
+    fleet.observe(hb(started_at=second[0], seq=second[1]))
+    beat = fleet.get("w0")
+    assert beat is not None and beat.seq == kept_seq
+
+
+def test_unknown_and_forgotten_workers_are_dead() -> None:
+    fleet = FleetView()
+    assert not fleet.is_alive("ghost", T)
+    fleet.observe(hb())
+    assert fleet.forget("w0") and not fleet.forget("w0")
+    assert not fleet.is_alive("w0", T) and fleet.state("w0") is None
+
+
+def test_snapshot_holds_only_live_workers_and_the_core_agrees() -> None:
+    fleet = FleetView()
+    fleet.observe(hb("fast", interval_s=0.5, ts=T - 1.0))  # alive: 1.0 <= 1.5
+    fleet.observe(hb("slow", interval_s=5.0, ts=T - 12.0))  # alive: 12 <= 15
+    fleet.observe(hb("gone", interval_s=1.0, ts=T - 10.0))  # dead
+    snap = fleet.snapshot(T)
+    assert sorted(snap.workers) == ["fast", "slow"]
+    assert all(snap.is_fresh(w) for w in snap.workers.values())
+
+
+def test_worker_state_copies_the_heartbeat() -> None:
+    beat = hb(pool="long", partition=7, kv_total_tokens=9_000, kv_free_tokens=4_000,
+              running=3, waiting=1, max_num_seqs=8, draining=True, tokens_per_s=12.5)
+    state = worker_state(beat)
+    assert (state.pool, state.partition, state.kv_total_tokens, state.kv_free_tokens) == (
+        "long", 7, 9_000, 4_000)
+    assert (state.running, state.waiting, state.max_num_seqs, state.draining) == (3, 1, 8, True)
+    assert state.heartbeat_ts == T and state.tokens_per_s == 12.5
+
+
+def test_block_size_of_a_model() -> None:
+    fleet = FleetView()
+    assert fleet.block_size("m") is None
+    fleet.observe(hb("a", block_size=16))
+    fleet.observe(hb("b", block_size=32))
+    fleet.observe(hb("c", block_size=64, model="other"))
+    assert fleet.block_size("m") == 32

@@ -1,0 +1,129 @@
+"""AssignmentLog: the status of a request from its assignments and events, in any order.
+
+This is the restart rebuild: the log is fed the records of ``llmq.assignments`` and
+``llmq.events`` as they come (two topics, so in no particular order between them), and the
+status of each request must not depend on that order.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+
+from schemas.replies import Usage
+from schemas.requests import Assignment
+from schemas.workers import (
+    EventAborted,
+    EventDone,
+    EventFailed,
+    EventFirstToken,
+    EventStarted,
+    LifecycleEvent,
+)
+from services.scheduler.runtime.log import AssignmentLog
+from tests.builders_schemas import make_admitted, make_assignment, make_request
+
+T = 1_000_000.0
+
+
+def assigned(rid: str, attempt: int = 1, worker: str = "w0", **changes: Any) -> Assignment:
+    request = make_request(request_id=rid, created_at=T, timeout_s=60.0)
+    return make_assignment(admitted=make_admitted(request=request), attempt=attempt,
+                           worker_id=worker, assigned_at=T + attempt, **changes)
+
+
+def event(kind: str, rid: str, attempt: int = 1, worker: str = "w0") -> LifecycleEvent:
+    base: dict[str, Any] = {"request_id": rid, "tenant": "acme", "attempt": attempt,
+                            "worker_id": worker, "ts": T + 10}
+    if kind == "started":
+        return EventStarted(**base)
+    if kind == "first_token":
+        return EventFirstToken(**base, ttft_s=0.1)
+    if kind == "done":
+        return EventDone(**base, finish_reason="stop",
+                         usage=Usage(prompt_tokens=1, completion_tokens=1))
+    if kind == "failed":
+        return EventFailed(**base, code="queue_timeout", message="late")
+    return EventAborted(**base, code="cancelled")
+
+
+Record = Assignment | LifecycleEvent
+
+
+def feed(log: AssignmentLog, records: tuple[Record, ...]) -> None:
+    for record in records:
+        if isinstance(record, Assignment):
+            log.observe_assignment(record)
+        else:
+            log.observe_event(record)
+
+
+CASES: list[tuple[str, list[Record], str, int | None]] = [
+    ("never seen", [], "unknown", None),
+    ("assigned", [assigned("r")], "active", 1),
+    ("assigned and started", [assigned("r"), event("started", "r")], "active", 1),
+    ("done", [assigned("r"), event("started", "r"), event("done", "r")], "finished", None),
+    ("failed on the worker", [assigned("r"), event("failed", "r")], "finished", None),
+    ("ended by the scheduler, never assigned", [event("failed", "r")], "finished", None),
+    ("cancelled while pending", [event("aborted", "r")], "finished", None),
+    ("requeued and placed again", [assigned("r", 1), assigned("r", 2, "w1")], "active", 2),
+    ("old attempt ends after the requeue was placed",
+     [assigned("r", 1), assigned("r", 2, "w1"), event("done", "r", 1)], "active", 2),
+    ("second attempt done", [assigned("r", 1), assigned("r", 2, "w1"),
+                             event("done", "r", 2, "w1")], "finished", None),
+    ("requeue timed out in the queue", [assigned("r", 1), event("failed", "r", 2)],
+     "finished", None),
+    ("a duplicate record changes nothing",
+     [assigned("r"), assigned("r"), event("started", "r"), event("started", "r")], "active", 1),
+]
+
+
+@pytest.mark.parametrize(("name", "records", "status", "active"), CASES, ids=[c[0] for c in CASES])
+def test_status_does_not_depend_on_the_order_records_arrive(
+    name: str, records: list[Record], status: str, active: int | None
+) -> None:
+    for order in itertools.permutations(records):
+        log = AssignmentLog()
+        feed(log, order)
+        assert log.status("r") == status, order
+        found = log.active("r")
+        assert (found.attempt if found else None) == active, order
+
+
+def test_lost_attempts_and_the_worker_index() -> None:
+    log = AssignmentLog()
+    log.observe_assignment(assigned("a", worker="w0"))
+    log.observe_assignment(assigned("b", worker="w0"))
+    log.observe_assignment(assigned("c", worker="w1"))
+    assert sorted(log.workers()) == ["w0", "w1"]
+    assert sorted(a.request_id for a in log.active_on("w0")) == ["a", "b"]
+    log.mark_lost("a", 1)
+    assert log.status("a") == "lost" and log.latest("a") is not None
+    assert [a.request_id for a in log.active_on("w0")] == ["b"]
+    log.observe_event(event("done", "b"))
+    assert log.workers() == ["w1"]
+    log.observe_assignment(assigned("a", 2, "w1"))
+    assert sorted(a.request_id for a in log.active_on("w1")) == ["a", "c"]
+    assert [a.request_id for a in log.all_active()] == ["c", "a"]  # by placement time
+
+
+def test_started_and_streamed_per_attempt() -> None:
+    log = AssignmentLog()
+    feed(log, (assigned("r"), event("started", "r"), event("first_token", "r")))
+    assert log.started("r", 1) and log.streamed("r", 1)
+    assert not log.started("r", 2) and not log.streamed("r", 2)
+    assert log.model_of("r") is not None and log.model_of("x") is None
+
+
+def test_finished_entries_drop_their_payload_and_are_pruned_after_memory() -> None:
+    log = AssignmentLog(memory_s=100.0)
+    feed(log, (assigned("done"), event("done", "done"), assigned("running")))
+    log.mark_ended("ours", 1, expires_at=T + 60.0)
+    assert log.latest("done") is None  # finished: payload dropped
+    assert log.prune(T + 100.0) == 0  # not yet past deadline + memory
+    assert log.prune(T + 170.0) == 2  # "done" (deadline T+60, event T+10) and "ours"
+    assert log.status("done") == "unknown"
+    assert log.status("running") == "active"  # an active entry is never pruned
+    assert len(log) == 1

@@ -1,0 +1,290 @@
+"""SchedulerState: inputs in, the core's decisions out as effects — no Kafka.
+
+Drives the state the way the Faust app does (heartbeats, admitted requests with tickets,
+events, ticks) and checks the records it would produce and the acks it would release.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from schemas.codec import decode
+from schemas.control import CancelRequest
+from schemas.messages import ASSIGNMENT_ADAPTER, EVENT_ADAPTER, REPLY_ADAPTER
+from schemas.replies import Error, Usage
+from schemas.requests import AdmittedRequest, Assignment
+from schemas.workers import (
+    EventAborted,
+    EventDone,
+    EventFailed,
+    EventFirstToken,
+    EventStarted,
+    WorkerHeartbeat,
+)
+from services.scheduler import DEFAULT_PROFILE, QueueConfig, build_pipeline
+from services.scheduler.runtime.state import Effect, RuntimeConfig, SchedulerState
+from tests.builders_schemas import make_admitted, make_heartbeat, make_request
+
+T = 1_700_000_000.0
+MODEL = "m"
+SCHED = "sched-1"
+
+
+def new_state(**config: Any) -> SchedulerState:
+    cfg = RuntimeConfig(scheduler_id=SCHED, assignments_topic="p.assignments",
+                        events_topic="p.events", status_topic="p.status", **config)
+    return SchedulerState(cfg, QueueConfig(), build_pipeline(DEFAULT_PROFILE), random.Random(1))
+
+
+def beat(worker_id: str, partition: int, ts: float = T, **changes: Any) -> WorkerHeartbeat:
+    fields: dict[str, Any] = {
+        "worker_id": worker_id, "partition": partition, "model": MODEL, "model_version": None,
+        "pool": "any", "kv_total_tokens": 10_000, "kv_free_tokens": 10_000,
+        "kv_total_bytes": 10_000, "kv_free_bytes": 10_000, "block_size": 16, "running": 0,
+        "waiting": 0, "max_num_seqs": 64, "draining": False, "interval_s": 1.0,
+        "started_at": T - 100, "seq": int(ts - T) + 1, "ts": ts,
+    }
+    fields.update(changes)
+    return make_heartbeat(**fields)
+
+
+def admitted(rid: str, *, prompt: int = 1_000, max_tokens: int = 24, timeout_s: float = 60.0,
+             priority: str = "normal", model: str = MODEL, at: float = T) -> AdmittedRequest:
+    request = make_request(request_id=rid, tenant="acme", model=model, max_tokens=max_tokens,
+                           timeout_s=timeout_s, created_at=at, prefix_hash=None)
+    return make_admitted(request=request, priority=priority, lane="short", prompt_tokens=prompt,
+                         reply_topic="p.replies.acme", admitted_at=at)
+
+
+def assignments(effects: list[Effect]) -> list[tuple[int | None, Assignment]]:
+    return [(o.partition, decode(o.value, ASSIGNMENT_ADAPTER))
+            for e in effects for o in e.first if o.topic == "p.assignments"]
+
+
+def replies(effects: list[Effect]) -> list[Error]:
+    out = [decode(o.value, REPLY_ADAPTER) for e in effects for o in e.first
+           if o.topic == "p.replies.acme"]
+    return [r for r in out if isinstance(r, Error)]
+
+
+def events(effects: list[Effect]) -> list[Any]:
+    return [decode(o.value, EVENT_ADAPTER) for e in effects for o in e.then]
+
+
+def tickets(effects: list[Effect]) -> list[Any]:
+    return [t for e in effects for t in e.tickets]
+
+
+def started(a: Assignment, worker: str) -> EventStarted:
+    return EventStarted(request_id=a.request_id, tenant="acme", attempt=a.attempt,
+                        worker_id=worker, ts=T + 1)
+
+
+def done(a: Assignment, worker: str) -> EventDone:
+    return EventDone(request_id=a.request_id, tenant="acme", attempt=a.attempt,
+                     worker_id=worker, ts=T + 2, finish_reason="stop",
+                     usage=Usage(prompt_tokens=1_000, completion_tokens=20))
+
+
+def ready_state(*workers: tuple[str, int], **config: Any) -> SchedulerState:
+    state = new_state(**config)
+    for worker_id, partition in workers:
+        state.observe_heartbeat(beat(worker_id, partition))
+    state.restore()
+    return state
+
+
+def test_an_admitted_request_is_placed_on_the_workers_partition_and_acked_after() -> None:
+    state = ready_state(("w0", 3))
+    assert state.on_request(admitted("r1"), ("tp", 0), T) == []  # queued, not acked yet
+    result = state.tick(T)
+    ((partition, a),) = assignments(result.effects)
+    assert (partition, a.partition, a.worker_id, a.attempt) == (3, 3, "w0", 1)
+    assert a.kv_tokens == 1_024  # 1,000 + 24 rounded up to 16-token blocks
+    assert a.deadline == T + 60.0 and a.admitted == admitted("r1")
+    assert tickets(result.effects) == [("tp", 0)]
+    assert state.reserved_kv("w0") == 1_024 and state.log.status("r1") == "active"
+    assert len(state.pending) == state.tracked() == 0
+
+
+@pytest.mark.parametrize("end", ["none", "done"])
+def test_a_redelivered_request_is_acked_and_skipped(end: str) -> None:
+    state = ready_state(("w0", 0))
+    state.on_request(admitted("r1"), ("tp", 0), T)
+    (a,) = [x for _, x in assignments(state.tick(T).effects)]
+    if end == "done":
+        state.observe_event(done(a, "w0"))
+    assert state.on_request(admitted("r1"), ("tp", 0), T) == [Effect(tickets=(("tp", 0),))]
+    assert assignments(state.tick(T).effects) == []
+
+
+def test_a_duplicate_record_of_a_pending_request_is_acked_with_it() -> None:
+    state = ready_state()  # no worker: stays pending
+    state.on_request(admitted("r1"), ("tp", 0), T)
+    state.on_request(admitted("r1"), ("tp", 7), T)
+    assert len(state.pending) == 1
+    state.observe_heartbeat(beat("w0", 0))
+    assert tickets(state.tick(T).effects) == [("tp", 0), ("tp", 7)]
+
+
+def test_restart_rebuild_restores_reservations_and_skips_what_was_decided() -> None:
+    # Before the crash: r0, r1 placed on w0 (r0 started), r2 finished, r3 pending.
+    before = ready_state(("w0", 0), max_placements=3)
+    for i in range(4):
+        before.on_request(admitted(f"r{i}", prompt=3_000, max_tokens=8), ("tp", i), T)
+    placed = [a for _, a in assignments(before.tick(T).effects)]
+    assert [a.request_id for a in placed] == ["r0", "r1", "r2"]  # 3 x 3,008 <= 9,500
+    replay: list[Any] = [*placed, started(placed[0], "w0"), done(placed[2], "w0")]
+
+    # After the restart: the log is replayed (assignments and events in any order) ...
+    after = new_state()
+    after.observe_heartbeat(beat("w0", 0, kv_free_tokens=10_000 - 3_008))  # r0 started
+    for record in reversed(replay):
+        if isinstance(record, Assignment):
+            after.observe_assignment(record)
+        else:
+            after.observe_event(record)
+    assert after.restore() == 2  # r0 and r1 hold their reservations again
+    assert after.reserved_kv("w0") == 2 * 3_008
+    # ... then every request is redelivered (nothing was committed).
+    effects = [e for i in range(4)
+               for e in after.on_request(admitted(f"r{i}", prompt=3_000, max_tokens=8),
+                                         ("tp", i), T)]
+    assert tickets(effects) == [("tp", 0), ("tp", 1), ("tp", 2)]  # skipped and acked
+    (a,) = [x for _, x in assignments(after.tick(T).effects)]
+    assert a.request_id == "r3" and a.attempt == 1
+    assert after.reserved_kv("w0") == 3 * 3_008
+
+
+def test_restored_reservations_are_booked_even_if_the_worker_shrank() -> None:
+    before = ready_state(("w0", 0))
+    before.on_request(admitted("big", prompt=9_000, max_tokens=8), ("tp", 0), T)
+    ((_, a),) = assignments(before.tick(T).effects)
+    after = new_state()
+    after.observe_heartbeat(beat("w0", 0, kv_total_tokens=4_000, kv_free_tokens=4_000,
+                                 kv_total_bytes=4_000, kv_free_bytes=4_000))
+    after.observe_assignment(a)
+    after.restore()
+    assert after.reserved_kv("w0") == a.kv_tokens  # a fact, booked: fail closed
+    after.on_request(admitted("small", prompt=10, max_tokens=6), ("tp", 1), T)
+    assert assignments(after.tick(T).effects) == []  # no room until the big one ends
+
+
+def test_worker_loss_requeues_unstreamed_work_and_fails_streamed() -> None:
+    state = ready_state(("w0", 0))
+    state.on_request(admitted("quiet"), ("tp", 0), T)
+    state.on_request(admitted("chatty"), ("tp", 1), T)
+    placed = {a.request_id: a for _, a in assignments(state.tick(T).effects)}
+    state.observe_event(started(placed["chatty"], "w0"))
+    state.observe_event(EventFirstToken(request_id="chatty", tenant="acme", attempt=1,
+                                        worker_id="w0", ts=T + 1, ttft_s=0.1))
+    state.observe_heartbeat(beat("w1", 1, ts=T + 5))
+    result = state.tick(T + 5)  # w0 last beat at T: dead after 3 s
+    assert result.lost_workers == ["w0"] and result.requeued == 1
+    ((partition, again),) = assignments(result.effects)
+    assert (again.request_id, again.attempt, again.worker_id, partition) == ("quiet", 2, "w1", 1)
+    assert again.admitted == placed["quiet"].admitted  # verbatim, same place in line
+    (error,) = replies(result.effects)
+    assert (error.request_id, error.code, error.attempt) == ("chatty", "worker_lost", 1)
+    (event,) = events(result.effects)
+    assert isinstance(event, EventFailed)
+    assert (event.code, event.worker_id, event.attempt) == ("worker_lost", "w0", 1)
+    assert state.reserved_kv("w0") == 0
+    assert state.tick(T + 5.1).lost_workers == []  # declared once
+
+
+def test_queue_deadline_ends_with_queue_timeout_from_the_scheduler() -> None:
+    state = ready_state()
+    state.on_request(admitted("late", timeout_s=2.0), ("tp", 0), T)
+    assert state.tick(T + 1).effects == []
+    result = state.tick(T + 2.5)
+    (error,) = replies(result.effects)
+    assert (error.code, error.attempt) == ("queue_timeout", 0)
+    (event,) = events(result.effects)
+    assert isinstance(event, EventFailed)
+    assert (event.code, event.attempt, event.worker_id, event.tenant) == (
+        "queue_timeout", 1, SCHED, "acme")
+    assert tickets(result.effects) == [("tp", 0)]
+    assert result.rejected == {"queue_timeout": 1}
+    assert state.on_request(admitted("late", timeout_s=2.0), ("tp", 0), T + 3) == [
+        Effect(tickets=(("tp", 0),))]  # redelivered later: not answered twice
+
+
+def cancel(rid: str, tenant: str = "acme", at: float = T) -> CancelRequest:
+    return CancelRequest(request_id=rid, tenant=tenant, issued_by="test", issued_at=at)
+
+
+def test_cancel_of_a_pending_request() -> None:
+    state = ready_state()
+    state.on_request(admitted("r1"), ("tp", 0), T)
+    assert not state.on_cancel(cancel("r1", tenant="mallory"), T)  # tenant mismatch
+    assert state.on_cancel(cancel("r1"), T)
+    result = state.tick(T)
+    (error,) = replies(result.effects)
+    assert (error.code, error.attempt) == ("cancelled", 0)
+    (event,) = events(result.effects)
+    assert isinstance(event, EventAborted) and event.code == "cancelled"
+
+
+def test_a_cancel_before_the_request_arrives_is_remembered() -> None:
+    state = ready_state(("w0", 0))
+    assert not state.on_cancel(cancel("r1"), T)
+    effects = state.on_request(admitted("r1"), ("tp", 0), T)
+    assert [r.code for r in replies(effects)] == ["cancelled"] and tickets(effects) == [("tp", 0)]
+    assert assignments(state.tick(T).effects) == []
+
+
+def test_a_cancelled_running_request_is_not_requeued_when_its_worker_dies() -> None:
+    state = ready_state(("w0", 0))
+    state.on_request(admitted("r1"), ("tp", 0), T)
+    state.tick(T)
+    assert not state.on_cancel(cancel("r1"), T)  # running: the worker's to abort
+    state.observe_heartbeat(beat("w1", 1, ts=T + 5))
+    result = state.tick(T + 5)
+    assert assignments(result.effects) == []
+    (error,) = replies(result.effects)
+    assert (error.code, error.attempt) == ("cancelled", 2)
+
+
+def test_a_draining_worker_gets_no_new_work() -> None:
+    state = ready_state()
+    state.observe_heartbeat(beat("w0", 0, draining=True))
+    state.on_request(admitted("r1"), ("tp", 0), T)
+    assert assignments(state.tick(T).effects) == []
+    state.observe_heartbeat(beat("w1", 1))
+    assert [a.worker_id for _, a in assignments(state.tick(T).effects)] == ["w1"]
+
+
+def test_unknown_model_is_rejected_by_the_core() -> None:
+    state = ready_state(("w0", 0))
+    state.on_request(admitted("odd", model="nobody-serves-this"), ("tp", 0), T)
+    result = state.tick(T)
+    assert [e.code for e in replies(result.effects)] == ["unknown_model"]
+
+
+def test_queue_status_per_model() -> None:
+    state = ready_state(("w0", 0), ("w1", 1))
+    state.observe_heartbeat(beat("w2", 2, draining=True))
+    for i in range(3):
+        state.on_request(admitted(f"r{i}", prompt=6_000, max_tokens=8), ("tp", i), T)
+    placed = [a for _, a in assignments(state.tick(T).effects)]
+    assert len(placed) == 2  # 6,016 tokens: one per worker, the third waits
+    state.observe_event(done(placed[0], placed[0].worker_id))
+    (status,) = state.statuses(T + 3)
+    assert (status.model, status.scheduler_id) == (MODEL, SCHED)
+    assert (status.pending_requests, status.pending_tokens) == (1, 6_008)
+    assert status.running_tokens == 6_016
+    assert (status.live_workers, status.max_usable_kv_tokens) == (2, 9_500)
+    assert status.drain_tokens_per_s == pytest.approx(1_020 / 30.0)
+
+
+def test_revoked_partitions_take_their_pending_requests_but_not_requeues() -> None:
+    state = ready_state()
+    state.on_request(admitted("a"), ("tp-a", 0), T)
+    state.on_request(admitted("b"), ("tp-b", 0), T)
+    assert state.drop_sources({"tp-a"}) == 1
+    assert "a" not in state.pending and "b" in state.pending
+    assert len(state.pending) == state.tracked() == 1

@@ -2,8 +2,8 @@
 
 This package owns the pure scheduling core (:mod:`.core`: queue with aging and lanes,
 reservation ledger, the cycle) and the placement policies (:mod:`.policies`). The service
-adapter (``app.py``: Faust agents, the fleet view of workers (read from llmq.heartbeats), timers) and the simulator are
-its callers: they own one :class:`PendingQueue` and one :class:`Ledger`, build a
+adapter (``app.py``: Faust agents, a fleet view read from llmq.heartbeats, timers) and the
+simulator are its callers: they own one :class:`PendingQueue` and one :class:`Ledger`, build a
 :class:`Snapshot` from heartbeats, call :func:`schedule`, publish the decisions, and report
 terminal events back with :meth:`Ledger.release`. Nothing here performs I/O.
 

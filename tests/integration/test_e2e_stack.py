@@ -1,0 +1,289 @@
+"""The whole live stack, as `llmq up` runs it: real processes on the real broker.
+
+One stack per module (ingest, scheduler, health, 2 short-pool + 1 long-pool sim workers at
+20× simulated speed), a unique topic prefix and free loopback ports. Tests drive it over
+the OpenAI-compatible HTTP API, the OpenAI SDK and the Kafka client SDK, and check the
+fleet-level promises: tokens stream back, limits refuse with 429 + Retry-After, priority
+and lanes hold, drain and a scheduler kill -9 lose nothing, reservations return to zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from llmq.client import LlmqClient
+from schemas.codec import decode
+from schemas.messages import STATUS_ADAPTER
+from schemas.replies import Done, Error
+from schemas.status import QueueStatus
+from schemas.topics import catalog
+from services.common.kafka import make_consumer
+from services.common.settings import Settings
+from services.stack import ServiceSpec, Stack, StackConfig, settings_env, stack_services
+from tests.fakes.ingest_stack import free_port
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+
+MODEL = "llama-3.1-8b"
+LIMITED_KEY = "limited-key"
+
+
+def _tenants_file(path: Path) -> Path:
+    digest = hashlib.sha256(LIMITED_KEY.encode()).hexdigest()
+    open_digest = hashlib.sha256(b"open-key").hexdigest()
+    path.write_text(
+        "[tenants.default]\n"
+        f'api_key_sha256 = ["{open_digest}"]\n'
+        "rpm = 100000\ntpm = 100000000\nmax_concurrency = 10000\n"
+        'max_priority = "high"\nmay_set_lane = true\n\n'
+        "[tenants.limited]\n"
+        f'api_key_sha256 = ["{digest}"]\n'
+        "rpm = 3\ntpm = 100000\nmax_concurrency = 100\n"
+    )
+    return path
+
+
+class LiveStack:
+    """The stack's processes plus what tests need to reach them."""
+
+    def __init__(self, tmp: Path, bootstrap: str) -> None:
+        self.prefix = f"e{uuid.uuid4().hex[:8]}"
+        self.settings = Settings(topic_prefix=self.prefix, assignment_partitions=8)
+        self.bootstrap = bootstrap
+        self.http_port = free_port()
+        self.cfg = StackConfig(
+            http_port=self.http_port, health_port=free_port(),
+            metrics_base_port=free_port(), time_scale=0.05, model=MODEL,
+        )
+        self.env = settings_env(self.settings) | {
+            "LLMQ_TENANTS_FILE": str(_tenants_file(tmp / "tenants.toml")),
+            "LLMQ_WORKER_HEARTBEAT_INTERVAL": "0.5",
+        }
+        self.specs = stack_services(self.cfg)
+        self.log_dir = tmp / "logs"
+        self.stack = Stack(self.specs, self.env)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def headers(self, key: str = "open-key") -> dict[str, str]:
+        return {"Authorization": f"Bearer {key}"}
+
+    def proc(self, name: str) -> subprocess.Popen[bytes]:
+        return next(p for s, p in self.stack.procs if s.name == name)
+
+    def spec(self, name: str) -> ServiceSpec:
+        return next(s for s in self.specs if s.name == name)
+
+    def restart(self, name: str) -> None:
+        """Start a fresh process for ``name`` (after it was killed)."""
+        spec = self.spec(name)
+        env = {**os.environ, **self.env, **dict(spec.env), "PYTHONUNBUFFERED": "1"}
+        with (self.log_dir / f"{name}.restart.log").open("ab") as log:
+            proc = subprocess.Popen(spec.argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+        self.stack.procs = [(s, proc if s.name == name else p) for s, p in self.stack.procs]
+
+    def wait_ready(self, timeout_s: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            dead = self.stack.failed()
+            if dead:
+                name = dead[0][0]
+                tail = (self.log_dir / f"{name}.log").read_text(errors="replace")[-3000:]
+                raise AssertionError(f"stack process exited: {dead}; {name}'s log ends:\n{tail}")
+            try:
+                models = httpx.get(f"{self.base_url}/v1/models", headers=self.headers(), timeout=2)
+                ready = httpx.get(f"{self.base_url}/readyz", timeout=2)
+                if models.status_code == 200 and ready.status_code == 200 and models.json()[
+                    "data"
+                ]:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise AssertionError(f"stack not ready in {timeout_s} s; logs in {self.log_dir}")
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory, bootstrap: str) -> Iterator[LiveStack]:
+    tmp = tmp_path_factory.mktemp("stack")
+    stack = LiveStack(tmp, bootstrap)
+    stack.stack.start(log_dir=stack.log_dir)
+    try:
+        stack.wait_ready()
+        yield stack
+    finally:
+        stack.stack.stop(grace_s=20.0)
+
+
+def _chat(live: LiveStack, text: str, max_tokens: int = 24, **extra: object) -> httpx.Response:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": text}],
+            "max_tokens": max_tokens, **extra}
+    return httpx.post(f"{live.base_url}/v1/chat/completions", json=body,
+                      headers=live.headers(), timeout=60)
+
+
+def test_http_streaming_and_non_streaming(live: LiveStack) -> None:
+    resp = _chat(live, "hello")
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["usage"]["completion_tokens"] == 24
+    assert body["choices"][0]["message"]["content"]
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "stream please"}],
+            "max_tokens": 40, "stream": True}
+    chunks = []
+    with httpx.stream("POST", f"{live.base_url}/v1/chat/completions", json=body,
+                      headers=live.headers(), timeout=60) as stream:
+        assert stream.status_code == 200
+        for line in stream.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    assert len(chunks) >= 2  # streamed in several pieces, not one blob
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text
+
+
+def test_openai_sdk(live: LiveStack) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{live.base_url}/v1", api_key="open-key", max_retries=0)
+    out = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16)
+    assert out.usage is not None and out.usage.completion_tokens == 16
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+async def test_kafka_client_sdk(live: LiveStack) -> None:
+    async with LlmqClient(live.bootstrap, prefix=live.prefix, default_model=MODEL) as client:
+        handle = await client.submit(prompt="via kafka", max_tokens=30, timeout_s=60)
+        text, end = await handle.wait()
+    assert isinstance(end, Done), end
+    assert end.usage.completion_tokens == 30 and text
+
+
+def test_burst_over_tenant_limit_gets_429_with_retry_after(live: LiveStack) -> None:
+    codes = []
+    retry_after = None
+    for i in range(6):
+        resp = httpx.post(
+            f"{live.base_url}/v1/completions",
+            json={"model": MODEL, "prompt": f"burst {i}", "max_tokens": 4},
+            headers=live.headers(LIMITED_KEY), timeout=60,
+        )
+        codes.append(resp.status_code)
+        if resp.status_code == 429:
+            retry_after = resp.headers.get("retry-after")
+            assert resp.json()["error"]["code"] == "rate_limited"
+    assert codes[:3] == [200, 200, 200]
+    assert codes[3:] == [429, 429, 429]
+    assert retry_after is not None and int(retry_after) >= 1
+
+
+async def test_short_request_not_stuck_behind_long_ones(live: LiveStack) -> None:
+    async with LlmqClient(live.bootstrap, prefix=live.prefix, default_model=MODEL) as client:
+        # ~1,000 prompt + 5,000 output tokens: long lane, ~1.5 s each at 20x sim speed.
+        longs = [
+            await client.submit(prompt="x" * 4_000, max_tokens=5000, timeout_s=120)
+            for _ in range(4)
+        ]
+        for handle in longs:  # all of them are generating now
+            await handle.stream.get(timeout=30)
+        t0 = time.monotonic()
+        short = await client.submit(prompt="quick question", max_tokens=8, timeout_s=60)
+        _, end = await short.wait()
+        short_s = time.monotonic() - t0
+        assert isinstance(end, Done), end
+        results = [await h.wait() for h in longs]
+        long_s = time.monotonic() - t0
+    assert all(isinstance(r[1], Done) for r in results)
+    # The short request finished while the long ones were still generating.
+    assert short_s < long_s / 2, (short_s, long_s)
+
+
+async def _queue_status(live: LiveStack) -> dict[str, QueueStatus]:
+    topic = next(s.name for s in catalog(live.prefix) if s.name.endswith(".status"))
+    consumer = make_consumer(live.bootstrap, topic)
+    await consumer.start()
+    latest: dict[str, QueueStatus] = {}
+    try:
+        batches = await consumer.getmany(timeout_ms=2000)
+        for records in batches.values():
+            for r in records:
+                if r.value is not None:
+                    msg = decode(r.value, STATUS_ADAPTER)
+                    latest[msg.model] = msg
+    finally:
+        await consumer.stop()
+    return latest
+
+
+async def _wait_reservations_zero(live: LiveStack, timeout_s: float = 30.0) -> QueueStatus:
+    deadline = time.monotonic() + timeout_s
+    status = None
+    while time.monotonic() < deadline:
+        status = (await _queue_status(live)).get(MODEL)
+        if status and status.running_tokens == 0 and status.pending_requests == 0 and (
+            time.time() - status.ts < 5
+        ):
+            return status
+        await asyncio.sleep(1.0)
+    raise AssertionError(f"reservations did not return to zero: {status}")
+
+
+async def test_cancel_frees_the_reservation_and_idle_is_zero(live: LiveStack) -> None:
+    async with LlmqClient(live.bootstrap, prefix=live.prefix, default_model=MODEL) as client:
+        handle = await client.submit(prompt="cancel me", max_tokens=1800, timeout_s=120)
+        async for _chunk in handle:
+            await handle.cancel("test")
+            break
+        async for _chunk in handle:
+            pass
+        assert isinstance(handle.result, Error) and handle.result.code == "cancelled"
+    await _wait_reservations_zero(live)
+
+
+async def test_scheduler_kill9_loses_no_accepted_request(live: LiveStack) -> None:
+    async with LlmqClient(live.bootstrap, prefix=live.prefix, default_model=MODEL) as client:
+        handles = [
+            await client.submit(prompt=f"survive {i}", max_tokens=60, timeout_s=120)
+            for i in range(12)
+        ]
+        live.proc("scheduler").send_signal(signal.SIGKILL)
+        live.proc("scheduler").wait()
+        more = [
+            await client.submit(prompt=f"while down {i}", max_tokens=20, timeout_s=120)
+            for i in range(4)
+        ]
+        live.restart("scheduler")
+        results = [await h.wait() for h in [*handles, *more]]
+    ends = [end for _, end in results]
+    assert all(isinstance(e, Done) for e in ends), [e for e in ends if not isinstance(e, Done)]
+    await _wait_reservations_zero(live, timeout_s=40)
+
+
+async def test_drain_loses_nothing(live: LiveStack) -> None:
+    async with LlmqClient(live.bootstrap, prefix=live.prefix, default_model=MODEL) as client:
+        handles = [
+            await client.submit(prompt=f"drain {i}", max_tokens=200, timeout_s=120)
+            for i in range(8)
+        ]
+        await asyncio.sleep(1.0)
+        worker = live.proc("worker-0")
+        worker.send_signal(signal.SIGTERM)  # drain: finish in-flight, take nothing new
+        results = [await h.wait() for h in handles]
+        code = await asyncio.to_thread(worker.wait, 60)
+    assert code == 0
+    assert all(isinstance(end, Done) for _, end in results)

@@ -61,6 +61,10 @@ def make_consumer(bootstrap: str, *topics: str, **overrides: Any) -> AIOKafkaCon
 async def broker_answers(bootstrap: str, timeout_s: float = 3.0) -> bool:
     """True when a broker at ``bootstrap`` answers a metadata request within the timeout."""
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=2_000)
+    # A refused connection is the answer here, not an error worth a log line per retry.
+    quiet = logging.getLogger("aiokafka")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)
     try:
         await asyncio.wait_for(admin.start(), timeout_s)
         await asyncio.wait_for(admin.list_topics(), timeout_s)
@@ -68,6 +72,7 @@ async def broker_answers(bootstrap: str, timeout_s: float = 3.0) -> bool:
         return False
     finally:
         await admin.close()
+        quiet.setLevel(level)
     return True
 
 

@@ -121,9 +121,11 @@ class Stack:
                     )
                 self.procs.append((spec, proc))
                 continue
+            # Own session: Ctrl-C reaches only this supervisor, which then sends each child
+            # one SIGTERM (workers drain) instead of the terminal signalling them all twice.
             proc = subprocess.Popen(
                 spec.argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
+                stdin=subprocess.DEVNULL, start_new_session=True,
             )
             assert proc.stdout is not None
             thread = threading.Thread(

@@ -1,0 +1,192 @@
+"""``llmq bench policies``: compare scheduling policies on one trace and one fleet.
+
+The lead's ``services/cli.py`` adds :data:`policies` to its ``bench`` group. Reading
+options, printing (a rich table on stdout, a progress bar on stderr) and writing files
+happen here; the work is :func:`services.sim.bench.run_bench` and, with ``--matrix``,
+:func:`services.sim.report.run_matrix`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from services.common.settings import PROJECT_ROOT
+from services.sim.bench import BenchConfig, ProgressFactory, run_bench
+from services.sim.llmq import LlmqConfig
+from services.sim.policies import POLICIES
+
+TRACES = PROJECT_ROOT.parent / "shared" / "traces"
+DEFAULT_TRACE = TRACES / "azure_llm_2023_conv.csv"
+
+
+@click.command("policies")
+@click.option("--trace", type=click.Path(dir_okay=False, path_type=Path), default=DEFAULT_TRACE,
+              show_default=True, help="Trace file (.csv Azure format or .jsonl Mooncake).")
+@click.option("--synthetic", is_flag=True, help="Synthetic Poisson arrivals instead of a trace.")
+@click.option("--requests", type=click.IntRange(min=2), default=None,
+              help="Use only the first N requests (synthetic: how many; default 200000).")
+@click.option("--policies", "policy_list", default=",".join(POLICIES), show_default=True,
+              help="Comma-separated policies to compare.")
+@click.option("--workers", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--profile", default="llama3-8b-h100", show_default=True, help="Engine profile.")
+@click.option("--profiles-file", type=click.Path(dir_okay=False, exists=True, path_type=Path),
+              help="Extra engine profiles (TOML, [profiles.NAME] tables) for --profile.")
+@click.option("--load", type=click.FloatRange(min=0.0, min_open=True), default=0.85,
+              show_default=True, help="Offered load ρ = λ / (N · μ).")
+@click.option("--seed", type=int, default=1, show_default=True)
+@click.option("--pools", type=click.Choice(["latency", "proportional", "hybrid", "any"]),
+              default="latency",
+              show_default=True, help="How llmq splits the fleet into lane pools.")
+@click.option("--heartbeat-s", type=click.FloatRange(min=0.0, min_open=True), default=1.0,
+              show_default=True, help="llmq's heartbeat and queue-status period.")
+@click.option("--timeout-s", type=click.FloatRange(min=0.0, min_open=True), default=120.0,
+              show_default=True, help="Request timeout: admission horizon and queue deadline.")
+@click.option("--kv-margin", type=click.FloatRange(0.0, 1.0, max_open=True), default=0.05,
+              show_default=True, help="llmq ledger's KV safety margin.")
+@click.option("--max-tokens-slack", type=click.FloatRange(min=1.0), default=1.0,
+              show_default=True, help="max_tokens = ceil(true output × slack).")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write the figures as JSON here.")
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write latency CDFs per policy (short and long lanes) as PNG here.")
+@click.option("--matrix", is_flag=True,
+              help="Run {conv, code} × {0.6, 0.85, 0.95} and render one markdown table.")
+@click.option("--markdown", type=click.Path(dir_okay=False, path_type=Path),
+              help="With --matrix: write the markdown table here.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar and no table.")
+def policies(
+    trace: Path, synthetic: bool, requests: int | None, policy_list: str, workers: int,
+    profile: str, profiles_file: Path | None, load: float, seed: int, pools: str,
+    heartbeat_s: float, timeout_s: float, kv_margin: float, max_tokens_slack: float,
+    json_out: Path | None, plot: Path | None, matrix: bool, markdown: Path | None, quiet: bool,
+) -> None:
+    """Compare fifo-rr, least-requests, vllm-random and llmq on the same arrivals and fleet.
+
+    Prints per-lane and per-class latency percentiles, throughput, rejections and KV
+    preemptions; --json writes them all. Examples:
+
+    \b
+        llmq bench policies --workers 8 --load 0.85 --seed 1 --json out.json --plot out.png
+        llmq bench policies --synthetic --requests 200000 --workers 1000 --policies llmq
+        llmq bench policies --matrix --markdown matrix.md
+    """
+    names = tuple(p.strip() for p in policy_list.split(",") if p.strip())
+    unknown = [p for p in names if p not in POLICIES]
+    if unknown or not names:
+        raise click.BadParameter(f"unknown {unknown}; known: {', '.join(POLICIES)}",
+                                 param_hint="--policies")
+    if not synthetic and not matrix and not trace.exists():
+        raise click.BadParameter(f"{trace} does not exist", param_hint="--trace")
+    llmq = LlmqConfig(heartbeat_s=heartbeat_s, timeout_s=timeout_s, kv_safety_margin=kv_margin)
+    base = BenchConfig(
+        trace=None if synthetic else trace, synthetic=synthetic, requests=requests,
+        workers=workers, profile=profile, profiles_file=profiles_file, load=load, seed=seed,
+        policies=names,
+        pools=pools,  # type: ignore[arg-type]  # click.Choice guarantees a PoolMode
+        max_tokens_slack=max_tokens_slack, llmq=llmq,
+    )
+    show = not quiet and sys.stderr.isatty()
+    if matrix:
+        _run_matrix(base, markdown, json_out, show, quiet)
+        return
+    with _progress(show) as factory:
+        doc, runs = run_bench(base, factory)
+    if json_out is not None:
+        json_out.write_text(json.dumps(doc, indent=2) + "\n", "utf-8")
+    if plot is not None:
+        from services.sim.plot import plot_cdfs
+
+        plot_cdfs({name: run.cdf for name, run in runs.items()}, plot, title=_title(doc))
+    if not quiet:
+        render_tables(doc, _stdout())
+
+
+def _run_matrix(
+    base: BenchConfig, markdown: Path | None, json_out: Path | None, show: bool, quiet: bool
+) -> None:
+    from services.sim.report import render_markdown, run_matrix
+
+    with _progress(show) as factory:
+        results = run_matrix(base, TRACES, factory)
+    text = render_markdown(results, base)
+    if markdown is not None:
+        markdown.write_text(text, "utf-8")
+    if json_out is not None:
+        docs = [r.doc for r in results]
+        json_out.write_text(json.dumps(docs, indent=2) + "\n", "utf-8")
+    if not quiet:
+        click.echo(text)
+
+
+def _stdout() -> Console:
+    """Rich console on stdout; wide enough for the tables when it is not a terminal."""
+    return Console() if sys.stdout.isatty() else Console(width=160)
+
+
+@contextmanager
+def _progress(show: bool) -> Iterator[ProgressFactory | None]:
+    if not show:
+        yield None
+        return
+    bar = Progress(
+        TextColumn("{task.description:>16}"), BarColumn(), MofNCompleteColumn(),
+        TimeElapsedColumn(), console=Console(stderr=True), transient=True,
+    )
+    with bar:
+        def factory(name: str, total: int) -> Any:
+            task = bar.add_task(name, total=total)
+            return lambda n: bar.advance(task, n)
+
+        yield factory
+
+
+def _title(doc: dict[str, Any]) -> str:
+    c = doc["config"]
+    return f"{Path(c['source']).name} · {c['workers']} workers · {c['profile']} · load {c['load']}"
+
+
+def _f(x: object, unit: str = "") -> str:
+    if x is None:
+        return "—"
+    assert isinstance(x, int | float)
+    return f"{x:.3g}{unit}" if abs(x) < 1000 else f"{x:,.0f}{unit}"
+
+
+def render_tables(doc: dict[str, Any], console: Console) -> None:
+    """The per-lane and per-class tables of one run."""
+    lanes = Table(title=f"Lanes — {_title(doc)}")
+    for col in ("policy", "lane", "done", "rej", "e2e p50", "e2e p99", "ttft p99", "wait p99",
+                "slowdown p99", "tokens/s", "e2e p99 w/ rej"):
+        lanes.add_column(col, justify="left" if col in ("policy", "lane") else "right")
+    classes = Table(title="Classes")
+    for col in ("policy", "class", "wait p99", "wait max", "queue max", "e2e p99", "rej"):
+        classes.add_column(col, justify="left" if col in ("policy", "class") else "right")
+    fleet = Table(title="Fleet")
+    for col in ("policy", "KV preemptions", "rejections", "aging bound", "max service", "wall"):
+        fleet.add_column(col, justify="left" if col == "policy" else "right")
+    for name, p in doc["policies"].items():
+        for lane, s in p["lanes"].items():
+            lanes.add_row(name, lane, str(s["completed"]), str(s["rejected"]),
+                          _f(s["e2e_p50_s"], "s"), _f(s["e2e_p99_s"], "s"),
+                          _f(s["ttft_p99_s"], "s"), _f(s["wait_p99_s"], "s"),
+                          _f(s["slowdown_p99"]), _f(s["completed_tokens_per_s"]),
+                          _f(s["e2e_p99_with_rejections_s"], "s"))
+        for klass, s in p["classes"].items():
+            classes.add_row(name, klass, _f(s["wait_p99_s"], "s"), _f(s["wait_max_s"], "s"),
+                            _f(s["queue_max_s"], "s"), _f(s["e2e_p99_s"], "s"),
+                            str(s["rejected"]))
+        rejections = ", ".join(f"{k} {v}" for k, v in p["rejections"].items()) or "0"
+        fleet.add_row(name, str(p["kv_preemptions"]), rejections, _f(p["aging_bound_s"], "s"),
+                      _f(p["max_service_s"], "s"), f"{p['wall_s']:.1f}s")
+    for table in (lanes, classes, fleet):
+        console.print(table)

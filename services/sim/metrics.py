@@ -1,0 +1,171 @@
+"""Figures of one simulated run, computed from the job records alone.
+
+Per request (times in seconds from its arrival):
+
+* ``e2e``  = finish − arrival;  ``ttft`` = first token − arrival;
+* ``wait`` = max(0, ttft − ttft alone): everything the request waited before its first
+  token beyond its own prefill — in a central queue, in the engine's queue, and behind
+  other sequences' steps. It is comparable across policies whether they queue centrally
+  (fifo-rr, llmq) or inside the engines (least-requests, vllm-random);
+* ``queue`` = dispatch − arrival: the part spent in the policy's own queue (0 for
+  policies that route on arrival);
+* ``slowdown`` = e2e ÷ e2e alone (``latency_alone`` on an idle engine, ≥ 1);
+* ``service`` = finish − dispatch.
+
+Percentiles interpolate linearly between closest ranks (numpy's default method) over
+completed requests. The
+``*_with_rejections`` variants count every rejected request as if it had taken the whole
+request timeout (``timeout_s``): the latency of a client that gives up. ``rejection_rate``
+is shown beside them.
+
+Throughput: ``completed_tokens_per_s`` = Σ (prompt + output) tokens of the requests of a
+lane completed by the last arrival ÷ (last arrival − first arrival) — sustained throughput
+while the load is offered; work still queued when arrivals stop does not count, so a
+policy that lets a lane fall behind shows it here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from schemas.common import LANES, PRIORITIES
+from services.sim.fleet import COMPLETED, REJECTED, Job
+
+Summary = dict[str, Any]
+
+_QUANTILES = (50, 90, 99)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile with linear interpolation between closest ranks (numpy's
+    default): rank ``(n − 1) · q / 100`` of the sorted values."""
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def _pct(values: Sequence[float], q: float) -> float | None:
+    return _round(percentile(values, q)) if values else None
+
+
+def _round(x: float) -> float:
+    return round(x, 6)
+
+
+def _max(values: Iterable[float]) -> float | None:
+    found = max(values, default=None)
+    return None if found is None else _round(found)
+
+
+def _latencies(jobs: Sequence[Job]) -> dict[str, list[float]]:
+    done = [j for j in jobs if j.state == COMPLETED]
+    out: dict[str, list[float]] = {"e2e": [], "ttft": [], "wait": [], "queue": [], "slow": []}
+    for j in done:
+        assert j.finished_s is not None and j.first_token_s is not None
+        assert j.dispatched_s is not None
+        e2e = j.finished_s - j.arrival_s
+        ttft = j.first_token_s - j.arrival_s
+        out["e2e"].append(e2e)
+        out["ttft"].append(ttft)
+        out["wait"].append(max(0.0, ttft - j.ttft_alone_s))
+        out["queue"].append(j.dispatched_s - j.arrival_s)
+        out["slow"].append(e2e / j.e2e_alone_s)
+    return out
+
+
+def _with_rejections(
+    values: list[float], rejected: int, timeout_s: float, q: float
+) -> float | None:
+    return _pct(values + [timeout_s] * rejected, q)
+
+
+def lane_summary(jobs: Sequence[Job], timeout_s: float, window: tuple[float, float]) -> Summary:
+    """Figures of one lane's jobs (see the module docstring)."""
+    lat = _latencies(jobs)
+    rejected = sum(1 for j in jobs if j.state == REJECTED)
+    out: Summary = {
+        "arrived": len(jobs),
+        "completed": len(lat["e2e"]),
+        "rejected": rejected,
+        "rejection_rate": _round(rejected / len(jobs)) if jobs else 0.0,
+    }
+    for name in ("e2e", "ttft", "wait"):
+        for q in _QUANTILES:
+            out[f"{name}_p{q}_s"] = _pct(lat[name], q)
+    out["queue_p99_s"] = _pct(lat["queue"], 99)
+    out["slowdown_p50"] = _pct(lat["slow"], 50)
+    out["slowdown_p99"] = _pct(lat["slow"], 99)
+    for name in ("e2e", "ttft"):
+        out[f"{name}_p99_with_rejections_s"] = _with_rejections(lat[name], rejected, timeout_s, 99)
+    start, end = window
+    tokens = sum(
+        j.prompt + j.output
+        for j in jobs
+        if j.state == COMPLETED and j.finished_s is not None and j.finished_s <= end
+    )
+    out["completed_tokens_per_s"] = _round(tokens / (end - start)) if end > start else None
+    return out
+
+
+def class_summary(jobs: Sequence[Job], timeout_s: float) -> Summary:
+    """Figures of one priority class's jobs."""
+    lat = _latencies(jobs)
+    rejected = sum(1 for j in jobs if j.state == REJECTED)
+    return {
+        "arrived": len(jobs),
+        "completed": len(lat["e2e"]),
+        "rejected": rejected,
+        "wait_p50_s": _pct(lat["wait"], 50),
+        "wait_p99_s": _pct(lat["wait"], 99),
+        "wait_max_s": _max(lat["wait"]),
+        "queue_p99_s": _pct(lat["queue"], 99),
+        "queue_max_s": _max(lat["queue"]),
+        "e2e_p99_s": _pct(lat["e2e"], 99),
+        "e2e_p99_with_rejections_s": _with_rejections(lat["e2e"], rejected, timeout_s, 99),
+    }
+
+
+def summarize(jobs: Sequence[Job], timeout_s: float) -> Summary:
+    """Per-lane, per-class and fleet-wide figures of one run."""
+    window = (jobs[0].arrival_s, jobs[-1].arrival_s) if jobs else (0.0, 0.0)
+    lanes = {lane: lane_summary([j for j in jobs if j.lane == lane], timeout_s, window)
+             for lane in LANES}
+    classes = {p: class_summary([j for j in jobs if j.priority == p], timeout_s)
+               for p in PRIORITIES}
+    codes = Counter(j.reject_code for j in jobs if j.state == REJECTED and j.reject_code)
+    service = (
+        j.finished_s - j.dispatched_s
+        for j in jobs
+        if j.state == COMPLETED and j.finished_s is not None and j.dispatched_s is not None
+    )
+    return {
+        "lanes": lanes,
+        "classes": classes,
+        "rejections": dict(sorted(codes.items())),
+        "completed": sum(1 for j in jobs if j.state == COMPLETED),
+        "rejected": sum(codes.values()),
+        "max_service_s": _max(service),
+        "jobs_preempted": sum(1 for j in jobs if j.preemptions),
+    }
+
+
+def cdf_points(
+    jobs: Sequence[Job], lane: str, points: int = 200
+) -> tuple[list[float], list[float]]:
+    """(latency, fraction) pairs of the e2e CDF of a lane's completed jobs, for plots."""
+    values = sorted(
+        j.finished_s - j.arrival_s
+        for j in jobs
+        if j.lane == lane and j.state == COMPLETED and j.finished_s is not None
+    )
+    n = len(values)
+    if n == 0:
+        return [], []
+    k = min(points, n)
+    idx = sorted({round(i * (n - 1) / (k - 1)) for i in range(k)}) if k > 1 else [n - 1]
+    return [values[i] for i in idx], [(i + 1) / n for i in idx]

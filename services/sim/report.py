@@ -1,0 +1,156 @@
+"""The benchmark matrix: {conv, code} traces × loads {0.6, 0.85, 0.95}, one markdown table.
+
+``run_matrix`` runs ``llmq bench policies`` once per cell (same fleet, profile, seed and
+llmq settings as the base config) and ``render_markdown`` turns the results into one
+table of the targets, each figure with its target and a ✓ or ✗:
+
+=====================  ===========================================================
+short p99 e2e ÷ fifo   llmq's short-lane P99 end-to-end latency ÷ fifo-rr's  ≤ 0.10
+÷ best other           ... ÷ the best of least-requests and vllm-random       ≤ 0.50
+long tok/s ÷ fifo      llmq's long-lane completed tokens/s ÷ fifo-rr's        ≥ 0.95
+high queue p99         llmq's high class, P99 time in the scheduler's queue   ≤ 0.1 s
+low max wait           llmq's low class, maximum wait (TTFT − TTFT alone)
+                       ≤ aging bound + longest service time of the run
+llmq preemptions       KV preemptions in llmq's engines                        = 0
+=====================  ===========================================================
+
+Rejections count against llmq: the short-lane ratios use P99 *with rejections* (a
+rejected request counts as the full timeout), and the rejection rate is a column.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Final
+
+from services.sim.bench import BenchConfig, ProgressFactory, run_bench
+
+TRACE_FILES: Final = {"conv": "azure_llm_2023_conv.csv", "code": "azure_llm_2023_code.csv"}
+LOADS: Final = (0.6, 0.85, 0.95)
+BASELINES: Final = ("least-requests", "vllm-random")
+POLICY_NAMES: Final = ("fifo-rr", "least-requests", "vllm-random", "llmq")
+
+
+@dataclass(frozen=True, slots=True)
+class Cell:
+    """One run of the matrix."""
+
+    trace: str
+    load: float
+    doc: dict[str, Any]
+
+
+def run_matrix(
+    base: BenchConfig,
+    traces_dir: Path,
+    progress: ProgressFactory | None = None,
+    *,
+    traces: Sequence[str] = tuple(TRACE_FILES),
+    loads: Sequence[float] = LOADS,
+) -> list[Cell]:
+    """Every (trace, load) cell with all four policies; the rest of ``base`` is kept."""
+    cells = []
+    for trace in traces:
+        for load in loads:
+            config = replace(
+                base, trace=traces_dir / TRACE_FILES[trace], synthetic=False, load=load,
+                policies=POLICY_NAMES,
+            )
+            doc, _ = run_bench(config, progress)
+            cells.append(Cell(trace, load, doc))
+    return cells
+
+
+def targets(doc: dict[str, Any]) -> dict[str, Any]:
+    """The target figures of one run (None where a figure is missing)."""
+    p = doc["policies"]
+    llmq, fifo = p["llmq"], p["fifo-rr"]
+    short = llmq["lanes"]["short"]
+    mine = short["e2e_p99_with_rejections_s"]
+    best_name = min(BASELINES, key=lambda n: p[n]["lanes"]["short"]["e2e_p99_s"] or 1e300)
+    best = p[best_name]["lanes"]["short"]["e2e_p99_s"]
+    fifo_short = fifo["lanes"]["short"]["e2e_p99_s"]
+    long_mine = llmq["lanes"]["long"]["completed_tokens_per_s"]
+    long_fifo = fifo["lanes"]["long"]["completed_tokens_per_s"]
+    low = llmq["classes"]["low"]
+    bound = None
+    if llmq["aging_bound_s"] is not None and llmq["max_service_s"] is not None:
+        bound = llmq["aging_bound_s"] + llmq["max_service_s"]
+    arrived = sum(lane["arrived"] for lane in llmq["lanes"].values())
+    return {
+        "short_p99": mine,
+        "fifo_short_p99": fifo_short,
+        "best_other": best_name,
+        "best_other_short_p99": best,
+        "ratio_fifo": _ratio(mine, fifo_short),
+        "ratio_best": _ratio(mine, best),
+        "long_ratio": _ratio(long_mine, long_fifo),
+        "high_queue_p99": llmq["classes"]["high"]["queue_p99_s"],
+        "high_wait_p99": llmq["classes"]["high"]["wait_p99_s"],
+        "low_wait_max": low["wait_max_s"],
+        "low_bound": bound,
+        "preemptions": llmq["kv_preemptions"],
+        "baseline_preemptions": {n: p[n]["kv_preemptions"] for n in ("fifo-rr", *BASELINES)},
+        "rejection_rate": llmq["rejected"] / arrived if arrived else 0.0,
+    }
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
+
+
+def _mark(ok: bool | None) -> str:
+    return "" if ok is None else (" ✓" if ok else " ✗")
+
+
+def _num(x: float | None, fmt: str = ".2f", unit: str = "") -> str:
+    return "—" if x is None else f"{x:{fmt}}{unit}"
+
+
+def render_markdown(cells: Sequence[Cell], base: BenchConfig) -> str:
+    """One markdown table of every target in every cell, with a legend line."""
+    head = (
+        "| trace | load | llmq short p99 (s) | fifo-rr | best other | ÷ fifo ≤ 0.10 "
+        "| ÷ best ≤ 0.50 | long tok/s ÷ fifo ≥ 0.95 | high queue p99 ≤ 0.1 s "
+        "| high wait p99 | low max wait ≤ bound | llmq preempt = 0 | baseline preempt "
+        "| llmq rejected |"
+    )
+    rows = [head, _rule(head)]
+    for cell in cells:
+        t = targets(cell.doc)
+        ratio_fifo, ratio_best, long_ratio = t["ratio_fifo"], t["ratio_best"], t["long_ratio"]
+        bound, low = t["low_bound"], t["low_wait_max"]
+        pre = t["baseline_preemptions"]
+        rows.append(
+            "| " + " | ".join([
+                cell.trace,
+                f"{cell.load:g}",
+                _num(t["short_p99"]),
+                _num(t["fifo_short_p99"]),
+                f"{_num(t['best_other_short_p99'])} ({t['best_other']})",
+                _num(ratio_fifo) + _mark(None if ratio_fifo is None else ratio_fifo <= 0.10),
+                _num(ratio_best) + _mark(None if ratio_best is None else ratio_best <= 0.50),
+                _num(long_ratio, ".3f") + _mark(None if long_ratio is None else long_ratio >= 0.95),
+                _num(t["high_queue_p99"], ".3f", " s")
+                + _mark(None if t["high_queue_p99"] is None else t["high_queue_p99"] <= 0.1),
+                _num(t["high_wait_p99"], ".3f", " s"),
+                f"{_num(low, '.1f')} ≤ {_num(bound, '.1f')} s"
+                + _mark(None if low is None or bound is None else low <= bound),
+                f"{t['preemptions']}" + _mark(t["preemptions"] == 0),
+                " / ".join(f"{pre[n]}" for n in ("fifo-rr", *BASELINES)),
+                f"{100 * t['rejection_rate']:.2f} %",
+            ]) + " |"
+        )
+    legend = (
+        f"\n{base.workers} workers, profile {base.profile}, seed {base.seed}, llmq pools "
+        f"`{base.pools}`, heartbeat {base.llmq.heartbeat_s:g} s, timeout "
+        f"{base.llmq.timeout_s:g} s. Baseline preemptions: fifo-rr / least-requests / "
+        "vllm-random.\n"
+    )
+    return "\n".join(rows) + "\n" + legend
+
+
+def _rule(head: str) -> str:
+    return "|" + "---|" * (head.count("|") - 1)

@@ -1,0 +1,306 @@
+"""Discrete-event simulator: drives N calibrated ``SimEngineCore``s under one policy.
+
+The simulator owns the clock, the event heap, the engines and the job records; a
+*policy* (:mod:`.policies`) owns every decision — admission, queueing, routing — and acts
+through two calls: :meth:`Simulator.dispatch` (send a job to a worker's engine) and
+:meth:`Simulator.reject` (end it with an error code). Every policy runs on the same cost
+model (the engine core) and the same arrivals; nothing here knows which policy runs.
+
+Events, in time order (ties: heap entries before an arrival at the same instant, then
+insertion order — so a run is deterministic):
+
+* **arrival** of the next job of the workload (arrivals are pre-sorted and merged with the
+  heap rather than pushed into it) → ``policy.on_arrival``;
+* **wake** of an engine at ``engine.quiet_until_s()``, the start of its next step that can
+  do more than decode one token per sequence (admit, prefill, preempt, finish). The engine
+  is advanced through that one step (``advance(wake + 1 ns)``) and the step's events are
+  recorded: the first ``first_token`` sets TTFT, ``preempted`` counts, ``finished`` is
+  pushed as a *finish* event at its own time. Quiet decode steps in between are never
+  visited (the core fast-forwards them exactly);
+* **finish** at the end of the step that produced a job's last token → the dispatcher's
+  in-flight count drops, then ``policy.on_finished``;
+* **heartbeat** every ``policy.heartbeat_s`` seconds (only for policies that ask for one)
+  → ``policy.on_heartbeat``, which reads the workers the way heartbeats would report them.
+
+Before a job is added to an engine, the engine is advanced to ``now`` (every step that
+starts before ``now`` runs; the last one may end after it, its events carry their own
+times). So an engine's internal state may run up to one step ahead of the clock, while
+everything a policy is told happens exactly at its event time. After each event, every
+engine it touched gets one fresh wake-up (stale ones are skipped by a version number).
+
+Invariants (checked at the end of :meth:`Simulator.run`): the clock never goes back;
+each job completes or is rejected exactly once; arrived = completed + rejected (+ in
+flight, which is 0 after the drain); every engine ends idle with all its KV free.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Final, Protocol
+
+from schemas.common import Pool
+from services.sim.fleet import (
+    COMPLETED,
+    QUEUED,
+    REJECTED,
+    RUNNING,
+    Job,
+    SimWorker,
+)
+from services.worker.engines.sim import EngineProfile, SeqEvent, SimRequest
+from services.worker.engines.sim.model import to_ns, to_s
+
+_WAKE: Final = 0
+_FINISH: Final = 1
+_HEARTBEAT: Final = 2
+#: advance(wake + _EPS_S) runs exactly the step that starts at ``wake`` (the core rounds to
+#: integer ns; this lands 1 ns past it for times below ~10^6 s).
+_EPS_S: Final = 1e-9
+
+#: What a heap entry carries: the worker to wake, the job that finished, or nothing.
+_Payload = SimWorker | Job | None
+
+
+class SimulationError(RuntimeError):
+    """The run broke an invariant or cannot make progress (a bug, never a result)."""
+
+
+class Policy(Protocol):
+    """What a policy implements; :mod:`.policies` has the four compared in the bench."""
+
+    name: str
+    #: Seconds between heartbeats, or None when the policy reads engines directly.
+    heartbeat_s: float | None
+
+    def start(self, sim: Simulator) -> None:
+        """Called once before the first event, with the fleet built."""
+
+    def on_arrival(self, job: Job, now: float) -> None: ...
+
+    def on_finished(self, job: Job, now: float) -> None: ...
+
+    def on_heartbeat(self, now: float) -> None: ...
+
+    def queued(self) -> int:
+        """Jobs the policy holds that are neither dispatched nor rejected."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class SimStats:
+    """Counters of one run (the per-request figures live in the jobs)."""
+
+    arrived: int
+    completed: int
+    rejected: int
+    in_flight: int
+    end_s: float
+    events: int
+    wakes: int
+    engine_steps: int
+    kv_preemptions: int
+
+
+ProgressFn = Callable[[int], None]
+
+
+class Simulator:
+    """One run of one policy over one workload on one fleet; single use."""
+
+    def __init__(
+        self,
+        jobs: Sequence[Job],
+        profile: EngineProfile,
+        pools: Sequence[Pool],
+        policy: Policy,
+        *,
+        progress: ProgressFn | None = None,
+        progress_every: int = 2000,
+        check: Callable[[Simulator], None] | None = None,
+    ) -> None:
+        if not pools:
+            raise ValueError("the fleet needs at least one worker")
+        for i in range(1, len(jobs)):
+            if jobs[i].arrival_s < jobs[i - 1].arrival_s:
+                raise ValueError("jobs must be sorted by arrival")
+        self.jobs = jobs
+        self.profile = profile
+        self.workers = [SimWorker(i, profile, pool) for i, pool in enumerate(pools)]
+        self.policy = policy
+        self.now = 0.0
+        self.completed = 0
+        self.rejected = 0
+        self._progress = progress
+        self._progress_every = max(1, progress_every)
+        self._check = check  # called after every event (tests assert invariants in it)
+        self._reported = 0
+        self._heap: list[tuple[float, int, int, _Payload, int]] = []
+        self._seq = 0
+        self._dirty: dict[int, None] = {}  # workers touched by the current event, in order
+        self._events = 0
+        self._wakes = 0
+        self._ran = False
+
+    # ---- what policies call ---------------------------------------------------------
+    def dispatch(self, job: Job, worker: int) -> None:
+        """Send ``job`` to worker ``worker`` now; it joins the engine's FCFS queue."""
+        if job.state != QUEUED:
+            raise SimulationError(f"job {job.idx} dispatched in state {job.state}")
+        w = self.workers[worker]
+        now = self.now
+        engine = w.engine
+        if engine.has_work:
+            self._record(engine.advance(now), w)
+        engine.add(SimRequest(job.idx, job.prompt, job.output, job.arrival_s), now)
+        job.state = RUNNING
+        job.dispatched_s = now
+        job.worker = worker
+        w.in_flight += 1
+        self._dirty[worker] = None
+
+    def reject(self, job: Job, code: str) -> None:
+        """End ``job`` now with error ``code`` (it was never dispatched)."""
+        if job.state != QUEUED:
+            raise SimulationError(f"job {job.idx} rejected in state {job.state}")
+        job.state = REJECTED
+        job.reject_code = code
+        job.finished_s = self.now
+        self.rejected += 1
+
+    # ---- the loop -------------------------------------------------------------------
+    def run(self) -> SimStats:
+        if self._ran:
+            raise SimulationError("a Simulator runs once")
+        self._ran = True
+        policy, jobs, heap = self.policy, self.jobs, self._heap
+        policy.start(self)
+        if policy.heartbeat_s is not None:
+            if not policy.heartbeat_s > 0:
+                raise ValueError("heartbeat_s must be > 0")
+            self._push(0.0, _HEARTBEAT, None)
+        n, i = len(jobs), 0
+        heappop = heapq.heappop
+        while True:
+            next_arrival = jobs[i].arrival_s if i < n else math.inf
+            if heap and heap[0][0] <= next_arrival:
+                t, _, kind, payload, version = heappop(heap)
+                self._advance_clock(t)
+                if kind == _WAKE:
+                    assert isinstance(payload, SimWorker)
+                    self._wake(payload, version)
+                elif kind == _FINISH:
+                    assert isinstance(payload, Job)
+                    self._finish(payload)
+                else:
+                    self._heartbeat(i < n)
+            elif i < n:
+                job = jobs[i]
+                i += 1
+                self._advance_clock(job.arrival_s)
+                job.state = QUEUED
+                policy.on_arrival(job, self.now)
+            else:
+                break
+            self._events += 1
+            if self._dirty:
+                self._schedule_wakes()
+            if self._check is not None:
+                self._check(self)
+            done = self.completed + self.rejected
+            if self._progress is not None and done - self._reported >= self._progress_every:
+                self._progress(done - self._reported)
+                self._reported = done
+        if self._progress is not None and self.completed + self.rejected > self._reported:
+            self._progress(self.completed + self.rejected - self._reported)
+        return self._finish_run(i)
+
+    # ---- internals ------------------------------------------------------------------
+    def _advance_clock(self, t: float) -> None:
+        if t < self.now:
+            raise SimulationError(f"clock went back from {self.now} to {t}")
+        self.now = t
+
+    def _push(self, t: float, kind: int, payload: _Payload, version: int = 0) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, kind, payload, version))
+
+    def _schedule_wakes(self) -> None:
+        for index in self._dirty:
+            w = self.workers[index]
+            w.version += 1
+            wake = w.engine.quiet_until_s()
+            if wake is not None:
+                self._push(wake, _WAKE, w, w.version)
+        self._dirty.clear()
+
+    def _wake(self, w: SimWorker, version: int) -> None:
+        if version != w.version:
+            return
+        self._wakes += 1
+        self._record(w.engine.advance(self.now + _EPS_S), w)
+        self._dirty[w.index] = None
+
+    def _record(self, events: list[SeqEvent], w: SimWorker) -> None:
+        jobs = self.jobs
+        for e in events:
+            job = jobs[e.seq_id]
+            kind = e.kind
+            if kind == "finished":
+                self._push(e.time_s, _FINISH, job)
+            elif kind == "first_token":
+                if job.first_token_s is None:
+                    job.first_token_s = e.time_s
+            else:
+                job.preemptions += 1
+
+    def _finish(self, job: Job) -> None:
+        if job.state != RUNNING or job.worker is None:
+            raise SimulationError(f"job {job.idx} finished in state {job.state}")
+        job.state = COMPLETED
+        job.finished_s = self.now
+        self.completed += 1
+        self.workers[job.worker].in_flight -= 1
+        self.policy.on_finished(job, self.now)
+
+    def _heartbeat(self, arrivals_left: bool) -> None:
+        self.policy.on_heartbeat(self.now)
+        busy = any(w.in_flight for w in self.workers)
+        if arrivals_left or busy or self.policy.queued():
+            if not (arrivals_left or busy or self._heap):
+                # Jobs queued, nothing running, nothing due: the policy can never place them.
+                raise SimulationError(
+                    f"stuck at t={self.now:.3f}s: {self.policy.queued()} jobs queued on an "
+                    "idle fleet"
+                )
+            interval = self.policy.heartbeat_s
+            assert interval is not None
+            self._push(to_s(to_ns(self.now + interval)), _HEARTBEAT, None)
+
+    def _finish_run(self, arrived: int) -> SimStats:
+        in_flight = sum(w.in_flight for w in self.workers)
+        queued = self.policy.queued()
+        if queued:
+            raise SimulationError(f"{queued} jobs still queued after the last event")
+        if self.completed + self.rejected + in_flight != arrived or in_flight:
+            raise SimulationError(
+                f"conservation: arrived {arrived} != completed {self.completed} + rejected "
+                f"{self.rejected} + in flight {in_flight}"
+            )
+        for w in self.workers:
+            engine = w.engine
+            if engine.has_work or engine.free_blocks != engine.profile.num_blocks:
+                raise SimulationError(f"{w.worker_id} did not drain")
+        return SimStats(
+            arrived=arrived,
+            completed=self.completed,
+            rejected=self.rejected,
+            in_flight=in_flight,
+            end_s=self.now,
+            events=self._events,
+            wakes=self._wakes,
+            engine_steps=sum(w.engine.steps for w in self.workers),
+            kv_preemptions=sum(w.engine.preemptions for w in self.workers),
+        )

@@ -1,0 +1,100 @@
+"""`llmq bench policies` end to end on a slice of the real Azure conversation trace."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from services.sim.cli import TRACES, policies
+
+CONV = TRACES / "azure_llm_2023_conv.csv"
+needs_trace = pytest.mark.skipif(not CONV.exists(), reason=f"no shared trace at {CONV}")
+
+LANE_KEYS = {"e2e_p50_s", "e2e_p99_s", "ttft_p99_s", "wait_p99_s", "slowdown_p99", "completed",
+             "completed_tokens_per_s", "e2e_p99_with_rejections_s", "rejection_rate"}
+CLASS_KEYS = {"wait_p99_s", "wait_max_s", "e2e_p99_s"}
+POLICY_KEYS = {"lanes", "classes", "kv_preemptions", "rejections", "aging_bound_s",
+               "max_service_s", "wall_s"}
+
+
+@needs_trace
+def test_policies_on_a_conv_slice_writes_json_and_plot(tmp_path: Path) -> None:
+    out, png = tmp_path / "out.json", tmp_path / "out.png"
+    result = CliRunner().invoke(
+        policies,
+        ["--trace", str(CONV), "--requests", "2000", "--workers", "4", "--load", "0.85",
+         "--seed", "1", "--json", str(out), "--plot", str(png)],
+    )
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    assert set(doc) == {"policies", "config", "elapsed_s"}
+    assert list(doc["policies"]) == ["fifo-rr", "least-requests", "vllm-random", "llmq"]
+    for name, p in doc["policies"].items():
+        assert set(p) >= POLICY_KEYS, name
+        assert set(p["lanes"]) == {"short", "long"}
+        assert set(p["classes"]) == {"high", "normal", "low"}
+        for lane in p["lanes"].values():
+            assert set(lane) >= LANE_KEYS
+        for klass in p["classes"].values():
+            assert set(klass) >= CLASS_KEYS
+        done = sum(lane["completed"] for lane in p["lanes"].values())
+        assert done + sum(p["rejections"].values()) == 2000
+    llmq = doc["policies"]["llmq"]
+    assert llmq["kv_preemptions"] == 0 and llmq["aging_bound_s"] == 60.0
+    assert doc["config"]["requests"] == 2000 and doc["config"]["workers"] == 4
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+    assert "Lanes" in result.output and "llmq" in result.output  # the table
+
+
+@needs_trace
+def test_policies_subset_quiet_prints_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    result = CliRunner().invoke(
+        policies,
+        ["--requests", "300", "--workers", "2", "--policies", "llmq,fifo-rr", "--quiet",
+         "--json", str(out)],
+    )
+    assert result.exit_code == 0, result.output
+    assert result.output == ""
+    assert list(json.loads(out.read_text())["policies"]) == ["llmq", "fifo-rr"]
+
+
+@needs_trace
+def test_matrix_renders_one_markdown_table(tmp_path: Path) -> None:
+    md = tmp_path / "m.md"
+    result = CliRunner().invoke(
+        policies, ["--matrix", "--requests", "300", "--workers", "2", "--quiet",
+                   "--markdown", str(md)],
+    )
+    assert result.exit_code == 0, result.output
+    lines = md.read_text().splitlines()
+    rows = [line for line in lines if line.startswith("| con") or line.startswith("| cod")]
+    assert len(rows) == 6  # {conv, code} × {0.6, 0.85, 0.95}
+    assert lines[0].startswith("| trace | load |")
+
+
+def test_unknown_policy_is_a_usage_error() -> None:
+    result = CliRunner().invoke(policies, ["--synthetic", "--policies", "nope"])
+    assert result.exit_code == 2
+    assert "unknown" in result.output
+
+
+def test_synthetic_run_needs_no_trace(tmp_path: Path) -> None:
+    out = tmp_path / "s.json"
+    result = CliRunner().invoke(
+        policies, ["--synthetic", "--requests", "400", "--workers", "3", "--quiet",
+                   "--json", str(out), "--trace", str(tmp_path / "missing.csv")],
+    )
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["config"]["source"] == "synthetic"
+
+
+def test_the_llmq_cli_registers_the_command() -> None:
+    from services.cli import main
+
+    result = CliRunner().invoke(main, ["bench", "policies", "--help"])
+    assert result.exit_code == 0, result.output
+    assert "--synthetic" in result.output

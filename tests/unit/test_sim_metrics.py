@@ -1,0 +1,177 @@
+"""Job records, per-lane/per-class figures, llmq's pool split and the matrix table."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from schemas.common import Pool
+from services.sim.bench import BenchConfig
+from services.sim.fleet import COMPLETED, REJECTED, Job, make_jobs
+from services.sim.metrics import cdf_points, lane_summary, percentile, summarize
+from services.sim.pools import PoolMode, lane_work, reserved_capacity, split_pools
+from services.sim.report import Cell, render_markdown, targets
+from services.sim.workload import TraceRequest
+from services.worker.engines.sim import get_profile, saturated_capacity
+
+PROFILE = get_profile("llama3-8b-h100")
+
+
+def done(
+    idx: int, arrival: float, *, wait: float = 0.0, service: float = 1.0, lane_tokens: int = 100,
+    priority: str = "normal",
+) -> Job:
+    """A completed job: queued ``wait`` s, then ``service`` s on an engine."""
+    request = TraceRequest(idx, arrival, lane_tokens, 10, priority=priority)  # type: ignore[arg-type]
+    job = make_jobs([TraceRequest(0, arrival, lane_tokens, 10)], PROFILE)[0]
+    job.idx, job.priority, job.tenant = idx, request.priority, request.tenant
+    job.state = COMPLETED
+    job.dispatched_s = arrival + wait
+    job.first_token_s = job.dispatched_s + job.ttft_alone_s
+    job.finished_s = job.dispatched_s + service
+    job.worker = 0
+    return job
+
+
+def rejected(idx: int, arrival: float) -> Job:
+    job = make_jobs([TraceRequest(0, arrival, 100, 10)], PROFILE)[0]
+    job.idx, job.state, job.reject_code, job.finished_s = idx, REJECTED, "overloaded", arrival
+    return job
+
+
+def test_make_jobs_classifies_lanes_and_applies_the_slack() -> None:
+    requests = [TraceRequest(0, 0.0, 1900, 100), TraceRequest(1, 0.5, 1900, 101)]
+    jobs = make_jobs(requests, PROFILE)
+    assert [j.lane for j in jobs] == ["short", "long"]  # 2000 ≤ threshold < 2001
+    assert [j.max_tokens for j in jobs] == [100, 101]
+    slack = make_jobs(requests, PROFILE, max_tokens_slack=1.5)
+    assert [j.max_tokens for j in slack] == [150, 152]
+    assert [j.lane for j in slack] == ["long", "long"]
+    assert jobs[0].output == slack[0].output == 100  # the engine still runs the true output
+
+
+def test_make_jobs_refuses_out_of_order_indexes_and_low_slack() -> None:
+    with pytest.raises(ValueError, match="idx"):
+        make_jobs([TraceRequest(1, 0.0, 10, 10)], PROFILE)
+    with pytest.raises(ValueError, match="slack"):
+        make_jobs([TraceRequest(0, 0.0, 10, 10)], PROFILE, max_tokens_slack=0.5)
+
+
+def test_lane_summary_percentiles_and_rejections() -> None:
+    jobs = [done(i, float(i), wait=0.1 * i, service=1.0) for i in range(10)]
+    jobs.append(rejected(10, 10.0))
+    s = lane_summary(jobs, timeout_s=60.0, window=(0.0, 10.0))
+    assert (s["arrived"], s["completed"], s["rejected"]) == (11, 10, 1)
+    assert s["rejection_rate"] == pytest.approx(1 / 11, abs=1e-6)
+    assert s["e2e_p50_s"] == pytest.approx(1.45)  # e2e = 1 + 0.1 i, linear interpolation
+    assert s["queue_p99_s"] == pytest.approx(0.891)
+    assert s["wait_p99_s"] == pytest.approx(0.891)  # first token = dispatch + TTFT alone
+    assert s["e2e_p99_with_rejections_s"] > 50.0  # the rejection counts as the 60 s timeout
+    assert s["slowdown_p99"] >= 1.0
+    finished_by_end = sum(1 for j in jobs if j.state == COMPLETED and (j.finished_s or 0) <= 10)
+    assert s["completed_tokens_per_s"] == pytest.approx(finished_by_end * 110 / 10.0)
+
+
+def test_summary_keys_and_classes() -> None:
+    jobs = [done(0, 0.0, priority="high"), done(1, 0.5, wait=2.0, priority="low"),
+            rejected(2, 1.0)]
+    s = summarize(jobs, timeout_s=30.0)
+    assert set(s["lanes"]) == {"short", "long"} and set(s["classes"]) == {"high", "normal", "low"}
+    assert s["classes"]["low"]["wait_max_s"] == pytest.approx(2.0)
+    assert s["classes"]["high"]["wait_max_s"] == 0.0
+    assert s["classes"]["normal"]["wait_max_s"] is None  # only a rejected one
+    assert s["rejections"] == {"overloaded": 1}
+    assert s["max_service_s"] == pytest.approx(1.0)
+    assert s["lanes"]["long"]["e2e_p99_s"] is None
+
+
+@pytest.mark.parametrize("q", [0, 1, 50, 90, 99, 99.9, 100])
+def test_percentile_matches_numpys_linear_method(q: float) -> None:
+    np = pytest.importorskip("numpy")
+    rng = random.Random(int(q * 10))
+    for n in (1, 2, 7, 1000):
+        values = [rng.expovariate(1.0) for _ in range(n)]
+        assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)), rel=1e-12)
+
+
+def test_cdf_points_are_monotone_and_end_at_one() -> None:
+    jobs = [done(i, 0.0, service=1.0 + i) for i in range(500)]
+    xs, ys = cdf_points(jobs, "short", points=50)
+    assert xs == sorted(xs) and ys == sorted(ys) and ys[-1] == 1.0 and len(xs) == 50
+    assert cdf_points(jobs, "long") == ([], [])
+
+
+@pytest.mark.parametrize(
+    ("workers", "short", "long_", "mode", "expected"),
+    [
+        # latency: the long lane gets ceil(W_long / 0.9) workers, the rest go short
+        (8, 2.5, 1.5, "latency", {"short": 6, "long": 2}),
+        # ... unless the short pool would then run above 0.9: proportional
+        (8, 4.3, 2.5, "latency", {"short": 5, "long": 3}),
+        (8, 4.3, 2.5, "proportional", {"short": 5, "long": 3}),
+        (8, 1.7, 5.1, "proportional", {"short": 2, "long": 6}),
+        (8, 4.9, 3.1, "hybrid", {"short": 4, "long": 3, "any": 1}),
+        (8, 4.9, 3.1, "any", {"any": 8}),
+        (8, 0.01, 6.0, "proportional", {"short": 1, "long": 7}),  # a lane keeps one worker
+        (8, 3.0, 0.0, "latency", {"short": 8}),  # one lane only
+        (1, 3.0, 1.0, "latency", {"any": 1}),
+        (2, 0.0, 0.0, "latency", {"any": 2}),
+    ],
+)
+def test_split_pools(
+    workers: int, short: float, long_: float, mode: PoolMode, expected: dict[Pool, int]
+) -> None:
+    pools = split_pools(workers, {"short": short, "long": long_}, mode)
+    assert len(pools) == workers
+    assert {p: pools.count(p) for p in set(pools)} == expected
+
+
+def test_reserved_capacity_is_vllms_rate_when_kv_is_plentiful_and_lower_when_scarce() -> None:
+    rng = random.Random(2)
+    lengths = [(rng.randint(100, 3000), rng.randint(10, 600)) for _ in range(1024)]
+    vllm = saturated_capacity(PROFILE, lengths, n_requests=1024).requests_per_s
+    with_max = [(p, o, o) for p, o in lengths]
+    assert reserved_capacity(PROFILE, with_max, 10**9, 1024) == pytest.approx(vllm, rel=1e-12)
+    scarce = reserved_capacity(PROFILE, with_max, 40_000, 1024)
+    assert 0 < scarce < 0.8 * vllm
+
+
+def test_lane_work_adds_up_to_the_busy_engines() -> None:
+    rng = random.Random(5)
+    requests = [TraceRequest(i, i * 0.01, rng.randint(50, 4000), rng.randint(5, 300))
+                for i in range(3000)]
+    jobs = make_jobs(requests, PROFILE)
+    work = lane_work(PROFILE, jobs, random.Random(1), PROFILE.kv_total_tokens)
+    assert work["short"] > 0 and work["long"] > 0
+    # 100 requests/s of this mix keep a few engines busy (μ is tens of requests/s).
+    assert 1.0 < work["short"] + work["long"] < 10.0
+
+
+def test_split_pools_refuses_an_empty_fleet() -> None:
+    with pytest.raises(ValueError):
+        split_pools(0, {"short": 1.0, "long": 1.0})
+
+
+def _policy(short_p99: float, long_tps: float, preempt: int = 0) -> dict[str, object]:
+    lane = {"e2e_p99_s": short_p99, "e2e_p99_with_rejections_s": short_p99,
+            "completed_tokens_per_s": long_tps, "arrived": 10}
+    klass = {"queue_p99_s": 0.05, "wait_p99_s": 0.2, "wait_max_s": 10.0}
+    return {"lanes": {"short": lane, "long": lane}, "classes": {c: klass for c in
+            ("high", "normal", "low")}, "aging_bound_s": 60.0, "max_service_s": 20.0,
+            "kv_preemptions": preempt, "rejected": 0}
+
+
+def test_targets_and_markdown_table() -> None:
+    doc = {"policies": {"fifo-rr": _policy(40.0, 100.0, 3), "least-requests": _policy(20.0, 99.0),
+                        "vllm-random": _policy(30.0, 98.0, 5), "llmq": _policy(4.0, 96.0)}}
+    t = targets(doc)
+    assert t["ratio_fifo"] == pytest.approx(0.1) and t["ratio_best"] == pytest.approx(0.2)
+    assert t["best_other"] == "least-requests" and t["long_ratio"] == pytest.approx(0.96)
+    assert t["low_bound"] == 80.0 and t["baseline_preemptions"]["vllm-random"] == 5
+    text = render_markdown([Cell("conv", 0.85, doc)], BenchConfig(synthetic=True))
+    row = text.splitlines()[2]
+    assert row.startswith("| conv | 0.85 | 4.00 | 40.00 |")
+    assert "0.10 ✓" in row and "0.960 ✓" in row and "10.0 ≤ 80.0 s ✓" in row
+    assert "3 / 0 / 5" in row and not math.isnan(t["rejection_rate"])

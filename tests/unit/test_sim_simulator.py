@@ -1,0 +1,227 @@
+"""The discrete-event simulator and its policies: invariants, determinism, KV safety."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import pytest
+
+from schemas.common import Pool
+from services.scheduler import Ledger, PlacementContext, Snapshot
+from services.scheduler.policies.pickers.round_robin import RoundRobin
+from services.sim.bench import BenchConfig, run_bench
+from services.sim.fleet import COMPLETED, REJECTED, Job, make_jobs
+from services.sim.llmq import LlmqConfig, LlmqPolicy
+from services.sim.policies import (
+    POLICIES,
+    FewestInFlight,
+    FifoRoundRobin,
+    RouteOnArrival,
+    _state,
+)
+from services.sim.simulator import SimStats, SimulationError, Simulator
+from services.sim.workload import TraceRequest, attach_classes, synthetic
+from services.worker.engines.sim import EngineProfile, get_profile
+
+#: A small engine whose KV (300 blocks × 16 = 4,800 tokens) runs out long before its 32
+#: sequence slots do: a plain vLLM preempts on it.
+TIGHT = EngineProfile(
+    name="tight",
+    beta0_s=0.005,
+    beta1_s_per_prefill_tok=17e-6,
+    beta2_s_per_decode_tok=6e-6,
+    num_blocks=300,
+    block_size=16,
+    max_num_seqs=32,
+    max_num_batched_tokens=2048,
+    source="test",
+)
+
+
+def workload(n: int, rate_rps: float, seed: int = 3, **lengths: float) -> list[TraceRequest]:
+    rng = random.Random(seed)
+    shape = {"prompt_mean": 300.0, "prompt_max": 1500, "output_mean": 100.0,
+             "output_max": 600} | lengths
+    return attach_classes(synthetic(n, rng, rate_rps=rate_rps, **shape), rng)  # type: ignore[arg-type]
+
+
+def run(
+    name: str,
+    requests: Sequence[TraceRequest],
+    profile: EngineProfile = TIGHT,
+    pools: Sequence[Pool] = ("any", "any"),
+    *,
+    config: LlmqConfig | None = None,
+    check: object = None,
+) -> tuple[list[Job], SimStats, Simulator]:
+    jobs = make_jobs(requests, profile)
+    policy = POLICIES[name](random.Random(f"7/{name}"), config or LlmqConfig(heartbeat_s=0.25))
+    sim = Simulator(jobs, profile, pools, policy, check=check)  # type: ignore[arg-type]
+    return jobs, sim.run(), sim
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_every_request_ends_exactly_once(name: str) -> None:
+    jobs, stats, _ = run(name, workload(400, rate_rps=60.0))
+    assert stats.arrived == 400 == stats.completed + stats.rejected
+    assert stats.in_flight == 0
+    for j in jobs:
+        assert j.state in (COMPLETED, REJECTED)
+        assert j.finished_s is not None and j.finished_s >= j.arrival_s
+        if j.state == COMPLETED:
+            assert j.dispatched_s is not None and j.first_token_s is not None
+            assert j.arrival_s <= j.dispatched_s <= j.first_token_s <= j.finished_s
+            assert j.finished_s - j.arrival_s >= j.e2e_alone_s - 1e-9
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_clock_is_monotone_and_kv_never_negative(name: str) -> None:
+    seen: list[float] = []
+
+    def check(sim: Simulator) -> None:
+        seen.append(sim.now)
+        for w in sim.workers:
+            engine = w.engine
+            assert engine.free_blocks >= 0
+            assert engine.blocks_held() + engine.free_blocks == engine.profile.num_blocks
+            assert w.in_flight >= 0
+
+    run(name, workload(200, rate_rps=80.0), check=check)
+    assert seen == sorted(seen)
+
+
+def test_llmq_never_preempts_where_vllm_random_does() -> None:
+    requests = workload(300, rate_rps=40.0)
+    _, random_stats, _ = run("vllm-random", requests)
+    _, llmq_stats, _ = run("llmq", requests)
+    assert random_stats.kv_preemptions > 0
+    assert llmq_stats.kv_preemptions == 0
+    assert llmq_stats.completed + llmq_stats.rejected == 300
+
+
+def test_llmq_reservations_stay_within_each_engine_pool() -> None:
+    policy_box: list[LlmqPolicy] = []
+
+    def check(sim: Simulator) -> None:
+        policy = sim.policy
+        assert isinstance(policy, LlmqPolicy)
+        policy_box.append(policy)
+        ledger: Ledger = policy.ledger
+        for w in sim.workers:
+            reserved = ledger.reserved_kv(w.worker_id)
+            assert reserved <= int(TIGHT.kv_total_tokens * (1 - ledger.kv_safety_margin))
+            assert w.in_flight <= TIGHT.max_num_seqs
+
+    run("llmq", workload(300, rate_rps=40.0), check=check)
+    assert policy_box and len(policy_box[-1].ledger) == 0  # every reservation released
+
+
+def test_fifo_rr_follows_the_core_round_robin_picker_over_free_slots() -> None:
+    """Same choice as the core's round-robin picker given the workers with a free slot."""
+    choices: list[tuple[int, list[int], int | None]] = []
+
+    class Recording(FifoRoundRobin):
+        def _next_free(self, workers, n):  # type: ignore[no-untyped-def]
+            free = [w.index for w in workers if w.in_flight < w.max_num_seqs]
+            picked: int = super()._next_free(workers, n)
+            choices.append((picked, free, None if self._cursor < 0 else self._cursor))
+            return picked
+
+    jobs = make_jobs(workload(300, rate_rps=200.0), TIGHT)
+    sim = Simulator(jobs, TIGHT, ["any"] * 3, Recording(random.Random(1)))
+    sim.run()
+    picker = RoundRobin()
+    for picked, free, last in choices:
+        states = [_state(sim.workers[i], 0) for i in free]
+        ledger = Ledger()
+        ledger.last_worker_id = None if last is None else sim.workers[last].worker_id
+        ctx = PlacementContext(Snapshot.of(states, 0.0), ledger, 0.0)
+        assert picker.pick([(0.0, s) for s in states], random.Random(0), ctx).partition == picked
+    assert len(choices) == 300
+
+
+def test_fifo_rr_never_exceeds_the_sequence_slots() -> None:
+    def check(sim: Simulator) -> None:
+        assert all(w.in_flight <= w.max_num_seqs for w in sim.workers)
+
+    _, stats, _ = run("fifo-rr", workload(500, rate_rps=400.0), check=check)
+    assert stats.completed == 500
+
+
+def test_least_requests_pruned_candidates_pick_exactly_like_the_full_list() -> None:
+    requests = workload(400, rate_rps=150.0)
+    full_jobs = make_jobs(requests, TIGHT)
+    full = RouteOnArrival("least-requests", "least-requests", random.Random(4))
+    Simulator(full_jobs, TIGHT, ["any"] * 5, full).run()
+    pruned_jobs = make_jobs(requests, TIGHT)
+    Simulator(pruned_jobs, TIGHT, ["any"] * 5, FewestInFlight(random.Random(4))).run()
+    assert [j.worker for j in pruned_jobs] == [j.worker for j in full_jobs]
+    assert [j.finished_s for j in pruned_jobs] == [j.finished_s for j in full_jobs]
+
+
+def test_least_requests_spreads_a_burst_evenly() -> None:
+    burst = [TraceRequest(i, 0.0, 50, 400) for i in range(30)]
+    jobs, _, _ = run("least-requests", burst, pools=["any"] * 3)
+    counts = [sum(1 for j in jobs if j.worker == w) for w in range(3)]
+    assert counts == [10, 10, 10]
+
+
+@pytest.mark.parametrize("name", ["fifo-rr", "least-requests", "vllm-random", "llmq"])
+def test_a_request_larger_than_the_kv_pool_is_rejected_too_large(name: str) -> None:
+    requests = [TraceRequest(0, 0.0, 100, 50), TraceRequest(1, 0.1, 4800, 100)]
+    jobs, stats, _ = run(name, requests)
+    assert jobs[1].state == REJECTED and jobs[1].reject_code == "too_large"
+    assert stats.completed == 1
+
+
+def test_a_simulator_runs_once_and_refuses_double_dispatch() -> None:
+    jobs = make_jobs([TraceRequest(0, 0.0, 10, 5)], TIGHT)
+    sim = Simulator(jobs, TIGHT, ["any"], POLICIES["fifo-rr"](random.Random(1), LlmqConfig()))
+    sim.run()
+    with pytest.raises(SimulationError, match="runs once"):
+        sim.run()
+    with pytest.raises(SimulationError, match="dispatched in state"):
+        sim.dispatch(jobs[0], 0)
+
+
+def test_unsorted_arrivals_are_refused() -> None:
+    jobs = make_jobs([TraceRequest(0, 1.0, 10, 5), TraceRequest(1, 0.5, 10, 5)], TIGHT)
+    with pytest.raises(ValueError, match="sorted"):
+        Simulator(jobs, TIGHT, ["any"], FifoRoundRobin(random.Random(1)))
+
+
+def test_llmq_serves_high_priority_first_under_overload() -> None:
+    """Thirty jobs arrive at once on one worker with two slots: the first two take the
+    slots as they come; of the rest, the ten high ones go first."""
+    one_slot = EngineProfile(
+        name="slots", beta0_s=0.01, beta1_s_per_prefill_tok=1e-5, beta2_s_per_decode_tok=1e-5,
+        num_blocks=1000, block_size=16, max_num_seqs=2, max_num_batched_tokens=64,
+        source="test",
+    )
+    classes = ["low", "normal", "high"] * 10
+    burst = [TraceRequest(i, 0.0, 20, 20, priority=p) for i, p in enumerate(classes)]  # type: ignore[arg-type]
+    jobs, stats, _ = run("llmq", burst, one_slot, pools=["any"])
+    assert stats.completed == 30
+    order = sorted(jobs, key=lambda j: (j.dispatched_s, j.idx))
+    assert [j.idx for j in order[:2]] == [0, 1]
+    assert {j.priority for j in order[2:12]} == {"high"}
+
+
+def test_same_seed_same_figures() -> None:
+    config = BenchConfig(synthetic=True, requests=600, workers=2, load=0.9, seed=5)
+    first, _ = run_bench(config)
+    second, _ = run_bench(config)
+    for doc in (first, second):
+        del doc["elapsed_s"]
+        for p in doc["policies"].values():
+            del p["wall_s"]
+    assert first == second
+    assert set(first["policies"]) == set(POLICIES)
+
+
+def test_profile_of_the_shipped_fleet_is_used_by_name() -> None:
+    profile = get_profile("llama3-8b-h100")
+    jobs, stats, _ = run("llmq", workload(50, rate_rps=10.0), profile, pools=["short", "long"])
+    assert stats.completed == 50 and stats.kv_preemptions == 0
+    assert {j.worker for j in jobs if j.lane == "short"} <= {0}

@@ -18,7 +18,8 @@ This adapter only plays the parts of the Kafka plumbing:
   live ingest, admission sees it as of the last status.
 * **Assignments** are delivered at once: a placement is added to its engine and marked
   started in the ledger in the same instant; a finish releases the reservation and settles
-  the tenant's token bucket (``settle``) at once.
+  the tenant's token bucket (``settle``) at once. Both pass their time (``at=now``), so the
+  ledger credits releases since the last heartbeat to that heartbeat's view.
 
 Every request asks for ``max_tokens`` (the true output length, times the bench's slack)
 and ``timeout_s``; its queue deadline is ``arrival + timeout_s``. The reservation is
@@ -189,7 +190,7 @@ class LlmqPolicy:
         self._schedule(now)
 
     def on_finished(self, job: Job, now: float) -> None:
-        self._ledger.release(str(job.idx), 0)
+        self._ledger.release(str(job.idx), 0, at=now)
         used = job.prompt + job.output
         self._settle(job, used, now)
         self._finished.append((now, used))
@@ -221,7 +222,7 @@ class LlmqPolicy:
                 job = jobs[int(d.request.request_id)]
                 self._queued_tokens -= job.prompt + job.max_tokens
                 sim.dispatch(job, d.partition)
-                self._ledger.mark_started(d.request.request_id, d.attempt)
+                self._ledger.mark_started(d.request.request_id, d.attempt, at=now)
             elif isinstance(d, Reject):
                 job = jobs[int(d.request_id)]
                 self._queued_tokens -= job.prompt + job.max_tokens

@@ -165,6 +165,17 @@ def may_take(worker: WorkerState, request: QueuedRequest, snapshot: Snapshot) ->
     )
 
 
+def may_place(worker: WorkerState, request: QueuedRequest, snapshot: Snapshot) -> bool:
+    """``may_take``, or a spill onto the other lane's dedicated pool (profile ``spill``)."""
+    spills = request.lane in PIPELINE.spill and worker.pool not in ("any", request.lane)
+    return may_take(worker, request, snapshot) or (
+        spills
+        and snapshot.is_fresh(worker)
+        and not worker.draining
+        and worker.model == request.model
+    )
+
+
 def check_capacity(loop: Loop, snapshot: Snapshot) -> None:
     for worker in snapshot.workers.values():
         reserved = loop.ledger.reserved_kv(worker.worker_id)
@@ -218,7 +229,7 @@ def test_loop_invariants(
         pending_arrivals = pending_arrivals[len(due) :]
         snapshot = loop.step(due, ends)
         for _, placement in loop.placed[-5:]:
-            assert may_take(snapshot.workers[placement.worker_id], placement.request, snapshot)
+            assert may_place(snapshot.workers[placement.worker_id], placement.request, snapshot)
         check_capacity(loop, snapshot)
         check_work_conserving(loop, snapshot)
         loop.now += 0.5

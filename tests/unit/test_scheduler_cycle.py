@@ -377,3 +377,52 @@ def test_one_placement_per_call_still_serves_both_dedicated_pools() -> None:
             rid for rid, _ in placed(run(workers, ledger=ledger, queue=queue, max_placements=1))
         ]
     assert order == ["s0", "l0", "s1", "l1", "s2", "l2"]
+
+
+# -- spill: dedicated pools lend idle capacity across lanes --------------------------------
+
+
+def test_a_short_request_borrows_an_idle_long_worker() -> None:
+    full = make_worker("sw", pool="short", running=256)
+    long_w = make_worker("lw", pool="long")
+    assert placed(run([full, long_w], make_request("s"))) == [("s", "lw")]
+
+
+def test_no_spill_while_the_lending_lane_has_work_pending() -> None:
+    full = make_worker("sw", pool="short", running=256)
+    long_w = make_worker("lw", pool="long", kv_total_tokens=20_000)
+    waiting = make_request("l", lane="long", kv_tokens=16_000)  # fits only after x ends
+    ledger = Ledger()
+    assert ledger.reserve(long_w, make_request("x", lane="long", kv_tokens=8_000))
+    decisions = run([full, long_w], make_request("s"), waiting, ledger=ledger)
+    assert placed(decisions) == []
+    assert kinds(decisions) == {"l": "defer", "s": "defer"}
+
+
+@pytest.mark.parametrize(("waited", "spilled"), [(9.9, False), (10.0, True)])
+def test_a_long_request_borrows_a_short_worker_only_after_waiting(
+    waited: float, spilled: bool
+) -> None:
+    long_full = make_worker("lw", pool="long", running=256)
+    short_w = make_worker("sw", pool="short")
+    request = make_request("l", lane="long", kv_tokens=8_192, enqueued_at=NOW - waited)
+    assert placed(run([long_full, short_w], request)) == ([("l", "sw")] if spilled else [])
+
+
+def test_borrowed_long_requests_are_bounded_per_short_worker() -> None:
+    long_full = make_worker("lw", pool="long", running=256)
+    shorts = [make_worker(f"sw{i}", pool="short") for i in range(2)]
+    requests = [
+        make_request(f"l{i}", lane="long", kv_tokens=8_192, enqueued_at=NOW - 20 + i)
+        for i in range(3)
+    ]
+    decisions = run([long_full, *shorts], *requests)
+    assert sorted(w for _, w in placed(decisions)) == ["sw0", "sw1"]  # one each, third waits
+    assert kinds(decisions)["l2"] == "defer"
+
+
+def test_an_empty_spill_table_keeps_pools_strict() -> None:
+    strict = build_pipeline({"spill": {}})
+    full = make_worker("sw", pool="short", running=256)
+    long_w = make_worker("lw", pool="long")
+    assert placed(run([full, long_w], make_request("s"), pipeline=strict)) == []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.scheduler import ConfigError, Ledger
+from services.scheduler import ConfigError, Ledger, WorkerState
 from tests.builders import make_request, make_worker
 
 # total 100,000, margin 5 % → usable 95,000
@@ -165,3 +165,80 @@ def test_change_log_reports_touched_workers_until_trimmed() -> None:
         ledger.reserve(make_worker(f"x{i}"), make_request(f"x{i}"))
     assert ledger.changes_since(start) is None  # too old: rescan
     assert ledger.changes_since(ledger.cursor) == []
+
+
+# -- releases since the last heartbeat ------------------------------------------------------
+
+
+def _busy_worker(heartbeat_ts: float) -> WorkerState:
+    """A worker whose heartbeat at ``heartbeat_ts`` still counts request "a" (10k KV)."""
+    return make_worker(
+        "w0", kv_total_tokens=100_000, kv_free_tokens=90_000, running=1, heartbeat_ts=heartbeat_ts
+    )
+
+
+@pytest.mark.parametrize(
+    ("started_at", "released_at", "heartbeat_ts", "free", "in_flight"),
+    [
+        (1.0, 3.0, 2.0, 95_000, 0),  # ended after the heartbeat: credited back
+        (1.0, 2.0, 2.0, 85_000, 1),  # ended at the heartbeat's instant: not credited
+        (2.0, 3.0, 2.0, 85_000, 1),  # started at the heartbeat's instant: maybe not in it
+        (1.0, 3.0, 4.0, 85_000, 1),  # a later heartbeat already shows it gone
+        (None, 3.0, 2.0, 85_000, 1),  # start time unknown: no credit
+        (1.0, None, 2.0, 85_000, 1),  # release time unknown: no credit
+    ],
+)
+def test_a_release_after_the_heartbeat_is_credited_to_the_heartbeat_view(
+    started_at: float | None,
+    released_at: float | None,
+    heartbeat_ts: float,
+    free: int,
+    in_flight: int,
+) -> None:
+    ledger = Ledger()
+    worker = _busy_worker(heartbeat_ts)
+    assert ledger.reserve(worker, make_request("a", kv_tokens=10_000))
+    assert ledger.mark_started("a", 0, at=started_at)
+    assert ledger.free_kv(worker) == 85_000  # ledger and heartbeat agree while it runs
+    assert ledger.release("a", 0, at=released_at) == 10_000
+    assert ledger.free_kv(worker) == free
+    assert ledger.in_flight(worker) == in_flight
+    assert ledger.headroom(worker) == free / 95_000
+
+
+def test_credits_never_loosen_the_ledger_view_and_are_dropped_by_newer_heartbeats() -> None:
+    ledger = Ledger()
+    old = _busy_worker(2.0)
+    assert ledger.reserve(old, make_request("a", kv_tokens=10_000))
+    assert ledger.mark_started("a", 0, at=1.0)
+    assert ledger.reserve(old, make_request("b", kv_tokens=80_000))
+    assert ledger.release("a", 0, at=3.0) == 10_000
+    assert ledger.release("a", 0, at=3.0) == 0  # a duplicate credits nothing more
+    # the ledger's own view (95k usable − 80k reserved) stays the bound
+    assert ledger.free_kv(old) == 15_000
+    assert not ledger.reserve(old, make_request("c", kv_tokens=15_001))
+    # a newer heartbeat (after the release) has the freed KV in kv_free: no credit left
+    newer = make_worker("w0", kv_total_tokens=100_000, kv_free_tokens=100_000, heartbeat_ts=5.0)
+    assert ledger.free_kv(newer) == 15_000
+    assert ledger.free_kv(old) == 5_000  # re-asked about the old heartbeat: credit forgotten
+
+
+def test_reconcile_releases_are_never_credited() -> None:
+    ledger = Ledger()
+    worker = _busy_worker(2.0)
+    assert ledger.reserve(worker, make_request("a", kv_tokens=10_000))
+    assert ledger.mark_started("a", 0, at=1.0)
+    ledger.reconcile("w0", {("a", 0)})
+    assert [r.key for r in ledger.reconcile("w0", set())] == [("a", 0)]
+    assert ledger.free_kv(worker) == 85_000
+
+
+def test_lane_count_tracks_reservations_per_lane() -> None:
+    ledger = Ledger()
+    worker = make_worker("w0")
+    assert ledger.reserve(worker, make_request("s", lane="short"))
+    assert ledger.reserve(worker, make_request("l", lane="long"))
+    assert (ledger.lane_count("w0", "short"), ledger.lane_count("w0", "long")) == (1, 1)
+    ledger.release("l", 0)
+    assert ledger.lane_count("w0", "long") == 0
+    assert ledger.lane_count("nobody", "short") == 0

@@ -31,6 +31,17 @@ Order of work:
    of one ahead), and end when the request leaves the queue or the worker leaves the
    fleet. When a hold ends mid-cycle, heads it kept out get a second look.
 
+5. Spill: dedicated pools lend idle capacity across lanes (the profile's ``spill`` table,
+   :mod:`services.scheduler.policies.profile`). A head of lane L that fits no worker of
+   its own route may be placed on a worker of the other lane's dedicated pool when no
+   request of that other lane is pending for its model (so the borrowed worker's own lane
+   loses nothing now), the head has waited ``spill[L].after_s``, and the worker holds
+   fewer than ``spill[L].max_per_worker`` reservations of lane L (0: no bound). Every
+   filter and hold applies there as on the head's own route; the other lane's requests
+   that arrive later take the borrowed worker back as the borrowed work finishes. Static
+   pools are sized on average demand; spill is what lets a burst on one lane use the other
+   lane's slack instead of queueing beside idle workers.
+
 Decisions come out in this order: rejections of cancelled and expired requests, then
 placements and rejections as they are decided, then one ``Defer`` per class head still
 blocked (requests behind a head wait silently).
@@ -45,6 +56,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from dataclasses import replace
 from operator import mul
 
 from schemas.common import Lane
@@ -108,6 +120,16 @@ def _drop_stale_holds(snapshot: Snapshot, pending: PendingQueue, ledger: Ledger)
             ledger.unhold(request_id)
 
 
+def _borrowed(pool: Lane, admits: Callable[[WorkerState], bool]) -> Callable[[WorkerState], bool]:
+    """Route membership for a spill: dedicated workers of ``pool`` only (``any`` workers
+    are already on the request's own route)."""
+
+    def member(worker: WorkerState) -> bool:
+        return worker.pool == pool and admits(worker)
+
+    return member
+
+
 def _deferred_head(pending: PendingQueue, klass: ClassKey) -> QueuedRequest:
     """The head of a class blocked earlier in this cycle (it cannot have left meanwhile)."""
     head = pending.head(klass)
@@ -129,6 +151,7 @@ class _Cycle:
         "refusal",
         "rng",
         "snapshot",
+        "spill_bound",
     )
 
     def __init__(
@@ -151,6 +174,7 @@ class _Cycle:
         self.ctx = PlacementContext(snapshot, ledger, now)
         self.refusal = ""
         self.hold_refused = False
+        self.spill_bound = 0  # > 0 while placing a spill with a per-worker bound
 
     def run(self, max_placements: int | None) -> None:
         pending, ledger = self.pending, self.ledger
@@ -211,7 +235,33 @@ class _Cycle:
         outcome = self._place(request, index)
         if isinstance(outcome, Placement):
             return outcome
+        if self.pipeline.spill:
+            spilled = self._spill(request)
+            if spilled is not None:
+                return spilled
         return self._blocked(request, route, index, outcome)
+
+    def _spill(self, request: QueuedRequest) -> Placement | None:
+        """Place ``request`` on the other lane's dedicated pool, if step 5 allows it."""
+        lane, model = request.lane, request.model
+        rule = self.pipeline.spill.get(lane)
+        if rule is None or self.now - request.enqueued_at < rule.after_s:
+            return None
+        other: Lane = "long" if lane == "short" else "short"
+        for klass in self.pending.class_keys():
+            if klass[0] == other and klass[2] == model:
+                return None  # the other lane has work of its own: lend nothing
+        route: Route = (model, request.model_version, other)
+        borrowed = _borrowed(other, self._route_admits(request, lane=other))
+        index = route_index(self.snapshot, route, self.ledger, borrowed, (self.pipeline, "spill"))
+        if not index.members:
+            return None
+        self.spill_bound = rule.max_per_worker
+        try:
+            outcome = self._place(request, index)
+        finally:
+            self.spill_bound = 0
+        return outcome if isinstance(outcome, Placement) else None
 
     def _place(self, request: QueuedRequest, index: RouteIndex) -> Placement | str:
         """Place ``request`` on the pipeline's pick, or say why nothing would take it."""
@@ -229,8 +279,13 @@ class _Cycle:
         self.pending.remove(request.request_id)
         return Placement(request, worker.worker_id, worker.partition, kv, request.attempt)
 
-    def _route_admits(self, request: QueuedRequest) -> Callable[[WorkerState], bool]:
+    def _route_admits(
+        self, request: QueuedRequest, *, lane: Lane | None = None
+    ) -> Callable[[WorkerState], bool]:
+        """The route-stage filters for ``request`` (as if of ``lane``, when given)."""
         filters, ctx = self.pipeline.route_filters, self.ctx
+        if lane is not None and lane != request.lane:
+            request = replace(request, lane=lane)
 
         def admits(worker: WorkerState) -> bool:
             return all(f.accepts(worker, request, ctx) for f in filters)
@@ -271,8 +326,12 @@ class _Cycle:
         ctx, holds = self.ctx, self.ledger.holds()
         checks = [(f.accepts, f.name) for f in self.pipeline.room_filters]
         request_id, any_holds = request.request_id, len(holds) > 0
+        bound, lane, lane_count = self.spill_bound, request.lane, self.ledger.lane_count
 
         def accepts(worker: WorkerState) -> bool:
+            if bound and lane_count(worker.worker_id, lane) >= bound:
+                self.refusal = "spill bound"
+                return False
             if any_holds:
                 holder = holds.get(worker.worker_id)
                 if holder is not None and holder != request_id:

@@ -21,6 +21,20 @@ Taking the minimum fails closed: whichever view is tighter wins. Sequence slots 
 same way: in flight = max(running + waiting, reservations started) + reservations not yet
 started, and a worker has a slot while that is below ``max_num_seqs``.
 
+Releases since the heartbeat. A heartbeat at ``h`` still counts the KV and the sequence of
+every request the worker held at ``h``; one that finished after ``h`` is freed in the
+ledger at once but would stay "used" in the heartbeat view until the next heartbeat, which
+made the tighter-of-two rule hide freed capacity for up to an interval. When the caller
+gives times (``mark_started(..., at=s)`` and ``release(..., at=t)``, on the workers'
+clock, as ``heartbeat_ts`` is), a released reservation with ``s < h < t`` is credited back
+to the heartbeat view of a worker whose heartbeat is at ``h``: its ``kv_tokens`` to the
+free KV and one sequence to ``running + waiting``. The bounds are strict — a request
+started at ``h`` may be missing from that heartbeat, one ended at ``h`` is already freed
+in it — and without both times there is no credit (the old behaviour). Credits are kept
+per worker until a heartbeat later than their release is seen, then dropped. The ledger
+view is unchanged, so Σ reservations ≤ usable KV still holds whatever the credits; they
+only stop the heartbeat view from double-counting work that has ended.
+
 The ledger also keeps the scheduler's other per-worker placement memory, so one owner holds
 it all: holds (a worker kept free for one overdue request, see :mod:`.cycle`), prefix
 affinity (:mod:`.affinity`), the last worker placed on (round-robin), and a change log
@@ -29,6 +43,8 @@ that lets candidate indexes update incrementally instead of rescanning the fleet
 
 from __future__ import annotations
 
+import math
+from collections import deque
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -57,15 +73,71 @@ class Reservation:
 class _Book:
     """One worker's reservations and their running totals."""
 
-    __slots__ = ("entries", "reserved", "seen", "started", "unstarted_kv", "unstarted_n")
+    __slots__ = (
+        "entries",
+        "lanes",
+        "reserved",
+        "seen",
+        "started",
+        "started_at",
+        "unstarted_kv",
+        "unstarted_n",
+    )
 
     def __init__(self) -> None:
         self.entries: dict[ReservationKey, Reservation] = {}
         self.started: set[ReservationKey] = set()  # the worker has begun it
+        self.started_at: dict[ReservationKey, float] = {}  # ... at this time, when told
         self.seen: set[ReservationKey] = set()  # a heartbeat listed it
+        self.lanes: dict[str, int] = {}  # reservations per lane
         self.reserved = 0
         self.unstarted_kv = 0
         self.unstarted_n = 0
+
+
+#: Releases remembered per worker before the oldest are forgotten (forgetting a credit is
+#: conservative: the heartbeat view merely lags again, as it did without credits).
+_CREDIT_LIMIT = 4096
+
+
+class _Credit:
+    """Started reservations of one worker released at known times, not yet in a heartbeat.
+
+    ``ended`` holds (started_at, released_at, kv_tokens); ``at``/``kv``/``n`` cache the sum
+    for the heartbeat time last asked about (the common case: one snapshot, many calls).
+    """
+
+    __slots__ = ("at", "ended", "kv", "n")
+
+    def __init__(self) -> None:
+        self.ended: deque[tuple[float, float, int]] = deque()
+        self.at = -math.inf
+        self.kv = 0
+        self.n = 0
+
+    def add(self, started_at: float, released_at: float, kv_tokens: int) -> None:
+        if len(self.ended) >= _CREDIT_LIMIT:
+            self.ended.popleft()
+            self.at = math.nan  # cache no longer matches: recompute on the next read
+        self.ended.append((started_at, released_at, kv_tokens))
+        if started_at < self.at < released_at:
+            self.kv += kv_tokens
+            self.n += 1
+
+    def for_heartbeat(self, heartbeat_ts: float) -> _Credit:
+        """Bring the cached sums to ``heartbeat_ts``; returns self."""
+        if heartbeat_ts != self.at:
+            ended = self.ended
+            if heartbeat_ts > self.at:  # a newer heartbeat: what ended before it is in it
+                while ended and ended[0][1] <= heartbeat_ts:
+                    ended.popleft()
+            kv = n = 0
+            for started_at, released_at, kv_tokens in ended:
+                if started_at < heartbeat_ts < released_at:
+                    kv += kv_tokens
+                    n += 1
+            self.at, self.kv, self.n = heartbeat_ts, kv, n
+        return self
 
 
 class Ledger:
@@ -85,6 +157,7 @@ class Ledger:
         self.last_worker_id: str | None = None
         self._keep = 1.0 - kv_safety_margin
         self._books: dict[str, _Book] = {}
+        self._credits: dict[str, _Credit] = {}
         self._where: dict[ReservationKey, str] = {}
         self._holds_by_worker: dict[str, str] = {}
         self._holds_by_request: dict[str, str] = {}
@@ -108,6 +181,9 @@ class Ledger:
         total = worker.kv_total_tokens
         usable = int(total * self._keep)
         heartbeat_free = worker.kv_free_tokens - total + usable
+        credit = self._credits.get(worker.worker_id)
+        if credit is not None:
+            heartbeat_free += credit.for_heartbeat(worker.heartbeat_ts).kv
         book = self._books.get(worker.worker_id)
         if book is None:
             free = usable if usable < heartbeat_free else heartbeat_free
@@ -126,6 +202,9 @@ class Ledger:
         if usable <= 0:
             return 0.0
         heartbeat_free = worker.kv_free_tokens - total + usable
+        credit = self._credits.get(worker.worker_id)
+        if credit is not None:
+            heartbeat_free += credit.for_heartbeat(worker.heartbeat_ts).kv
         book = self._books.get(worker.worker_id)
         if book is None:
             free = usable if usable < heartbeat_free else heartbeat_free
@@ -139,9 +218,12 @@ class Ledger:
     def in_flight(self, worker: WorkerState) -> int:
         """Sequences on the worker or on their way to it."""
         engine = worker.running + worker.waiting
+        credit = self._credits.get(worker.worker_id)
+        if credit is not None:
+            engine -= credit.for_heartbeat(worker.heartbeat_ts).n
         book = self._books.get(worker.worker_id)
         if book is None:
-            return engine
+            return engine if engine > 0 else 0
         started = len(book.started)
         return (engine if engine > started else started) + book.unstarted_n
 
@@ -177,6 +259,7 @@ class Ledger:
             return False
         book.entries[key] = Reservation(request, worker_id)
         book.reserved += request.kv_tokens
+        book.lanes[request.lane] = book.lanes.get(request.lane, 0) + 1
         book.unstarted_kv += request.kv_tokens
         book.unstarted_n += 1
         self._where[key] = worker_id
@@ -187,8 +270,13 @@ class Ledger:
         self._touch(worker_id)
         return True
 
-    def release(self, request_id: str, attempt: int) -> int:
-        """Release a terminal request's reservation; returns the KV freed (0 if none)."""
+    def release(self, request_id: str, attempt: int, *, at: float | None = None) -> int:
+        """Release a terminal request's reservation; returns the KV freed (0 if none).
+
+        ``at``: when the request ended on the worker (the worker's clock). With it, and a
+        start time from :meth:`mark_started`, heartbeats older than ``at`` get the freed KV
+        and sequence slot credited back (module docstring). Without it, they do not.
+        """
         key = (request_id, attempt)
         worker_id = self._where.pop(key, None)
         if worker_id is None:
@@ -196,8 +284,15 @@ class Ledger:
         book = self._books[worker_id]
         reservation = book.entries.pop(key)
         book.reserved -= reservation.kv_tokens
+        book.lanes[reservation.request.lane] -= 1
         if key in book.started:
             book.started.discard(key)
+            started_at = book.started_at.pop(key, None)
+            if started_at is not None and at is not None and at > started_at:
+                credit = self._credits.get(worker_id)
+                if credit is None:
+                    credit = self._credits[worker_id] = _Credit()
+                credit.add(started_at, at, reservation.kv_tokens)
         else:
             book.unstarted_kv -= reservation.kv_tokens
             book.unstarted_n -= 1
@@ -207,13 +302,20 @@ class Ledger:
         self._touch(worker_id)
         return reservation.kv_tokens
 
-    def mark_started(self, request_id: str, attempt: int) -> bool:
-        """The worker began the request (its ``started`` event); False if unknown."""
+    def mark_started(self, request_id: str, attempt: int, *, at: float | None = None) -> bool:
+        """The worker began the request (its ``started`` event); False if unknown.
+
+        ``at``: when it started on the worker (the worker's clock); see :meth:`release`.
+        A duplicate keeps the first start time.
+        """
         key = (request_id, attempt)
         worker_id = self._where.get(key)
         if worker_id is None:
             return False
-        self._start(self._books[worker_id], key)
+        book = self._books[worker_id]
+        if at is not None and key not in book.started:
+            book.started_at[key] = at
+        self._start(book, key)
         self._touch(worker_id)
         return True
 
@@ -245,11 +347,17 @@ class Ledger:
         held = [] if book is None else list(book.entries.values())
         for reservation in held:
             self.release(*reservation.key)
+        self._credits.pop(worker_id, None)
         holder = self._holds_by_worker.pop(worker_id, None)
         if holder is not None:
             del self._holds_by_request[holder]
         self.affinity.forget_worker(worker_id)
         return held
+
+    def lane_count(self, worker_id: str, lane: str) -> int:
+        """Reservations of ``lane`` on ``worker_id`` (bounds cross-pool spill, see cycle)."""
+        book = self._books.get(worker_id)
+        return 0 if book is None else book.lanes.get(lane, 0)
 
     def reservations(self, worker_id: str) -> tuple[Reservation, ...]:
         book = self._books.get(worker_id)

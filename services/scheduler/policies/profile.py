@@ -13,11 +13,29 @@ A profile is a plain mapping (parsed TOML/YAML or a literal)::
     prefix-affinity = 1.0
     [params.max-score]        # optional per-plugin parameters
     tie_epsilon = 1e-9
+    [spill.short]             # short requests may borrow long-pool workers ...
+    after_s = 0.0             # ... at once (seconds waited first)
+    max_per_worker = 0        # ... any number per worker (0 = no bound)
+    [spill.long]              # long requests may borrow short-pool workers ...
+    after_s = 10.0            # ... after waiting 10 s
+    max_per_worker = 1        # ... one borrowed long request per short worker at a time
 
 Missing keys take the values of :data:`DEFAULT_PROFILE`. The six filters above are
 required: they are the capacity and liveness guarantees (never overcommit, stale = full,
 drain takes nothing new), so a profile may add filters but not drop these. Anything wrong
 raises :class:`ConfigError` naming the setting.
+
+``spill`` makes dedicated pools work-conserving across lanes (see :mod:`..core.cycle`,
+"Spill"). A request of lane L that fits no worker of its own route may be placed on a
+worker of the *other* dedicated pool when (1) no request of the other lane for its model
+is pending — the borrowed worker's own lane is empty, so nothing is taken from it — (2) it
+has waited at least ``spill.L.after_s``, and (3) that worker holds fewer than
+``spill.L.max_per_worker`` reservations of lane L (0: no bound). A lane missing from the
+table never spills; ``spill = {}`` turns it off. Holds and every filter still apply.
+Defaults (:data:`DEFAULT_SPILL`): short requests borrow long workers at once and without
+bound (they are small and short-lived); long requests borrow a short worker only after
+10 s and one at a time, because each long prefill stretches the short decodes sharing its
+engine steps.
 
 ``candidates`` bounds the work per decision: scoring every one of 1,000 workers in Python
 costs ~100 µs or more, so llmq scores the K workers with the most room (plus the
@@ -33,6 +51,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Final
 
+from schemas.common import LANES, Lane
 from services.scheduler.core.errors import ConfigError
 from services.scheduler.policies.base import Filter, Picker, Scorer
 from services.scheduler.policies.filters.kv_fits import KvFits
@@ -58,12 +77,29 @@ DEFAULT_SCORERS: Final = (
 )
 DEFAULT_CANDIDATES: Final = 8
 
+
+@dataclass(frozen=True, slots=True)
+class SpillRule:
+    """When a request of one lane may borrow a worker of the other lane's pool."""
+
+    after_s: float = 0.0
+    max_per_worker: int = 0  # reservations of the borrowing lane per worker; 0 = no bound
+
+
+DEFAULT_SPILL: Final[Mapping[Lane, SpillRule]] = MappingProxyType(
+    {"short": SpillRule(0.0, 0), "long": SpillRule(10.0, 1)}
+)
+
 DEFAULT_PROFILE: Final[Mapping[str, object]] = MappingProxyType(
     {
         "filters": list(REQUIRED_FILTERS),
         "scorers": dict(DEFAULT_SCORERS),
         "picker": "max-score",
         "candidates": DEFAULT_CANDIDATES,
+        "spill": {
+            lane: {"after_s": rule.after_s, "max_per_worker": rule.max_per_worker}
+            for lane, rule in DEFAULT_SPILL.items()
+        },
     }
 )
 
@@ -80,7 +116,7 @@ BASELINE_PROFILES: Final[Mapping[str, Mapping[str, object]]] = MappingProxyType(
 #: The filters whose rule the candidate index implements (``ledger.room() >= kv_tokens``).
 INDEXED_FILTERS: Final = (KvFits, SeqSlots)
 
-_KEYS: Final = frozenset({"filters", "scorers", "picker", "candidates", "params"})
+_KEYS: Final = frozenset({"filters", "scorers", "picker", "candidates", "params", "spill"})
 _MAX_CANDIDATES: Final = 100_000
 
 
@@ -93,6 +129,7 @@ class Profile:
     picker: str = "max-score"
     candidates: int = DEFAULT_CANDIDATES
     params: Mapping[str, Mapping[str, object]] = field(default_factory=dict)
+    spill: Mapping[Lane, SpillRule] = field(default_factory=lambda: dict(DEFAULT_SPILL))
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, object]) -> Profile:
@@ -106,6 +143,7 @@ class Profile:
             picker=_name(merged["picker"], "picker"),
             candidates=_candidates(merged["candidates"]),
             params=_params(merged.get("params", {})),
+            spill=_spill(merged["spill"]),
         )
 
 
@@ -123,6 +161,7 @@ class Pipeline:
     scorers: tuple[tuple[Scorer, float], ...]
     picker: Picker
     candidates: int
+    spill: Mapping[Lane, SpillRule] = field(default_factory=dict)
 
 
 def build_pipeline(profile: Mapping[str, object] | Profile = DEFAULT_PROFILE) -> Pipeline:
@@ -147,6 +186,7 @@ def build_pipeline(profile: Mapping[str, object] | Profile = DEFAULT_PROFILE) ->
         scorers=tuple((s, w / total) for s, w in checked_scorers if w > 0),
         picker=picker,
         candidates=prof.candidates,
+        spill=MappingProxyType(dict(prof.spill)),
     )
 
 
@@ -195,6 +235,34 @@ def _candidates(value: object) -> int:
     if not 0 <= value <= _MAX_CANDIDATES:
         raise ConfigError("candidates", f"must be in [0, {_MAX_CANDIDATES}], got {value}")
     return value
+
+
+def _spill(value: object) -> dict[Lane, SpillRule]:
+    if not isinstance(value, Mapping):
+        raise ConfigError("spill", f"must be a table of lane = rule, got {value!r}")
+    out: dict[Lane, SpillRule] = {}
+    for lane, rule in value.items():
+        setting = f"spill.{lane}"
+        if lane not in LANES:
+            raise ConfigError(setting, f"unknown lane {lane!r} (known: {list(LANES)})")
+        if isinstance(rule, SpillRule):
+            out[lane] = rule
+            continue
+        if not isinstance(rule, Mapping):
+            raise ConfigError(setting, f"must be a table, got {rule!r}")
+        unknown = sorted(set(rule) - {"after_s", "max_per_worker"})
+        if unknown:
+            raise ConfigError(f"{setting}.{unknown[0]}", "unknown setting")
+        after = rule.get("after_s", 0.0)
+        if isinstance(after, bool) or not isinstance(after, int | float):
+            raise ConfigError(f"{setting}.after_s", f"must be a number, got {after!r}")
+        if not math.isfinite(after) or after < 0:
+            raise ConfigError(f"{setting}.after_s", f"must be finite and >= 0, got {after!r}")
+        bound = rule.get("max_per_worker", 0)
+        if isinstance(bound, bool) or not isinstance(bound, int) or bound < 0:
+            raise ConfigError(f"{setting}.max_per_worker", f"must be an int >= 0, got {bound!r}")
+        out[lane] = SpillRule(float(after), bound)
+    return out
 
 
 def _params(value: object) -> Mapping[str, Mapping[str, object]]:

@@ -19,10 +19,15 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 up: install  ## provision and start Kafka on 127.0.0.1, then run the local stack
-	$(BIN)/llmq up
+	@$(BIN)/llmq dev jaeger up || echo "llmq: Jaeger unavailable (needs Go to build it); tracing off"
+	@if $(BIN)/llmq dev jaeger status >/dev/null 2>&1; then \
+	  echo "llmq: traces go to Jaeger, query API and UI on http://127.0.0.1:16686"; \
+	  LLMQ_OTLP_ENDPOINT=http://127.0.0.1:4318/v1/traces $(BIN)/llmq up; \
+	else $(BIN)/llmq up; fi
 
 down: install  ## stop what `make up` started in the background
-	$(BIN)/llmq dev kafka down
+	$(BIN)/llmq down
+	-$(BIN)/llmq dev jaeger down
 
 test: install  ## start Kafka if needed, run the whole suite, stop what it started
 	@bash scripts/test.sh

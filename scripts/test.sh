@@ -12,4 +12,8 @@ if ! "$bin/llmq" dev kafka ping; then
 fi
 cleanup() { if [ "$started" = 1 ]; then "$bin/llmq" dev kafka down; fi; }
 trap cleanup EXIT
+# Real tools the tests use when they can be built here (cached under .llmq/cache; the first
+# build takes minutes, later runs seconds). A failed build only makes their tests skip.
+bash infra/promtool/build.sh || echo "promtool not built: the rule-engine tests will skip"
+"$bin/llmq" dev jaeger build || echo "jaeger not built: the Jaeger trace tests will skip"
 "$bin/python" -m pytest "$@"

@@ -162,12 +162,16 @@ def bench_decide(workers: int, pending: int, repeats: int, seed: int, as_json: b
 
 def _register_commands() -> None:
     """Commands that live beside the code they drive."""
+    from services.dev.jaeger import jaeger
     from services.ops.cli import drain, status
+    from services.ops.top import top
     from services.sim.cli import policies
 
     bench.add_command(policies)
     main.add_command(status)
     main.add_command(drain)
+    main.add_command(top)
+    dev.add_command(jaeger)
 
 
 _register_commands()

@@ -25,6 +25,7 @@ from typing import Any, Protocol, TypeVar
 
 from schemas.codec import SchemaError, deadletter_headers
 from schemas.topics import DEADLETTER_REASON_HEADER
+from services.common.metrics import DEAD_LETTERS
 
 T = TypeVar("T")
 
@@ -68,8 +69,9 @@ class DeadLettered:
 class Guard:
     """Runs handlers record by record; failures become dead letters, never crashes.
 
-    ``name`` goes into log lines (``"ingest.intake"``). ``dead_lettered`` counts records
-    handed to the dead letter since start (for metrics and tests).
+    ``name`` goes into log lines (``"ingest.intake"``) and is the ``source`` label of
+    ``llmq_dead_letters_total`` (keep it bounded: a service or slot, never a request).
+    ``dead_lettered`` counts records handed to the dead letter since start (for tests).
     """
 
     def __init__(
@@ -79,6 +81,7 @@ class Guard:
         self._name = name
         self._log = logger or _log
         self.dead_lettered = 0
+        self._counter = DEAD_LETTERS.labels(source=name)
 
     async def run(
         self, record: SourceRecord, handler: Callable[[], Awaitable[T]]
@@ -98,6 +101,9 @@ class Guard:
     async def dead_letter(self, record: SourceRecord, reason: SchemaError | str) -> DeadLettered:
         """Send ``record`` to the dead letter with ``reason``; never raises."""
         self.dead_lettered += 1
+        # Counted when handed over, delivered or not: an undelivered one is logged at
+        # ERROR and stays in its source topic, and is just as much a poisoned record.
+        self._counter.inc()
         headers = deadletter_headers(reason, record.topic, record.partition, record.offset)
         headers += _own_headers(record.headers)
         field = reason.field if isinstance(reason, SchemaError) else ""

@@ -6,15 +6,32 @@ histograms use :data:`LATENCY_BUCKETS`, chosen for LLM serving: from 5 ms (a cac
 completion's first token) to 20 minutes (a long document behind a backlog). Decision
 latency uses :data:`DECISION_BUCKETS` (1 µs .. 100 ms).
 
-A service exposes its registry with :func:`serve`, bound to 127.0.0.1 only, on the port in
-``LLMQ_METRICS_PORT`` (read by the service's ``main``).
+A service exposes the registry with :func:`serve`, bound to 127.0.0.1 only, on the port in
+``LLMQ_METRICS_PORT`` (read by the service's ``main``). Every family lives in the one
+:data:`REGISTRY` (tests read it with ``REGISTRY.get_sample_value``), but a service's
+endpoint shows only the families it owns (:data:`OWNED`): an unlabelled family such as
+``llmq_requeues_total`` or ``llmq_health_ready`` would otherwise be exported as a constant
+0 by every process, and a dashboard summing or alerting on it would be misled.
+
+Which process measures what: ingest counts refusals (``llmq_requests_total`` and
+``llmq_rejections_total``) and admitted tokens; the scheduler the queue, its decisions and
+the terminals it sends itself (queue timeouts, cancels while pending, worker_lost); workers
+their capacity, tokens, TTFT and end-to-end latency and the terminals they send; health the
+fleet as heartbeats show it and consumer lag. ``llmq_requests_total`` is counted where the
+one terminal reply of a request is sent, so its sum over services counts each request once.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS: Final = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
@@ -55,6 +72,18 @@ WORKER_LOSSES: Final = Counter(
 )
 RESERVED_KV: Final = Gauge(
     "llmq_reserved_kv_tokens", "KV tokens reserved on a worker by the scheduler.", ["worker"],
+    registry=REGISTRY,
+)
+PAUSED_TOPICS: Final = Gauge(
+    "llmq_scheduler_paused_topics", "Request topics paused for backpressure.",
+    registry=REGISTRY,
+)
+OUTBOX_EFFECTS: Final = Gauge(
+    "llmq_scheduler_outbox_effects", "Scheduler effects waiting for the broker's ack.",
+    registry=REGISTRY,
+)
+SEND_FAILURES: Final = Counter(
+    "llmq_scheduler_send_failures_total", "Scheduler records resent after a failed send.",
     registry=REGISTRY,
 )
 
@@ -108,6 +137,14 @@ GPU_UTILIZATION: Final = Gauge(
     "llmq_worker_gpu_utilization_ratio", "GPU utilisation (NVML), where a GPU exists.",
     ["worker"], registry=REGISTRY,
 )
+KV_TOTAL_TOKENS: Final = Gauge(
+    "llmq_worker_kv_total_tokens", "Usable KV cache of a worker, in tokens (compare with "
+    "llmq_reserved_kv_tokens).", ["worker"], registry=REGISTRY,
+)
+DRAINING: Final = Gauge(
+    "llmq_worker_draining", "1 while the worker drains (takes no new work).", ["worker"],
+    registry=REGISTRY,
+)
 
 # -- Kafka plumbing ---------------------------------------------------------------------------
 CONSUMER_LAG: Final = Gauge(
@@ -119,7 +156,130 @@ DEAD_LETTERS: Final = Counter(
     registry=REGISTRY,
 )
 
+# -- health -----------------------------------------------------------------------------------
+HEALTH_READY: Final = Gauge(
+    "llmq_health_ready", "1 when the health service's /readyz answers 200.", registry=REGISTRY,
+)
+HEALTH_REGISTRY_ERRORS: Final = Counter(
+    "llmq_health_registry_errors", "Failed calls to the service registry (Consul).",
+    registry=REGISTRY,
+)
+HEALTH_BAD_RECORDS: Final = Gauge(
+    "llmq_health_bad_records", "Undecodable heartbeat records skipped since start.",
+    registry=REGISTRY,
+)
 
-def serve(port: int) -> None:
-    """Expose :data:`REGISTRY` on http://127.0.0.1:<port>/metrics (never beyond loopback)."""
-    start_http_server(port, addr="127.0.0.1", registry=REGISTRY)
+
+@dataclass(frozen=True, slots=True)
+class FleetRow:
+    """One worker as the health service's gauges show it (its last heartbeat)."""
+
+    worker_id: str
+    model: str
+    pool: str
+    state: str
+    kv_utilisation: float
+    running: int
+    waiting: int
+
+
+class FleetCollector(Collector):
+    """The fleet as the health service sees it, from a snapshot the tick swaps in whole.
+
+    The scrape thread reads one immutable tuple while the event loop replaces it, so it
+    never reads a half-updated tracker; a worker that is gone stops being reported (no
+    stale label sets, which plain labelled gauges would keep).
+    """
+
+    def __init__(self) -> None:
+        self._snapshot: tuple[tuple[str, ...], tuple[FleetRow, ...]] = ((), ())
+
+    def observe(self, states: Sequence[str], rows: Iterable[FleetRow]) -> None:
+        """Swap in the fleet of this tick (one reference assignment: atomic for readers)."""
+        self._snapshot = (tuple(states), tuple(rows))
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        states, rows = self._snapshot
+        by_state = GaugeMetricFamily(
+            "llmq_health_workers", "Workers by state (up, draining, stale, gone).",
+            labels=["state"],
+        )
+        for state in states:
+            by_state.add_metric([state], sum(1 for r in rows if r.state == state))
+        labels = ["worker_id", "model", "pool", "state"]
+        kv = GaugeMetricFamily(
+            "llmq_health_worker_kv_utilisation",
+            "KV-cache in use / usable, from the worker's last heartbeat (0 without KV).",
+            labels=labels,
+        )
+        running = GaugeMetricFamily(
+            "llmq_health_worker_running", "Sequences running, last heartbeat.", labels=labels
+        )
+        waiting = GaugeMetricFamily(
+            "llmq_health_worker_waiting", "Sequences waiting, last heartbeat.", labels=labels
+        )
+        for r in rows:
+            if r.state == "gone":
+                continue
+            values = [r.worker_id, r.model, r.pool, r.state]
+            kv.add_metric(values, r.kv_utilisation)
+            running.add_metric(values, r.running)
+            waiting.add_metric(values, r.waiting)
+        yield from (by_state, kv, running, waiting)
+
+
+HEALTH_FLEET: Final = FleetCollector()
+REGISTRY.register(HEALTH_FLEET)
+
+#: The families each service's endpoint shows (module docstring).
+OWNED: Final[dict[str, tuple[MetricWrapperBase | Collector, ...]]] = {
+    "ingest": (REQUESTS, REJECTIONS, ADMITTED_TOKENS, DEAD_LETTERS),
+    "scheduler": (
+        QUEUE_DEPTH, QUEUE_WAIT, SCHEDULE_DECISION, PLACEMENTS, PLACEMENT_FAILURES, REQUEUES,
+        WORKER_LOSSES, RESERVED_KV, PAUSED_TOPICS, OUTBOX_EFFECTS, SEND_FAILURES, REQUESTS,
+        DEAD_LETTERS,
+    ),
+    "worker": (
+        REQUESTS, TTFT, E2E, GENERATED_TOKENS, KV_UTILIZATION, KV_TOTAL_TOKENS, RUNNING,
+        WAITING, VRAM_USED, VRAM_TOTAL, GPU_UTILIZATION, DRAINING, DEAD_LETTERS,
+    ),
+    "health": (
+        CONSUMER_LAG, HEALTH_READY, HEALTH_REGISTRY_ERRORS, HEALTH_BAD_RECORDS, HEALTH_FLEET,
+        DEAD_LETTERS,
+    ),
+}
+
+
+class _Only(Collector):
+    """The families of :data:`REGISTRY` named in ``names``, read at scrape time."""
+
+    def __init__(self, names: frozenset[str]) -> None:
+        self._names = names
+
+    def collect(self) -> Iterator[Metric]:
+        for family in REGISTRY.collect():
+            if family.name in self._names:
+                yield family
+
+
+def family_names(service: str) -> frozenset[str]:
+    """Family names (as ``collect()`` names them, without ``_total``) ``service`` shows."""
+    names: set[str] = set()
+    for owned in OWNED[service]:
+        names.update(f.name for f in owned.collect())
+    return frozenset(names)
+
+
+def view(service: str | None = None) -> CollectorRegistry:
+    """A registry to serve: :data:`REGISTRY` itself, or only ``service``'s families."""
+    if service is None:
+        return REGISTRY
+    restricted = CollectorRegistry(auto_describe=False)
+    restricted.register(_Only(family_names(service)))
+    return restricted
+
+
+def serve(port: int, service: str | None = None) -> None:
+    """Expose :data:`REGISTRY` (or ``service``'s families of it, :data:`OWNED`) on
+    http://127.0.0.1:<port>/metrics — never beyond loopback."""
+    start_http_server(port, addr="127.0.0.1", registry=view(service))

@@ -46,6 +46,16 @@ class Settings(BaseSettings):
     assignment_partitions: int = Field(
         default=16, ge=1, le=1024, description="Partitions of <prefix>.assignments = worker slots."
     )
+    otlp_endpoint: str | None = Field(
+        default=None,
+        description="OTLP/HTTP traces endpoint, e.g. http://127.0.0.1:4318/v1/traces "
+        "(`llmq dev jaeger up`); unset: tracing off, nothing is exported.",
+    )
+    trace_sample_ratio: float = Field(
+        default=1.0, ge=0.0, le=1.0,
+        description="Share of new traces sampled at their root (ingest); every later hop "
+        "follows the root's decision.",
+    )
 
     @property
     def bootstrap(self) -> str:

@@ -23,6 +23,7 @@ from typing import Any
 import uvicorn
 from pydantic import ValidationError
 
+from services.common import tracing
 from services.common.settings import Settings
 from services.health.consul_registry import ConsulRegistry
 from services.health.http import create_app
@@ -117,6 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"health: cannot listen on {BIND_HOST}:{hs.port}: {exc}", file=sys.stderr)
         return 2
     metrics = HealthMetrics()
+    tracing.setup("llmq-health", settings.otlp_endpoint, settings.trace_sample_ratio)
     if hs.metrics_port is not None:
         try:
             metrics.serve(hs.metrics_port)

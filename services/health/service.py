@@ -16,6 +16,9 @@ Fail closed:
 
 Kafka being down at start does not stop the service: ``/healthz`` answers, ``/readyz``
 says why not, and the feed is retried until the broker answers.
+
+Every ``lag_s`` the consumer lag of each catalog topic's owning group goes to
+``llmq_consumer_lag_records`` (the same offsets ``/status`` reads, one inspector shared).
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ from services.health.core import (
     worker_state,
 )
 from services.health.fleet import FleetFeed, FleetTracker
-from services.health.lag import LagInspector
+from services.health.lag import LagInspector, TopicFigures
 from services.health.metrics import HealthMetrics, WorkerGauge
 from services.health.registry import Registry, RegistryError, ServiceRegistration
 from services.health.settings import BIND_HOST, HealthSettings
@@ -111,8 +114,10 @@ class HealthService:
         }
 
     # ---- status ------------------------------------------------------------------------
-    async def status(self, group: str | None = None) -> dict[str, Any]:
-        """The ``llmq status --json`` document, from the tracker and fresh offsets."""
+    async def figures(
+        self, group: str | None = None
+    ) -> tuple[list[TopicFigures], dict[str, str | None], list[str]]:
+        """Depth and lag per catalog topic (:meth:`LagInspector.figures`), fresh."""
         async with self._inspector_lock:
             if self._inspector is None:
                 inspector = LagInspector(self.settings.bootstrap, self.settings.topic_prefix,
@@ -120,14 +125,16 @@ class HealthService:
                 await inspector.start()
                 self._inspector = inspector
             try:
-                topics, groups, missing = await asyncio.wait_for(
-                    self._inspector.figures(group), 10.0
-                )
+                return await asyncio.wait_for(self._inspector.figures(group), 10.0)
             except BaseException:
                 # Rebuild the clients on the next request rather than reuse broken ones.
                 inspector, self._inspector = self._inspector, None
                 await inspector.stop()
                 raise
+
+    async def status(self, group: str | None = None) -> dict[str, Any]:
+        """The ``llmq status --json`` document, from the tracker and fresh offsets."""
+        topics, groups, missing = await self.figures(group)
         return build_status(
             bootstrap=self.settings.bootstrap,
             prefix=self.settings.topic_prefix,
@@ -148,6 +155,7 @@ class HealthService:
             asyncio.create_task(self._probe_loop(), name="health-probe"),
             asyncio.create_task(self._feed_loop(), name="health-feed"),
             asyncio.create_task(self._tick_loop(), name="health-tick"),
+            asyncio.create_task(self._lag_loop(), name="health-lag"),
         ]
         try:
             await stop.wait()
@@ -203,6 +211,19 @@ class HealthService:
                 if feed.caught_up.is_set():
                     self.heartbeats_caught_up.set()
                 self.metrics.bad_records.set(self.tracker.bad_records)
+
+    async def _lag_loop(self) -> None:
+        while True:
+            if self.kafka_ok:
+                try:
+                    topics, _, _ = await self.figures()
+                    self.metrics.lag(topics)
+                except (KafkaError, OSError, TimeoutError) as exc:
+                    _log.debug("health: consumer lag not read this round: %r", exc)
+                except Exception:
+                    # The gauges must not stop for good because of one bad round.
+                    _log.exception("health: reading consumer lag failed")
+            await asyncio.sleep(self.hs.lag_s)
 
     async def _tick_loop(self) -> None:
         while True:

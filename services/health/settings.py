@@ -93,6 +93,10 @@ class HealthSettings(BaseSettings):
     probe_s: float = Field(
         default=5.0, gt=0, le=600, description="How often /readyz's Kafka probe runs."
     )
+    lag_s: float = Field(
+        default=5.0, gt=0, le=600,
+        description="How often consumer lag is read from the broker for the metrics.",
+    )
     status_stale_s: float = Field(
         default=5.0, gt=0, le=3600,
         description="A QueueStatus older than this is shown as not fresh in /status.",

@@ -1,7 +1,9 @@
 """``python -m services.ingest``: the admission agents and the HTTP API in one process.
 
 Settings are read here, once: ``LLMQ_*`` (shared), ``LLMQ_INGEST_*`` and
-``LLMQ_TENANTS_FILE`` (see :mod:`services.ingest.settings`); flags override them. Then:
+``LLMQ_TENANTS_FILE`` (see :mod:`services.ingest.settings`); flags override them. Tracing
+(``LLMQ_OTLP_ENDPOINT``, ``LLMQ_TRACE_SAMPLE_RATIO``) and metrics (``LLMQ_METRICS_PORT``,
+127.0.0.1 only) are set up first. Then:
 create the catalog topics, the instance's reply topic and the settle topic (Faust creates
 only its own changelogs), build the Faust app, register the API on the worker's loop
 through Faust's framework-neutral web-server hook (``faust.contrib.asgi.serve_asgi``:
@@ -23,6 +25,7 @@ from aiokafka.errors import KafkaError
 from faust.contrib.asgi import serve_asgi
 from pydantic import ValidationError
 
+from services.common import metrics, tracing
 from services.common.faust_app import run_app
 from services.common.kafka import ensure_topics
 from services.common.settings import Settings
@@ -53,6 +56,8 @@ def _parse(argv: Sequence[str] | None) -> dict[str, Any]:
                         help="reply topic <prefix>.replies.ingest-<id> (LLMQ_INGEST_INSTANCE_ID)")
     parser.add_argument("--tenants-file", dest="tenants_file", type=Path,
                         help="tenants TOML/YAML (LLMQ_TENANTS_FILE)")
+    parser.add_argument("--metrics-port", dest="metrics_port", type=int,
+                        help="Prometheus port on 127.0.0.1 (LLMQ_METRICS_PORT)")
     parser.add_argument("--loglevel", dest="log_level",
                         choices=("debug", "info", "warning", "error"))
     args = vars(parser.parse_args(argv))
@@ -78,6 +83,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValidationError, TenantsFileError) as exc:
         print(f"ingest: invalid configuration: {exc}", file=sys.stderr)
         return 2
+    if ingest.metrics_port is not None:
+        try:
+            metrics.serve(ingest.metrics_port, "ingest")
+        except OSError as exc:
+            print(f"ingest: cannot serve metrics on 127.0.0.1:{ingest.metrics_port}: {exc}",
+                  file=sys.stderr)
+            return 2
+    tracing.setup("llmq-ingest", settings.otlp_endpoint, settings.trace_sample_ratio)
     instance = ingest.resolved_instance_id()
     topics = IngestTopics.of(
         settings.topic_prefix, app_id(settings, ingest), instance, settings.assignment_partitions

@@ -149,7 +149,7 @@ def _add_agents(
 
     async def expire_reservations() -> None:
         for record in handler.expired(rt.clock()):
-            await publish(topics.settle, record.tenant.encode(), encode(record))
+            await publish(topics.settle, record.tenant.encode(), encode(record), None)
 
     app.timer(rt.ingest.expiry_scan_s, name="ingest-expire")(expire_reservations)
 
@@ -179,9 +179,11 @@ def _publisher(app: faust.App) -> Publish:
     """Produce through the Faust producer. Not awaiting delivery here is safe: Faust
     flushes its producer before it commits the offset of the record being handled."""
 
-    async def publish(topic: str, key: bytes, value: bytes) -> None:
+    async def publish(
+        topic: str, key: bytes, value: bytes, headers: Headers | None = None
+    ) -> None:
         producer = await app.maybe_start_producer()
-        await producer.send(topic, key, value, None, None, None)
+        await producer.send(topic, key, value, None, None, headers or None)
 
     return publish
 

@@ -21,6 +21,13 @@ State, all keyed so it lives on the tenant's partition: ``buckets[tenant]`` =
 "deadline"}``. Both are written only while handling a record of that tenant's partition,
 so a Faust changelog puts them where the tenant's records are.
 
+Observability: each intake record is handled inside an ``llmq.admission`` span, the child
+of the trace context its headers carry (the HTTP span for ingest.http's requests); what is
+published for it carries that span's context on, and a record moved to its tenant's
+partition keeps the headers it came with. Refusals count in ``llmq_rejections_total`` and
+``llmq_requests_total`` (a refusal is the request's terminal), admissions add their
+reservation (prompt + max_tokens) to ``llmq_admitted_tokens_total`` of the tenant.
+
 Failure rules (docs/live-system.md, "Guards"): an undecodable intake record raises
 ``SchemaError`` to the guard (dead letter) after an ``invalid`` Error is sent if the raw
 JSON names a request_id and an authorized reply target. An exception while deciding
@@ -37,6 +44,7 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMappi
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from opentelemetry.trace import Span, SpanKind
 from pydantic import Field
 
 from schemas.base import (
@@ -55,6 +63,8 @@ from schemas.replies import Error
 from schemas.requests import AdmittedRequest, InferenceRequest
 from schemas.topics import reply_topic, request_topic, request_topics
 from schemas.workers import EventAborted, EventDone, EventFailed
+from services.common import tracing
+from services.common.metrics import ADMITTED_TOKENS, REJECTIONS, REQUESTS
 from services.ingest.cluster import ClusterTracker
 from services.ingest.core import (
     ESTIMATE,
@@ -94,9 +104,12 @@ class SettleRecord(WireMessage):
 
 
 class Publish(Protocol):
-    """Produce one record (the Faust producer in the service, a list in tests)."""
+    """Produce one record (the Faust producer in the service, a list in tests); ``headers``
+    carry the trace context."""
 
-    def __call__(self, topic: str, key: bytes, value: bytes) -> Awaitable[object]: ...
+    def __call__(
+        self, topic: str, key: bytes, value: bytes, headers: tracing.Headers | None = None
+    ) -> Awaitable[object]: ...
 
 
 class SourceRecord(Protocol):
@@ -153,29 +166,48 @@ class IntakeHandler:
     # -- intake -------------------------------------------------------------------------
     async def on_request(self, record: SourceRecord) -> None:
         """Decide one intake record (see the module docstring)."""
+        headers = tracing.headers_of(record)
+        with tracing.tracer(__name__).start_as_current_span(
+            "llmq.admission", context=tracing.extract(headers), kind=SpanKind.CONSUMER,
+        ) as span:
+            await self._on_request(record, headers, span)
+
+    async def _on_request(
+        self, record: SourceRecord, headers: tracing.Headers, span: Span
+    ) -> None:
         try:
             req = decode(record.value, InferenceRequest)
         except SchemaError as exc:
+            span.set_attribute(tracing.LLMQ_OUTCOME, exc.error_code)
             await self._refuse_undecodable(record.value, exc)
             raise
+        span.set_attributes(tracing.request_attributes(**{
+            tracing.LLMQ_REQUEST_ID: req.request_id, tracing.LLMQ_TENANT: req.tenant,
+            tracing.GEN_AI_MODEL: req.model, tracing.GEN_AI_MAX_TOKENS: req.max_tokens,
+        }))
         tenant_key = req.tenant.encode()
         if not self._owns(record, tenant_key):
-            # Tenant state lives on the tenant's partition: move the record there.
-            await self._publish(self._topics.intake, tenant_key, bytes(record.value))
+            # Tenant state lives on the tenant's partition: move the record there (with
+            # its own trace context: the admission that counts is the one over there).
+            span.set_attribute(tracing.LLMQ_OUTCOME, "moved")
+            await self._publish(self._topics.intake, tenant_key, bytes(record.value), headers)
             return
         if req.request_id in self._reservations:
             _log.info("request %s is already admitted and in flight; duplicate ignored",
                       req.request_id)
+            span.set_attribute(tracing.LLMQ_OUTCOME, "duplicate")
             return
         now = self._clock()
         try:
             decision = self._decide(req, now)
         except Exception:
+            _count_refusal("overloaded")
             await self._send(_fallback_target(req, self._topics.prefix), _error(
                 req.request_id, "overloaded", "ingest failed to decide on this request", now,
                 retry_after_s=1.0,
             ))
             raise
+        _annotate(span, decision)
         await self._apply(req, decision)
 
     def _owns(self, record: SourceRecord, tenant_key: bytes) -> bool:
@@ -230,6 +262,11 @@ class IntakeHandler:
             self._buckets[req.tenant] = decision.state.to_dict()
         if decision.reservation is not None:
             self._reservations[req.request_id] = dict(decision.reservation)
+        message = decision.message
+        if isinstance(message, Error):
+            _count_refusal(message.code)
+        else:
+            ADMITTED_TOKENS.labels(tenant=req.tenant).inc(message.prompt_tokens + req.max_tokens)
         await self._send(decision.topic, decision.message)
 
     async def _refuse_undecodable(self, raw: Any, exc: SchemaError) -> None:
@@ -238,6 +275,7 @@ class IntakeHandler:
         if target is None:
             return
         request_id, topic = target
+        _count_refusal(exc.error_code)
         try:
             await self._send(topic, _error(request_id, exc.error_code, str(exc), self._clock()))
         except Exception:
@@ -275,7 +313,9 @@ class IntakeHandler:
             tenant=event.tenant, request_id=event.request_id, reason=reason, ts=self._clock(),
             used_tokens=None if usage is None else usage.total_tokens,
         )
-        await self._publish(self._topics.settle, event.tenant.encode(), encode(rec))
+        # The request's trace context rides along (nothing records a span for it here).
+        await self._publish(self._topics.settle, event.tenant.encode(), encode(rec),
+                            tracing.headers_of(record) or None)
 
     def expired(self, now: float) -> Iterator[SettleRecord]:
         """Settle records for reservations whose deadline passed (read-only scan)."""
@@ -298,7 +338,28 @@ class IntakeHandler:
             # A tenant's default reply topic may not exist yet; requests topics do.
             await self._ensure_topic(topic)
             self._known_topics.add(topic)
-        await self._publish(topic, message.request_id.encode(), encode(message))
+        # The current span (admission) is the parent of whatever handles this record next.
+        await self._publish(topic, message.request_id.encode(), encode(message),
+                            tracing.inject())
+
+
+def _count_refusal(code: ErrorCode) -> None:
+    """A refusal is the request's one terminal: count it as both."""
+    REJECTIONS.labels(code=code).inc()
+    REQUESTS.labels(outcome=code).inc()
+
+
+def _annotate(span: Span, decision: _Decision) -> None:
+    message = decision.message
+    if isinstance(message, Error):
+        span.set_attribute(tracing.LLMQ_OUTCOME, message.code)
+        return
+    span.set_attributes({
+        tracing.LLMQ_OUTCOME: "admitted", tracing.LLMQ_PRIORITY: message.priority,
+        tracing.LLMQ_LANE: message.lane,
+        # Counted (or estimated) before generation: not gen_ai.usage, which the worker sets.
+        "llmq.prompt_tokens": message.prompt_tokens,
+    })
 
 
 def admission_request(req: InferenceRequest, counter: TokenCounter = ESTIMATE) -> AdmissionRequest:

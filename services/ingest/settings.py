@@ -1,5 +1,5 @@
-"""Settings of the ingest service (``LLMQ_INGEST_*``, plus ``LLMQ_TENANTS_FILE`` and
-``LLMQ_HTTP_PORT``).
+"""Settings of the ingest service (``LLMQ_INGEST_*``, plus ``LLMQ_TENANTS_FILE``,
+``LLMQ_HTTP_PORT`` and ``LLMQ_METRICS_PORT``).
 
 Read once in ``services.ingest.__main__`` (command-line flags override the environment)
 and passed down frozen, next to the shared :class:`services.common.settings.Settings`.
@@ -78,6 +78,12 @@ class IngestSettings(BaseSettings):
     cluster_catchup_s: float = Field(
         default=10.0, ge=0, le=600, description="Admission waits up to this long at start for "
         "the heartbeat/status readers to catch up before deciding.",
+    )
+    metrics_port: int | None = Field(
+        default=None, ge=1, le=65535,
+        validation_alias=AliasChoices("LLMQ_METRICS_PORT", "LLMQ_INGEST_METRICS_PORT",
+                                      "metrics_port"),
+        description="Serve Prometheus metrics on 127.0.0.1:<port> when set (LLMQ_METRICS_PORT).",
     )
     log_level: str = Field(default="info", pattern=r"^(debug|info|warning|error)$")
 

@@ -3,7 +3,8 @@
 Settings are read here, once: ``LLMQ_*`` (shared) and ``LLMQ_SCHEDULER_*`` (see
 :mod:`services.scheduler.settings`), ``LLMQ_METRICS_PORT``; flags override them. Then:
 validate the placement profile, create the catalog topics (Faust creates none of them),
-build the app, serve metrics if asked, and run the worker until SIGINT/SIGTERM.
+build the app, serve metrics if asked (127.0.0.1 only), set up tracing
+(``LLMQ_OTLP_ENDPOINT``, ``LLMQ_TRACE_SAMPLE_RATIO``) and run the worker until SIGINT/SIGTERM.
 Exit status 2: bad configuration; 1: Kafka unreachable.
 """
 
@@ -18,6 +19,7 @@ from typing import Any
 from aiokafka.errors import KafkaError
 from pydantic import ValidationError
 
+from services.common import tracing
 from services.common.faust_app import run_app
 from services.common.kafka import ensure_topics
 from services.common.settings import Settings
@@ -66,7 +68,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     runtime = SchedulerRuntime(settings, scheduler, topics)
     built = build_app(runtime)
     if scheduler.metrics_port is not None:
-        built.scheduler.metrics.serve(scheduler.metrics_port)
+        try:
+            built.scheduler.metrics.serve(scheduler.metrics_port)
+        except OSError as exc:
+            print(f"scheduler: cannot serve metrics on 127.0.0.1:{scheduler.metrics_port}: "
+                  f"{exc}", file=sys.stderr)
+            return 2
+    tracing.setup("llmq-scheduler", settings.otlp_endpoint, settings.trace_sample_ratio)
     print(
         f"scheduler: id {scheduler.resolved_scheduler_id()}, app id {runtime.app_id}, "
         f"broker {settings.bootstrap}, prefix {settings.topic_prefix}, "

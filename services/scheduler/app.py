@@ -52,6 +52,13 @@ offsets; the next cycle pauses again what the queue still wants paused.
 
 Producing: one idempotent aiokafka producer (``acks=all``) for everything the scheduler
 writes; sends are batched per cycle and bounded by ``send_timeout_s``.
+
+Observability: each cycle's figures go to :class:`SchedulerMetrics` (queue depth, wait at
+placement, ``schedule()`` latency, deferrals by reason, requeues, worker losses, reserved
+KV per worker, the scheduler's own terminals). Trace context comes in with each request
+and assignment record's headers and goes out on every record produced for the request;
+the state writes the ``llmq.queue`` and ``llmq.placement`` spans through
+:class:`~services.common.tracing.HeaderSpans`.
 """
 
 from __future__ import annotations
@@ -78,7 +85,7 @@ from schemas.messages import (
     HEARTBEAT_ADAPTER,
     REQUEST_ADAPTER,
 )
-from schemas.workers import EventStarted
+from services.common import tracing
 from services.common.faust_app import make_app
 from services.common.guard import Guard, Headers
 from services.common.kafka import ensure_topics, make_producer
@@ -181,6 +188,7 @@ class Scheduler:
             cfg.queue_config(),
             build_pipeline(cfg.profile()),
             random.Random(cfg.seed),
+            tracing.HeaderSpans("services.scheduler"),
         )
         self.metrics = SchedulerMetrics()
         self.acks: OrderedAcks[Any] = OrderedAcks()
@@ -271,18 +279,15 @@ class Scheduler:
     async def _cycle(self, now: float) -> None:
         result = self.state.tick(now)
         m = self.metrics
-        m.decision_seconds.observe(result.schedule_s)
-        m.placements.inc(result.placed)
-        m.rejected(result.rejected)
-        m.requeues.inc(result.requeued)
-        m.workers_lost.inc(len(result.lost_workers))
+        m.tick(result)
         for worker_id in result.lost_workers:
             _log.warning("scheduler: worker %s is dead (stale heartbeat)", worker_id)
         self.outbox.submit(result.effects)
         await self._flush()
         await self._apply_pauses()
         m.set_depth(self.state.depth())
-        m.outbox.set(len(self.outbox))
+        m.set_reserved(self.state.reserved_by_worker())
+        m.ended(self.state.ended)
         if result.more:
             self.wake.set()
 
@@ -297,7 +302,8 @@ class Scheduler:
         await self._ensure_topics(self.outbox.topics())
         failures = self.outbox.failures
         tickets = await self.outbox.flush()
-        self.metrics.send_failures.inc(self.outbox.failures - failures)
+        self.metrics.plumbing(len(self.ladder.paused), len(self.outbox),
+                              self.outbox.failures - failures)
         self._ack(tickets)
 
     def _ack(self, tickets: list[Ticket]) -> None:
@@ -309,7 +315,6 @@ class Scheduler:
 
     async def _apply_pauses(self) -> None:
         self.ladder.update(len(self.state.pending))
-        self.metrics.paused_topics.set(len(self.ladder.paused))
         consumer = self.app.consumer
         try:
             assigned = consumer.assignment()
@@ -365,7 +370,8 @@ class Scheduler:
 
     async def _on_request(self, message: Any, ticket: Ticket) -> bool:
         admitted = decode(message.value, REQUEST_ADAPTER)
-        self.outbox.submit(self.state.on_request(admitted, ticket, self.clock()))
+        trace = tuple(tracing.headers_of(message))
+        self.outbox.submit(self.state.on_request(admitted, ticket, self.clock(), trace))
         return True
 
     async def on_control_event(self, event: Any) -> None:
@@ -406,23 +412,20 @@ class Scheduler:
         self.state.observe_heartbeat(decode(record.value, HEARTBEAT_ADAPTER))
 
     def _on_assignment(self, record: Any) -> None:
-        self.outbox.submit(self.state.observe_assignment(decode(record.value, ASSIGNMENT_ADAPTER)))
+        assigned = decode(record.value, ASSIGNMENT_ADAPTER)
+        self.outbox.submit(
+            self.state.observe_assignment(assigned, tuple(tracing.headers_of(record)))
+        )
 
     def _on_event(self, record: Any) -> None:
-        event = decode(record.value, EVENT_ADAPTER)
-        if isinstance(event, EventStarted) and self.ready.is_set():
-            placed = self.state.log.active(event.request_id)
-            if placed is not None and placed.attempt == event.attempt:
-                self.metrics.queue_wait_seconds.observe(
-                    max(0.0, event.ts - placed.admitted.admitted_at)
-                )
-        self.state.observe_event(event)
+        self.state.observe_event(decode(record.value, EVENT_ADAPTER))
 
     # -- producing ----------------------------------------------------------------------
 
     async def _send(self, out: Outgoing) -> Any:
         return await self._producer.send(
-            out.topic, out.value, key=out.key, partition=out.partition
+            out.topic, out.value, key=out.key, partition=out.partition,
+            headers=list(out.headers) or None,
         )
 
     async def _dead_letter(self, key: bytes | None, value: bytes | None, headers: Headers) -> Any:

@@ -2,6 +2,7 @@
 
 Settings are read here, once: ``LLMQ_*`` (shared), ``LLMQ_WORKER_*`` and
 ``LLMQ_METRICS_PORT`` (see :mod:`services.worker.settings`); flags override them.
+Tracing: ``LLMQ_OTLP_ENDPOINT`` / ``LLMQ_TRACE_SAMPLE_RATIO`` (off when unset).
 
 Signals: the first SIGTERM/SIGINT drains (finish in-flight work, exit 0); a second one
 stops at once (exit 1; unfinished requests are redone after a restart or requeued by the
@@ -21,6 +22,7 @@ from typing import Any
 from aiokafka.errors import KafkaError
 from pydantic import ValidationError
 
+from services.common import tracing
 from services.common.settings import Settings
 from services.worker.app import Worker, WorkerIdentity
 from services.worker.engines.registry import EngineConfig, build_engine
@@ -112,6 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=worker.ws.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    settings = worker.settings
+    tracing.setup("llmq-worker", settings.otlp_endpoint, settings.trace_sample_ratio)
     try:
         return asyncio.run(_serve(worker))
     except SlotRefused as exc:

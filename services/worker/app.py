@@ -15,6 +15,10 @@ explains the lock). Its tasks:
   acknowledged, or dropped), with the finished offsets above it in the commit metadata
   (``core.offsets``): at-least-once, with as little redo after a restart as possible.
 
+Observability (:class:`~services.worker.metrics.WorkerMetrics`): capacity from each
+heartbeat, tokens, TTFT, end-to-end latency and terminal outcomes per request. Each run is
+a span under the context its assignment record carried (:mod:`services.worker.runner`).
+
 Drain (SIGTERM or ``DrainWorker``): a draining heartbeat goes out at once so the scheduler
 stops placing work here; the worker keeps reading its partition and serves whatever still
 arrives (nothing is dropped), and exits once nothing is in flight, no assignment arrived
@@ -44,6 +48,7 @@ from schemas.messages import ASSIGNMENT_ADAPTER
 from schemas.replies import Error
 from schemas.requests import Assignment
 from schemas.workers import EventAborted, WorkerHeartbeat
+from services.common import tracing
 from services.common.guard import Guard, aiokafka_dead_letter
 from services.common.kafka import ensure_topics, make_consumer, make_producer
 from services.common.replies import topic_partitions
@@ -120,7 +125,7 @@ class Worker:
         self.group = slot_group(settings.topic_prefix, identity.slot)
         self._clock = clock
         self.started_at = clock()
-        self.metrics = WorkerMetrics()
+        self.metrics = WorkerMetrics(identity.worker_id)
         self.ledger = AttemptLedger(ws.dedupe_capacity)
         self.cancels = RecentCancels(ws.cancel_memory_s)
         self.tracker = OffsetTracker()
@@ -336,9 +341,7 @@ class Worker:
             return  # redelivered after a rebalance or restart: already handled
         assert self._guard is not None
         state = await self._guard.run(record, lambda: self._admit(record))
-        if state is None:
-            self.metrics.requests.labels("deadletter").inc()
-        if state in (None, "finished"):
+        if state in (None, "finished"):  # None: dead-lettered (the guard counts it)
             self.tracker.finish(record.offset)
             self._commit_wake.set()
 
@@ -348,26 +351,31 @@ class Worker:
         if a.worker_id != self.id.worker_id:
             _log.warning("slot %d: assignment of %s#%d is for worker %s, not us: dropped",
                          self.id.slot, rid, attempt, a.worker_id)
-            self.metrics.requests.labels("misaddressed").inc()
             return "finished"
         verdict = self.ledger.admit(rid, attempt)
         if verdict in ("duplicate", "stale"):
             _log.info("slot %d: %s assignment %s#%d dropped", self.id.slot, verdict, rid,
                       attempt)
-            self.metrics.requests.labels(verdict).inc()
             return "finished"
+        headers = tracing.headers_of(record)
         if self.cancels.matches(rid, a.request.tenant, self._clock()):
-            return "finished" if await self._answer_cancelled(a) else "unacked"
+            return "finished" if await self._answer_cancelled(a, headers) else "unacked"
         older = self.runs.get(rid)
         if older is not None:
             older.stop("superseded", f"attempt {attempt} replaces it")
-        self._start_run(a, record.offset)
+        self._start_run(a, record.offset, tracing.extract(headers))
         return "running"
 
-    def _start_run(self, a: Assignment, offset: int) -> None:
+    def _start_run(self, a: Assignment, offset: int, parent: tracing.Context) -> None:
         assert self._publisher is not None
+        priority, lane = a.admitted.priority, a.admitted.lane
+
+        def first_token(ttft_s: float) -> None:
+            self.metrics.first_token(priority, lane, ttft_s)
+
         run = RequestRun(a, self.engine, self._publisher, self.run_cfg, clock=self._clock,
-                         on_tokens=self._count_tokens)
+                         on_tokens=self._count_tokens, on_first_token=first_token,
+                         trace_parent=parent)
         self.runs[a.request_id] = run
         task = asyncio.create_task(self._run_one(run, offset), name=f"run:{run.engine_id}")
         self._run_tasks.add(task)
@@ -379,7 +387,10 @@ class Worker:
         finally:
             if self.runs.get(run.request_id) is run:
                 del self.runs[run.request_id]
-        self.metrics.requests.labels(outcome.kind).inc()
+        if outcome.terminal is not None:
+            admitted = run.assignment.admitted
+            self.metrics.finished(outcome.terminal, admitted.priority, admitted.lane,
+                                  outcome.e2e_s)
         if outcome.acked:
             self.tracker.finish(offset)
             self._commit_wake.set()
@@ -389,9 +400,9 @@ class Worker:
 
     def _count_tokens(self, n: int) -> None:
         self.rate.add(n, time.monotonic())
-        self.metrics.tokens.inc(n)
+        self.metrics.tokens(n)
 
-    async def _answer_cancelled(self, a: Assignment) -> bool:
+    async def _answer_cancelled(self, a: Assignment, headers: tracing.Headers) -> bool:
         """A late assignment of a cancelled request: its one terminal, without running it."""
         assert self._publisher is not None
         now = self._clock()
@@ -400,9 +411,9 @@ class Worker:
         event = EventAborted(request_id=a.request_id, tenant=a.request.tenant,
                              attempt=a.attempt, worker_id=self.id.worker_id, ts=now,
                              code="cancelled")
-        self.metrics.requests.labels("cancelled").inc()
-        return (await self._publisher.send_acked(a.admitted.reply_topic, reply)
-                and await self._publisher.send_acked(self.topics.events, event))
+        self.metrics.finished("cancelled", a.admitted.priority, a.admitted.lane, None)
+        return (await self._publisher.send_acked(a.admitted.reply_topic, reply, headers)
+                and await self._publisher.send_acked(self.topics.events, event, headers))
 
     # ---- control -----------------------------------------------------------------------
     async def _on_control(self, msg: ControlMessage) -> None:

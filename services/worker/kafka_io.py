@@ -32,6 +32,7 @@ from schemas.topics import TopicSpec, catalog, message_key
 from schemas.workers import EventStarted, WorkerHeartbeat
 from services.common.kafka import TopicRequest, make_consumer
 from services.common.replies import topic_partitions
+from services.common.tracing import Headers
 
 _log = logging.getLogger(__name__)
 
@@ -80,13 +81,16 @@ class Publisher:
         self._producer = producer
         self.timeout_s = timeout_s
 
-    async def send(self, topic: str, msg: WireMessage) -> asyncio.Future[Any]:
-        """Queue ``msg`` for ``topic`` (key from the catalog); returns its delivery future.
-
-        Waits only for buffer space, not for the broker.
+    async def send(
+        self, topic: str, msg: WireMessage, headers: Headers | None = None
+    ) -> asyncio.Future[Any]:
+        """Queue ``msg`` for ``topic`` (key from the catalog, ``headers``: the request's trace
+        context); returns its delivery future. Waits only for buffer space, not the broker.
         """
         future: asyncio.Future[Any] = await asyncio.wait_for(
-            self._producer.send(topic, encode(msg), key=message_key(msg)), self.timeout_s
+            self._producer.send(topic, encode(msg), key=message_key(msg),
+                                headers=headers or None),
+            self.timeout_s,
         )
         return future
 
@@ -102,10 +106,12 @@ class Publisher:
             return False
         return True
 
-    async def send_acked(self, topic: str, msg: WireMessage) -> bool:
+    async def send_acked(
+        self, topic: str, msg: WireMessage, headers: Headers | None = None
+    ) -> bool:
         """Send one message and wait for its ack (low-rate messages: heartbeats, terminals)."""
         try:
-            future = await self.send(topic, msg)
+            future = await self.send(topic, msg, headers)
         except (KafkaError, TimeoutError, OSError) as exc:
             _log.error("could not send %s to %s: %r", msg.kind, topic, exc)
             return False

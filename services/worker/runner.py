@@ -20,6 +20,11 @@ committed. Any unexpected error still ends the request with ``Error(worker_lost)
 Everything the run waits on comes through one inbox (deltas, the end of the stream, a
 failure, a stop), so timeouts, cancels and tokens are handled in one loop without
 cancelling the engine's iterator mid-step.
+
+Tracing: the run is one span (GenAI naming: ``"<operation> <model>"``), the child of the
+context the assignment record carried (the scheduler's placement), with a
+``gen_ai.first_token`` event and, at the end, the outcome and token usage. Every record the
+run produces (events, chunks, the terminal) carries the span's context, computed once.
 """
 
 from __future__ import annotations
@@ -31,6 +36,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+
 from schemas.common import ErrorCode
 from schemas.replies import Done, Error, Timings, TokenChunk, Usage
 from schemas.requests import Assignment
@@ -41,6 +49,7 @@ from schemas.workers import (
     EventFirstToken,
     EventStarted,
 )
+from services.common import tracing
 from services.worker.core.batching import Chunk, ChunkBatcher
 from services.worker.core.deadline import deadline_of, timing
 from services.worker.engines.base import (
@@ -72,11 +81,18 @@ class RunConfig:
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
-    """How a run ended, tokens streamed, and whether everything it sent was acknowledged."""
+    """How a run ended, tokens streamed, and whether everything it sent was acknowledged.
+
+    ``terminal`` is the terminal reply it sent, as ``llmq_requests_total`` labels it
+    (``done`` or the error code; None when it sent none: superseded, or sending failed);
+    ``e2e_s`` the time from the request's submission to that terminal.
+    """
 
     kind: OutcomeKind
     tokens: int
     acked: bool
+    terminal: str | None = None
+    e2e_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,13 +139,19 @@ class RequestRun:
 
     def __init__(self, assignment: Assignment, engine: Engine, publisher: Publisher,
                  cfg: RunConfig, *, clock: Callable[[], float] = time.time,
-                 on_tokens: Callable[[int], None] | None = None) -> None:
+                 on_tokens: Callable[[int], None] | None = None,
+                 on_first_token: Callable[[float], None] | None = None,
+                 trace_parent: tracing.Context | None = None) -> None:
         self.assignment = assignment
         self.engine = engine
         self.publisher = publisher
         self.cfg = cfg
         self._clock = clock
         self._on_tokens = on_tokens
+        self._on_first_token = on_first_token
+        self._trace_parent = trace_parent
+        self._span: Span = trace.INVALID_SPAN
+        self._headers: tracing.Headers = []
         self._inbox: asyncio.Queue[_Item] = asyncio.Queue()
         self._batcher = ChunkBatcher(cfg.chunk_tokens, cfg.chunk_delay_s)
         self._futures: list[asyncio.Future[Any]] = []
@@ -158,6 +180,33 @@ class RequestRun:
 
     # ---- the run -----------------------------------------------------------------------
     async def run(self) -> Outcome:
+        self._span = self._start_span()
+        self._headers = tracing.inject(ctx=trace.set_span_in_context(self._span))
+        try:
+            outcome = await self._run()
+        except BaseException as exc:
+            self._span.record_exception(exc)
+            self._span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+            raise
+        finally:
+            self._span.end()
+        return outcome
+
+    def _start_span(self) -> Span:
+        a, req = self.assignment, self.assignment.request
+        operation = "chat" if req.messages is not None else "text_completion"
+        return tracing.tracer(__name__).start_span(
+            f"{operation} {req.model}", context=self._trace_parent, kind=SpanKind.CONSUMER,
+            attributes=tracing.request_attributes(**{
+                tracing.GEN_AI_OPERATION: operation, tracing.GEN_AI_MODEL: req.model,
+                tracing.GEN_AI_MAX_TOKENS: req.max_tokens, tracing.LLMQ_REQUEST_ID: a.request_id,
+                tracing.LLMQ_TENANT: req.tenant, tracing.LLMQ_PRIORITY: a.admitted.priority,
+                tracing.LLMQ_LANE: a.admitted.lane, tracing.LLMQ_WORKER: self.cfg.worker_id,
+                tracing.LLMQ_ATTEMPT: a.attempt,
+            }),
+        )
+
+    async def _run(self) -> Outcome:
         if self._clock() >= self.deadline:
             return await self._terminal(_Stop("timeout", "deadline passed before it started"))
         self._started_at = self._clock()
@@ -217,6 +266,9 @@ class RequestRun:
         if delta.tokens > 0 and self._first_token_at is None:
             self._first_token_at = now
             ttft = max(0.0, now - self.assignment.request.created_at)
+            self._span.add_event(tracing.FIRST_TOKEN_EVENT, {"llmq.ttft_s": ttft})
+            if self._on_first_token is not None:
+                self._on_first_token(ttft)
             await self._send(self.cfg.events_topic, self._event(EventFirstToken, ttft_s=ttft))
         self._tokens += delta.tokens
         if self._on_tokens is not None and delta.tokens:
@@ -225,7 +277,7 @@ class RequestRun:
 
     # ---- sending -----------------------------------------------------------------------
     async def _send(self, topic: str, msg: Any) -> None:
-        self._futures.append(await self.publisher.send(topic, msg))
+        self._futures.append(await self.publisher.send(topic, msg, self._headers))
         if len(self._futures) > 64:
             # Keep only what is still in flight; failures stay so the terminal sees them.
             self._futures = [f for f in self._futures if not f.done() or f.exception()]
@@ -242,22 +294,38 @@ class RequestRun:
             return await self._send_terminal(ending)
         except Exception:
             _log.exception("request %s: could not send its terminal", self.engine_id)
+            self._span.set_attribute(tracing.LLMQ_OUTCOME, "unsent")
             return Outcome("failed", self._tokens, acked=False)
 
     async def _send_terminal(self, ending: _Stop | _Failed | _Ended) -> Outcome:
         await self._send_chunk(self._batcher.flush(self._clock(), force=True))
         if isinstance(ending, _Stop) and ending.reason == "superseded":
             # A newer attempt runs; the client keeps that one, so this one says nothing more.
+            self._span.set_attribute(tracing.LLMQ_OUTCOME, "superseded")
             return Outcome("superseded", self._tokens, await self.publisher.acked(self._futures))
         reply, event, kind = self._ending(ending)
+        label = "done" if isinstance(reply, Done) else str(reply.code)
+        self._annotate(label, event.usage)
+        if isinstance(reply, Done):
+            self._span.set_attribute(tracing.GEN_AI_RESPONSE_FINISH, [reply.finish_reason])
+        e2e = max(0.0, self._clock() - self.assignment.request.created_at)
         replied = await self.publisher.acked(
             [*self._futures, await self.publisher.send(self.assignment.admitted.reply_topic,
-                                                       reply)]
+                                                       reply, self._headers)]
         )
         if not replied:
-            return Outcome(kind, self._tokens, acked=False)
-        return Outcome(kind, self._tokens,
-                       await self.publisher.send_acked(self.cfg.events_topic, event))
+            return Outcome(kind, self._tokens, acked=False, terminal=label, e2e_s=e2e)
+        acked = await self.publisher.send_acked(self.cfg.events_topic, event, self._headers)
+        return Outcome(kind, self._tokens, acked, terminal=label, e2e_s=e2e)
+
+    def _annotate(self, outcome: str, usage: Usage | None) -> None:
+        span = self._span
+        span.set_attribute(tracing.LLMQ_OUTCOME, outcome)
+        if usage is not None:
+            span.set_attributes({tracing.GEN_AI_INPUT_TOKENS: usage.prompt_tokens,
+                                 tracing.GEN_AI_OUTPUT_TOKENS: usage.completion_tokens})
+        if outcome not in ("done", "cancelled"):
+            span.set_status(Status(StatusCode.ERROR, outcome))
 
     def _ending(self, ending: _Stop | _Failed | _Ended) -> tuple[Any, Any, OutcomeKind]:
         """(reply, event, outcome kind) for how the run ended."""

@@ -80,7 +80,7 @@ class IngestProcess:
         )
         log.close()
 
-    async def wait_ready(self, *, heartbeat: bool = True, timeout_s: float = 25.0) -> None:
+    async def wait_ready(self, *, heartbeat: bool = True, timeout_s: float = 90.0) -> None:
         """Until /readyz passes (or all but the heartbeat check, when ``heartbeat`` is off)."""
         deadline = time.monotonic() + timeout_s
         async with httpx.AsyncClient(base_url=self.base_url, timeout=2.0) as client:

@@ -217,7 +217,7 @@ class FakeScheduler:
                                            key=message_key(msg))
 
     # ---- reading back ------------------------------------------------------------------
-    async def wait_until(self, probe: Callable[[], T | None], timeout_s: float = 15.0,
+    async def wait_until(self, probe: Callable[[], T | None], timeout_s: float = 45.0,
                          what: str = "condition") -> T:
         """Wait until ``probe()`` returns something truthy and return it."""
         deadline = time.monotonic() + timeout_s
@@ -241,7 +241,7 @@ class FakeScheduler:
     def events_of(self, request_id: str) -> list[Any]:
         return [e for e in self.seen.events if e.request_id == request_id]
 
-    async def terminal(self, request_id: str, timeout_s: float = 15.0) -> Done | Error:
+    async def terminal(self, request_id: str, timeout_s: float = 45.0) -> Done | Error:
         found = await self.wait_until(lambda: self.terminals_of(request_id), timeout_s,
                                       f"the terminal of {request_id}")
         return found[0]

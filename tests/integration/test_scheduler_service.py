@@ -103,7 +103,7 @@ class SchedulerProcess:
         )
         log.close()
 
-    async def wait_ready(self, timeout_s: float = 30.0) -> None:
+    async def wait_ready(self, timeout_s: float = 90.0) -> None:
         """Until this start's "scheduler ready" line is in the log."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -218,7 +218,7 @@ class Observer:
         return mine[-1] if mine else None
 
 
-async def eventually(check: Callable[[], bool], timeout_s: float = 15.0, what: str = "") -> None:
+async def eventually(check: Callable[[], bool], timeout_s: float = 45.0, what: str = "") -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if check():
@@ -228,7 +228,7 @@ async def eventually(check: Callable[[], bool], timeout_s: float = 15.0, what: s
 
 
 async def eventually_async(
-    probe: Callable[[], Any], expected: object, timeout_s: float = 15.0, what: str = ""
+    probe: Callable[[], Any], expected: object, timeout_s: float = 45.0, what: str = ""
 ) -> None:
     deadline = time.monotonic() + timeout_s
     seen: object = None

@@ -230,12 +230,13 @@ async def test_metrics_endpoint_serves_worker_gauges_and_counters(
     await scheduler.heartbeat(WID, where=lambda h: h.tokens_per_s > 0)
     async with httpx.AsyncClient() as client:
         text = (await client.get(f"http://127.0.0.1:{port}/metrics")).text
+    # One registry per process (services.common.metrics); worker series carry the worker id.
     values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
-              if not s.labels or s.labels.get("outcome") == "done"}
+              if s.labels.get("worker") == WID or s.labels.get("outcome") == "done"}
     assert values["llmq_worker_kv_total_tokens"] > 0
-    assert values["llmq_worker_running"] == 0
-    assert values["llmq_worker_tokens_total"] == 25
-    assert values["llmq_worker_requests_total"] == 1
+    assert values["llmq_worker_running_sequences"] == 0
+    assert values["llmq_generated_tokens_total"] == 25
+    assert values["llmq_requests_total"] == 1
 
 
 async def test_sigterm_finishes_in_flight_work_and_exits_zero(

@@ -61,7 +61,8 @@ class Harness:
             clock=lambda: self.now, reservation_grace_s=30.0, owner_partition=owner_partition,
         )
 
-    async def _publish(self, topic: str, key: bytes, value: bytes) -> None:
+    async def _publish(self, topic: str, key: bytes, value: bytes,
+                       headers: list[tuple[str, bytes]] | None = None) -> None:
         self.sent.append((topic, key, value))
 
     async def _ensure(self, topic: str) -> None:

@@ -19,7 +19,7 @@ from aiokafka.errors import KafkaError
 from schemas.codec import SchemaError, encode
 from schemas.control import CancelRequest
 from schemas.requests import InferenceRequest
-from services.common.guard import Guard, aiokafka_dead_letter
+from services.common.guard import Guard, Headers, aiokafka_dead_letter
 from services.common.kafka import make_producer
 from services.common.replies import DuplicateRequestError, ReplyRouter, ReplyStream
 from services.ingest.http.errors import ApiError, unavailable
@@ -79,8 +79,11 @@ class Gateway:
             await self._producer.stop()
             self._producer = None
 
-    async def submit(self, request: InferenceRequest) -> ReplyStream:
-        """Queue ``request`` on intake; its replies arrive on the returned stream."""
+    async def submit(
+        self, request: InferenceRequest, headers: Headers | None = None
+    ) -> ReplyStream:
+        """Queue ``request`` on intake (with ``headers``: its trace context); its replies
+        arrive on the returned stream."""
         if self._router is None or self._producer is None:
             raise unavailable("ingest is not connected to Kafka yet")
         try:
@@ -91,7 +94,8 @@ class Gateway:
         try:
             await asyncio.wait_for(
                 self._producer.send_and_wait(
-                    self.topics.intake, encode(request), key=request.tenant.encode()
+                    self.topics.intake, encode(request), key=request.tenant.encode(),
+                    headers=headers or None,
                 ),
                 _SEND_TIMEOUT_S,
             )

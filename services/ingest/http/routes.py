@@ -7,6 +7,11 @@ A completion call: authenticate (API key → tenant), map the body to an
 refusal (429, 404, 413, 503 ...) gets its own status and Retry-After even for a stream.
 After that, chunks are relayed as they come (SSE) or gathered until ``Done``.
 
+Tracing: each call is one SERVER span (``POST /v1/...``), the root of the request's trace
+unless the client sent a W3C ``traceparent`` header (then its child). The intake record
+carries the span's context, so admission, queueing and generation hang below it; it ends
+when the call does, with the outcome and, for a finished request, its token usage.
+
 Time bound: the request's ``timeout_s`` plus ``reply_grace_s``; past it the client gets
 504 and the request is cancelled. A client that goes away (disconnect mid-stream, or while a
 non-streaming call waits) also cancels it (``CancelRequest`` on ``llmq.control``).
@@ -23,10 +28,13 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from schemas.replies import Error, TokenChunk
+from schemas.replies import Done, Error, TokenChunk
+from services.common import tracing
 from services.common.replies import Reply, ReplyStream
 from services.ingest.cluster import ClusterWatcher
 from services.ingest.http.errors import ApiError, from_reply, timed_out, unauthorized
@@ -160,19 +168,50 @@ def _tenant(deps: HttpDeps, request: Request) -> str:
     return found
 
 
-async def _complete(deps: HttpDeps, request: Request, kind: Kind) -> Response:
-    tenant = _tenant(deps, request)
-    body = parse_json(await request.body())
-    origin = Origin(
-        request_id=request.headers.get("x-request-id") or f"cmpl-{uuid.uuid4().hex}",
-        tenant=tenant,
-        reply_to=deps.gateway.topics.reply,
-        now=deps.clock(),
+def _http_span(request: Request, kind: Kind) -> Span:
+    """The call's SERVER span, child of the client's ``traceparent`` if it sent one."""
+    incoming = [(name, value.encode("latin-1")) for name in ("traceparent", "tracestate")
+                if (value := request.headers.get(name)) is not None]
+    return tracing.tracer(__name__).start_span(
+        f"POST {request.url.path}", context=tracing.extract(incoming), kind=SpanKind.SERVER,
+        attributes={
+            "http.request.method": "POST", "url.path": request.url.path,
+            tracing.GEN_AI_OPERATION: "chat" if kind == "chat" else "text_completion",
+        },
     )
-    call = to_inference_request(body, kind, origin, request.headers, deps.defaults)
-    answer = _Call(deps, call, await deps.gateway.submit(call.request), request)
+
+
+async def _complete(deps: HttpDeps, request: Request, kind: Kind) -> Response:
+    span = _http_span(request, kind)
     try:
-        first = await answer.waiter.next()
+        tenant = _tenant(deps, request)
+        body = parse_json(await request.body())
+        origin = Origin(
+            request_id=request.headers.get("x-request-id") or f"cmpl-{uuid.uuid4().hex}",
+            tenant=tenant,
+            reply_to=deps.gateway.topics.reply,
+            now=deps.clock(),
+        )
+        call = to_inference_request(body, kind, origin, request.headers, deps.defaults)
+        req = call.request
+        span.set_attributes(tracing.request_attributes(**{
+            tracing.LLMQ_REQUEST_ID: req.request_id, tracing.LLMQ_TENANT: tenant,
+            tracing.GEN_AI_MODEL: req.model, tracing.GEN_AI_MAX_TOKENS: req.max_tokens,
+            tracing.LLMQ_PRIORITY: req.priority,
+        }))
+        stream = await deps.gateway.submit(
+            req, tracing.inject(ctx=trace.set_span_in_context(span))
+        )
+    except BaseException as exc:
+        # Refused before it was queued (401, 400, 409, 503): the span ends here.
+        if isinstance(exc, ApiError):
+            _end_span(span, exc.status, exc.code or str(exc.status), exc.message)
+        else:
+            _end_span(span, 500, type(exc).__name__)
+        raise
+    answer = _Call(deps, call, stream, request, span)
+    try:
+        first = answer.seen(await answer.waiter.next())
         if isinstance(first, Error):
             answer.finish(None)
             raise from_reply(first)
@@ -197,10 +236,14 @@ class _Call:
     """
 
     def __init__(
-        self, deps: HttpDeps, call: ParsedCall, stream: ReplyStream, request: Request
+        self, deps: HttpDeps, call: ParsedCall, stream: ReplyStream, request: Request,
+        span: Span,
     ) -> None:
         self._deps = deps
         self._call = call
+        self._span = span
+        self._terminal: Done | Error | None = None
+        self._chunks = 0
         self._created = int(call.request.created_at)
         self._finished = False
         deadline = time.monotonic() + call.request.timeout_s + deps.reply_grace_s
@@ -217,13 +260,35 @@ class _Call:
         if cancel_reason is not None:
             self._deps.gateway.cancel_soon(request.request_id, request.tenant, cancel_reason,
                                            self._deps.clock())
+        terminal = self._terminal
+        if isinstance(terminal, Done):
+            self._span.set_attributes({
+                tracing.GEN_AI_INPUT_TOKENS: terminal.usage.prompt_tokens,
+                tracing.GEN_AI_OUTPUT_TOKENS: terminal.usage.completion_tokens,
+                tracing.LLMQ_ATTEMPT: terminal.attempt,
+            })
+            _end_span(self._span, 200, "done")
+        elif isinstance(terminal, Error):
+            _end_span(self._span, from_reply(terminal).status, terminal.code)
+        else:
+            _end_span(self._span, 499, "abandoned", cancel_reason)
+
+    def seen(self, msg: Reply) -> Reply:
+        """Note what the call received (for its span) and hand it back."""
+        if isinstance(msg, TokenChunk):
+            if self._chunks == 0:
+                self._span.add_event("first_chunk")
+            self._chunks += 1
+        else:
+            self._terminal = msg
+        return msg
 
     async def collect(self, first: Reply) -> JSONResponse:
         texts: list[str] = []
         msg = first
         while isinstance(msg, TokenChunk):
             texts.append(msg.text)
-            msg = await self.waiter.next()
+            msg = self.seen(await self.waiter.next())
         self.finish(None)
         if isinstance(msg, Error):
             raise from_reply(msg)
@@ -257,7 +322,7 @@ class _Call:
         while isinstance(msg, TokenChunk):
             yield sse(chunk_object(call, created, msg.text, first=not opened))
             opened = True
-            msg = await waiter.next()
+            msg = self.seen(await waiter.next())
         if isinstance(msg, Error):
             # Headers are sent: OpenAI's convention is an error event, then the end.
             yield sse(from_reply(msg).body())
@@ -268,6 +333,13 @@ class _Call:
         if call.include_usage:
             yield sse(usage_chunk(call, created, msg))
         yield SSE_DONE
+
+
+def _end_span(span: Span, status: int, outcome: str, why: str | None = None) -> None:
+    span.set_attributes({"http.response.status_code": status, tracing.LLMQ_OUTCOME: outcome})
+    if status >= 500:
+        span.set_status(Status(StatusCode.ERROR, why or outcome))
+    span.end()
 
 
 async def _api_error(_: Request, exc: Exception) -> Response:

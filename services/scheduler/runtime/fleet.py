@@ -51,6 +51,10 @@ class FleetView:
     def get(self, worker_id: str) -> WorkerHeartbeat | None:
         return self._beats.get(worker_id)
 
+    def workers(self) -> list[str]:
+        """Every worker with a heartbeat in the view (alive or not)."""
+        return list(self._beats)
+
     def is_alive(self, worker_id: str, now: float) -> bool:
         """Known and heard from within ``staleness`` of its own intervals."""
         hb = self._beats.get(worker_id)

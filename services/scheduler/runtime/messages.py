@@ -6,7 +6,8 @@
 - :func:`terminal`: a scheduler-side ending (``Reject`` code) as the terminal ``Error`` for
   the client and the matching terminal event for ingest (docs/live-system.md, "Who sends
   the terminal reply");
-- :class:`Outgoing`: an encoded record to produce (topic, partition, key, value).
+- :class:`Outgoing`: an encoded record to produce (topic, partition, key, value, headers:
+  the request's trace context).
 """
 
 from __future__ import annotations
@@ -25,16 +26,21 @@ from services.scheduler import Placement, QueuedRequest
 
 @dataclass(frozen=True, slots=True)
 class Outgoing:
-    """One record to produce; ``partition`` None lets the producer's partitioner choose."""
+    """One record to produce; ``partition`` None lets the producer's partitioner choose;
+    ``headers`` carry the request's W3C trace context."""
 
     topic: str
     key: bytes
     value: bytes
     partition: int | None = None
+    headers: tuple[tuple[str, bytes], ...] = ()
 
     @classmethod
-    def of(cls, topic: str, msg: WireMessage, partition: int | None = None) -> Outgoing:
-        return cls(topic, message_key(msg), encode(msg), partition)
+    def of(
+        cls, topic: str, msg: WireMessage, partition: int | None = None,
+        headers: tuple[tuple[str, bytes], ...] = (),
+    ) -> Outgoing:
+        return cls(topic, message_key(msg), encode(msg), partition, headers)
 
 
 def kv_tokens_for(prompt_tokens: int, max_tokens: int, block_size: int) -> int:
@@ -113,8 +119,10 @@ def terminal(
     events_topic: str,
     now: float,
     retry_after_s: float | None = None,
+    headers: tuple[tuple[str, bytes], ...] = (),
 ) -> tuple[Outgoing, Outgoing]:
-    """The terminal reply and the matching terminal event of a scheduler-side ending.
+    """The terminal reply and the matching terminal event of a scheduler-side ending
+    (both carry ``headers``, the request's trace context).
 
     ``reply_attempt`` is 0 for a request that never reached a worker (Error's rule),
     otherwise the attempt; the event always carries ``attempt`` (events start at 1).
@@ -141,4 +149,5 @@ def terminal(
             request_id=request.request_id, tenant=request.tenant, attempt=attempt,
             worker_id=worker_id, ts=now, code=code, message=text,
         )
-    return Outgoing.of(admitted.reply_topic, reply), Outgoing.of(events_topic, event)
+    return (Outgoing.of(admitted.reply_topic, reply, headers=headers),
+            Outgoing.of(events_topic, event, headers=headers))

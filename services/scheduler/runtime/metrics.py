@@ -1,72 +1,78 @@
-"""Prometheus metrics of the scheduler (the basics; the observability issue extends them).
+"""The scheduler's figures onto the shared families of :mod:`services.common.metrics`.
 
-Served on ``127.0.0.1:<LLMQ_METRICS_PORT>`` when that is set. Own registry, so building
-the metrics twice in one process (tests) never collides.
+:class:`SchedulerMetrics` turns what the dispatch loop learns — a :class:`TickResult`, the
+queue depth, the reservations per worker, the terminals the scheduler sent itself — into
+the process registry; ``__main__`` serves it on ``127.0.0.1:<LLMQ_METRICS_PORT>``
+(:func:`services.common.metrics.serve`, the scheduler's families only).
+
+Per-worker series (``llmq_reserved_kv_tokens``) are removed when the worker is neither in
+the fleet view nor holds bookings, so a departed worker stops being reported.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from itertools import product
+from typing import get_args
 
 from schemas.common import ErrorCode, Lane, Priority
+from services.common import metrics as m
+from services.scheduler.runtime.state import TickResult
+
+_CLASSES = tuple(product(get_args(Priority), get_args(Lane)))
 
 
 class SchedulerMetrics:
-    """Queue depth, placements, rejections, requeues, decision latency, outbox health."""
+    """Records the scheduler's figures (module docstring); one per scheduler."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.queue_depth = Gauge(
-            "llmq_scheduler_queue_depth", "Requests in the pending queue.",
-            ["priority", "lane"], registry=r,
-        )
-        self.placements = Counter(
-            "llmq_scheduler_placements_total", "Assignments decided.", registry=r
-        )
-        self.rejections = Counter(
-            "llmq_scheduler_rejections_total", "Requests ended by the scheduler.",
-            ["code"], registry=r,
-        )
-        self.requeues = Counter(
-            "llmq_scheduler_requeues_total", "Requests requeued after a worker loss.",
-            registry=r,
-        )
-        self.workers_lost = Counter(
-            "llmq_scheduler_workers_lost_total", "Workers declared dead with work.", registry=r
-        )
-        self.decision_seconds = Histogram(
-            "llmq_schedule_decision_seconds", "Duration of one schedule() call.",
-            buckets=(1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0),
-            registry=r,
-        )
-        self.queue_wait_seconds = Histogram(
-            "llmq_scheduler_queue_wait_seconds",
-            "From admission to the worker's started event.",
-            buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 300),
-            registry=r,
-        )
-        self.paused_topics = Gauge(
-            "llmq_scheduler_paused_topics", "Request topics paused for backpressure.",
-            registry=r,
-        )
-        self.outbox = Gauge(
-            "llmq_scheduler_outbox_effects", "Effects waiting for the broker.", registry=r
-        )
-        self.send_failures = Counter(
-            "llmq_scheduler_send_failures_total", "Records resent after a failed send.",
-            registry=r,
-        )
+        self._ended: dict[ErrorCode, int] = {}
+        self._reserved_workers: set[str] = set()
 
-    def serve(self, port: int) -> None:
-        start_http_server(port, addr="127.0.0.1", registry=self.registry)
+    @staticmethod
+    def serve(port: int) -> None:
+        m.serve(port, "scheduler")
 
-    def set_depth(self, depth: Mapping[tuple[Priority, Lane], int]) -> None:
-        for (priority, lane), n in depth.items():
-            self.queue_depth.labels(priority=priority, lane=lane).set(n)
+    def tick(self, result: TickResult) -> None:
+        """One dispatch cycle: decision latency, placements, failures, losses."""
+        m.SCHEDULE_DECISION.observe(result.schedule_s)
+        for placed in result.placements:
+            m.PLACEMENTS.labels(worker=placed.worker_id, lane=placed.lane).inc()
+            m.QUEUE_WAIT.labels(priority=placed.priority, lane=placed.lane).observe(
+                placed.waited_s
+            )
+        for reason, n in result.deferred.items():
+            m.PLACEMENT_FAILURES.labels(reason=reason).inc(n)
+        if result.requeued:
+            m.REQUEUES.inc(result.requeued)
+        if result.lost_workers:
+            m.WORKER_LOSSES.inc(len(result.lost_workers))
 
-    def rejected(self, counts: Mapping[ErrorCode, int]) -> None:
-        for code, n in counts.items():
-            self.rejections.labels(code=code).inc(n)
+    def ended(self, totals: Mapping[ErrorCode, int]) -> None:
+        """The cumulative count of terminals the scheduler sent, by code: adds what is new
+        (they also end outside a cycle: a cancel before queueing)."""
+        for code, total in totals.items():
+            new = total - self._ended.get(code, 0)
+            if new > 0:
+                m.REQUESTS.labels(outcome=code).inc(new)
+            self._ended[code] = total
+
+    @staticmethod
+    def set_depth(depth: Mapping[tuple[Priority, Lane], int]) -> None:
+        # Every class, so that one that emptied shows 0 rather than its last depth.
+        for priority, lane in _CLASSES:
+            m.QUEUE_DEPTH.labels(priority=priority, lane=lane).set(depth.get((priority, lane), 0))
+
+    def set_reserved(self, reserved: Mapping[str, int]) -> None:
+        for worker, tokens in reserved.items():
+            m.RESERVED_KV.labels(worker=worker).set(tokens)
+        for gone in self._reserved_workers - reserved.keys():
+            m.RESERVED_KV.remove(gone)
+        self._reserved_workers = set(reserved)
+
+    @staticmethod
+    def plumbing(paused_topics: int, outbox: int, send_failures: int) -> None:
+        m.PAUSED_TOPICS.set(paused_topics)
+        m.OUTBOX_EFFECTS.set(outbox)
+        if send_failures:
+            m.SEND_FAILURES.inc(send_failures)

@@ -18,6 +18,15 @@ Invariants kept here:
   :meth:`SchedulerState.restore`), placed by the core or restored from the log;
 - a request gets one terminal from the scheduler at most: each one is recorded in the
   log before it is sent, and a redelivered copy of a finished request is acked unanswered.
+
+Tracing without OTel: a request's W3C trace context travels as opaque Kafka headers
+(:data:`TraceHeaders`) — in with its record, out on every record produced for it. Spans
+are written through a :class:`SpanRecorder` the app passes in (the no-op
+:class:`NoSpans` by default): at placement, ``llmq.queue`` (from admission, or from the
+requeue, to the placement) and under it ``llmq.placement`` (the ``schedule()`` call that
+placed it), whose context the assignment carries to the worker; a request the scheduler
+ends itself gets its ``llmq.queue`` span with the outcome. Figures for metrics come back
+in :class:`TickResult` and the cumulative :attr:`SchedulerState.ended` counts.
 """
 
 from __future__ import annotations
@@ -25,9 +34,9 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Final, Literal
+from typing import Final, Literal, Protocol
 
 from schemas.common import ErrorCode, Lane, Priority
 from schemas.control import CancelRequest
@@ -71,6 +80,55 @@ _log = logging.getLogger(__name__)
 #: A source record to acknowledge: (topic-partition, offset).
 Ticket = tuple[Hashable, int]
 
+#: Kafka headers carrying a request's trace context (W3C traceparent), opaque here.
+TraceHeaders = tuple[tuple[str, bytes], ...]
+
+
+class SpanRecorder(Protocol):
+    """Writes a finished span under the context ``parent`` carries; returns headers that
+    carry the new span (or ``parent`` itself when nothing is recorded). ``active`` is False
+    when nothing would be recorded, so callers skip building attributes."""
+
+    @property
+    def active(self) -> bool: ...
+
+    def span(
+        self, name: str, parent: TraceHeaders, start: float, end: float,
+        attributes: Mapping[str, str | int | float],
+    ) -> TraceHeaders: ...
+
+
+class NoSpans:
+    """Records nothing; the parent's context passes through unchanged."""
+
+    active = False
+
+    def span(
+        self, name: str, parent: TraceHeaders, start: float, end: float,
+        attributes: Mapping[str, str | int | float],
+    ) -> TraceHeaders:
+        return parent
+
+
+#: Bounded labels of ``llmq_placement_failures_total``, by the prefix of the core's
+#: ``Defer.reason`` (services/scheduler/core/cycle.py words them; a test pins the mapping).
+_DEFER_REASONS: Final = (
+    ("no fresh worker", "saturated"),
+    ("only draining", "draining"),
+    ("no room", "no_room"),
+    ("refused by hold", "held"),
+    ("refused by", "filtered"),
+    ("ledger refused", "ledger"),
+)
+
+
+def defer_reason(reason: str) -> str:
+    """The bounded label for a ``Defer.reason`` ("other" for wording not known here)."""
+    for prefix, label in _DEFER_REASONS:
+        if reason.startswith(prefix):
+            return label
+    return "other"
+
 #: KV of the stand-in worker a restored reservation is booked on (see ``_book``).
 _UNBOUNDED: Final = 1 << 62
 
@@ -106,6 +164,17 @@ class RuntimeConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class Placed:
+    """One placement of a cycle, as metrics see it."""
+
+    worker_id: str
+    priority: Priority
+    lane: Lane
+    #: From admission (or the requeue) to this placement, in seconds.
+    waited_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class TickResult:
     """What one dispatch cycle produced, with figures for metrics."""
 
@@ -117,6 +186,9 @@ class TickResult:
     schedule_s: float
     #: True when the cycle stopped at ``max_placements``: run another one soon.
     more: bool
+    placements: tuple[Placed, ...] = ()
+    #: Class heads deferred this cycle, by :func:`defer_reason` label.
+    deferred: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -127,6 +199,9 @@ class _Tracked:
     queued: QueuedRequest
     origin: Literal["record", "requeue"]
     tickets: list[Ticket] = field(default_factory=list)
+    #: When it (re-)entered the queue: admission, or the requeue after a worker loss.
+    since: float = 0.0
+    trace: TraceHeaders = ()
 
 
 class SchedulerState:
@@ -138,10 +213,17 @@ class SchedulerState:
         queue_config: QueueConfig,
         pipeline: Pipeline,
         rng: random.Random,
+        spans: SpanRecorder | None = None,
     ) -> None:
         self.config = config
         self.pipeline = pipeline
         self.rng = rng
+        self.spans: SpanRecorder = spans or NoSpans()
+        #: Terminals the scheduler sent itself since start, by code (for metrics).
+        self.ended: dict[ErrorCode, int] = {}
+        # Trace context of each active assignment (what its assignment record carried),
+        # for the records of a requeue or a worker_lost ending.
+        self._active_trace: dict[str, TraceHeaders] = {}
         self.pending = PendingQueue(queue_config)
         self.ledger = Ledger(kv_safety_margin=config.kv_safety_margin)
         self.fleet = FleetView(config.heartbeat_staleness)
@@ -163,10 +245,13 @@ class SchedulerState:
 
     # -- the log: assignments and lifecycle events --------------------------------------
 
-    def observe_assignment(self, record: Assignment) -> list[Effect]:
-        """An assignment read from ``llmq.assignments`` (ours, or another replica's)."""
+    def observe_assignment(self, record: Assignment, trace: TraceHeaders = ()) -> list[Effect]:
+        """An assignment read from ``llmq.assignments`` (ours, or another replica's), with
+        the trace headers it carried."""
         if not self.log.observe_assignment(record):
             return []
+        if trace:
+            self._active_trace[record.request_id] = trace
         effects: list[Effect] = []
         tracked = self._tracked.get(record.request_id)
         if tracked is not None and tracked.queued.attempt <= record.attempt:
@@ -189,6 +274,8 @@ class SchedulerState:
         if not isinstance(event, EventDone | EventFailed | EventAborted):
             return False
         freed = self.ledger.release(event.request_id, event.attempt) > 0
+        if self.log.status(event.request_id) == "finished":
+            self._active_trace.pop(event.request_id, None)
         usage = event.usage
         if news and usage is not None:
             model = self.log.model_of(event.request_id)
@@ -207,8 +294,11 @@ class SchedulerState:
 
     # -- requests and control -----------------------------------------------------------
 
-    def on_request(self, admitted: AdmittedRequest, ticket: Ticket, now: float) -> list[Effect]:
-        """An admitted request read from its topic (maybe a redelivery)."""
+    def on_request(
+        self, admitted: AdmittedRequest, ticket: Ticket, now: float, trace: TraceHeaders = ()
+    ) -> list[Effect]:
+        """An admitted request read from its topic (maybe a redelivery), with the trace
+        headers its record carried."""
         request_id = admitted.request_id
         status = self.log.status(request_id)
         if status != "unknown":
@@ -222,13 +312,13 @@ class SchedulerState:
         if self.cancels.matches(request_id, admitted.request.tenant, now):
             self.cancels.discard(request_id)
             return [self._end(admitted, 1, "cancelled", "cancelled before it was queued",
-                              self.config.scheduler_id, now, (ticket,))]
+                              self.config.scheduler_id, now, (ticket,), trace=trace)]
         block = self.fleet.block_size(admitted.request.model) or self.config.default_block_size
         queued = queued_request(admitted, block)
         # Always admitted: the record is in memory already. The pause ladder keeps the
         # queue near its bound by pausing the topics (module docstring of runtime.flow).
         self.pending.push(queued, force=True)
-        self._track(_Tracked(admitted, queued, "record", [ticket]))
+        self._track(_Tracked(admitted, queued, "record", [ticket], admitted.admitted_at, trace))
         return []
 
     def on_cancel(self, cancel: CancelRequest, now: float) -> bool:
@@ -278,23 +368,30 @@ class SchedulerState:
             max_placements=self.config.max_placements,
         )
         schedule_s = time.perf_counter() - started
-        placed = 0
+        placements: list[Placed] = []
         rejected: dict[ErrorCode, int] = {}
+        deferred: dict[str, int] = {}
         for decision in decisions:
             try:
                 if isinstance(decision, Placement):
-                    effects.append(self._placed(decision, now))
-                    placed += 1
+                    effect, placed = self._placed(decision, now, schedule_s)
+                    effects.append(effect)
+                    placements.append(placed)
                 elif isinstance(decision, Reject):
                     effects.append(self._rejected(decision, now))
                     rejected[decision.code] = rejected.get(decision.code, 0) + 1
+                else:
+                    label = defer_reason(decision.reason)
+                    deferred[label] = deferred.get(label, 0) + 1
             except Exception:
                 # A bug translating one decision must not lose the others of the cycle.
                 _log.exception("scheduler: could not publish %r", decision)
                 if isinstance(decision, Placement):
                     self.ledger.release(decision.request.request_id, decision.attempt)
-        more = self.config.max_placements is not None and placed >= self.config.max_placements
-        return TickResult(effects, placed, rejected, requeued, lost, schedule_s, more)
+        placed_n = len(placements)
+        more = self.config.max_placements is not None and placed_n >= self.config.max_placements
+        return TickResult(effects, placed_n, rejected, requeued, lost, schedule_s, more,
+                          tuple(placements), deferred)
 
     def statuses(self, now: float) -> list[QueueStatus]:
         """``QueueStatus`` per model: queued demand, reserved KV, drain rate, live fleet."""
@@ -332,6 +429,10 @@ class SchedulerState:
     def prune(self, now: float) -> None:
         self.log.prune(now)
         self.cancels.prune(now)
+        # Contexts of assignments whose end this replica never saw (replay order, another
+        # replica's requests): keep only what is still active.
+        for request_id in [r for r in self._active_trace if self.log.status(r) != "active"]:
+            del self._active_trace[request_id]
 
     # -- views --------------------------------------------------------------------------
 
@@ -344,21 +445,49 @@ class SchedulerState:
     def reserved_kv(self, worker_id: str) -> int:
         return self.ledger.reserved_kv(worker_id)
 
+    def reserved_by_worker(self) -> dict[str, int]:
+        """KV tokens reserved per worker, for every worker known (heartbeat or bookings)."""
+        workers = set(self.fleet.workers()) | set(self.log.workers())
+        return {w: self.ledger.reserved_kv(w) for w in sorted(workers)}
+
     # -- internals --------------------------------------------------------------------
 
-    def _placed(self, placement: Placement, now: float) -> Effect:
-        request_id = placement.request.request_id
-        tracked = self._untrack(request_id)
+    def _placed(self, placement: Placement, now: float, schedule_s: float) -> tuple[Effect, Placed]:
+        request = placement.request
+        tracked = self._untrack(request.request_id)
         record = assignment(tracked.admitted, placement, now)
         self.log.observe_assignment(record)
-        out = Outgoing.of(self.config.assignments_topic, record, partition=placement.partition)
-        return Effect(first=(out,), tickets=tuple(tracked.tickets))
+        trace = tracked.trace
+        if self.spans.active:
+            attributes = _attributes(tracked, placement.attempt)
+            queue = self.spans.span("llmq.queue", trace, tracked.since, now,
+                                    {**attributes, "llmq.outcome": "placed"})
+            # The decision is one schedule() call for the whole cycle: that call's duration.
+            trace = self.spans.span(
+                "llmq.placement", queue, now, now + schedule_s,
+                {**attributes, "llmq.worker": placement.worker_id,
+                 "llmq.kv_tokens": placement.kv_tokens},
+            )
+        if trace:
+            self._active_trace[request.request_id] = trace
+        out = Outgoing.of(self.config.assignments_topic, record, partition=placement.partition,
+                          headers=trace)
+        placed = Placed(placement.worker_id, request.priority, request.lane,
+                        max(0.0, now - tracked.since))
+        return Effect(first=(out,), tickets=tuple(tracked.tickets)), placed
 
     def _rejected(self, reject: Reject, now: float) -> Effect:
         tracked = self._untrack(reject.request_id)
+        trace = tracked.trace
+        if self.spans.active:
+            trace = self.spans.span(
+                "llmq.queue", trace, tracked.since, now,
+                {**_attributes(tracked, tracked.queued.attempt), "llmq.outcome": reject.code},
+            )
         return self._end(
             tracked.admitted, tracked.queued.attempt, reject.code, reject.reason,
             self.config.scheduler_id, now, tuple(tracked.tickets), reject.retry_after_s,
+            trace=trace,
         )
 
     def _lose_worker(self, worker_id: str, now: float) -> tuple[list[Effect], int]:
@@ -380,19 +509,22 @@ class SchedulerState:
                 record = held[fate.request_id]
                 effects.append(
                     self._end(record.admitted, record.attempt, fate.code, fate.reason,
-                              worker_id, now, ())
+                              worker_id, now, (),
+                              trace=self._active_trace.get(record.request_id, ()))
                 )
         return effects, requeued
 
     def _requeue(self, record: Assignment, fate: Requeue, now: float) -> list[Effect]:
         request = fate.request
+        # The lost attempt's placement is the parent of what happens to the request next.
+        trace = self._active_trace.pop(request.request_id, ())
         if self.cancels.matches(request.request_id, request.tenant, now):
             self.cancels.discard(request.request_id)
             return [self._end(record.admitted, request.attempt, "cancelled",
                               "cancelled while its worker was lost", self.config.scheduler_id,
-                              now, (), reply_attempt=request.attempt)]
+                              now, (), reply_attempt=request.attempt, trace=trace)]
         self.pending.push(request, force=True)  # already admitted work: past the bound
-        self._track(_Tracked(record.admitted, request, "requeue"))
+        self._track(_Tracked(record.admitted, request, "requeue", since=now, trace=trace))
         return []
 
     def _end(
@@ -406,6 +538,7 @@ class SchedulerState:
         tickets: tuple[Ticket, ...],
         retry_after_s: float | None = None,
         reply_attempt: int | None = None,
+        trace: TraceHeaders = (),
     ) -> Effect:
         """One scheduler-side terminal: recorded first, then the reply, then the event."""
         request_id = admitted.request_id
@@ -413,10 +546,12 @@ class SchedulerState:
             # Attempt 1 still pending never reached a worker: Error's attempt is 0 then.
             reply_attempt = 0 if attempt == 1 and self.log.latest(request_id) is None else attempt
         self.log.mark_ended(request_id, attempt, deadline_of(admitted))
+        self._active_trace.pop(request_id, None)
+        self.ended[code] = self.ended.get(code, 0) + 1
         reply, event = terminal(
             admitted, code=code, message=reason, attempt=attempt, reply_attempt=reply_attempt,
             worker_id=worker_id, events_topic=self.config.events_topic, now=now,
-            retry_after_s=retry_after_s,
+            retry_after_s=retry_after_s, headers=trace,
         )
         return Effect(first=(reply,), then=(event,), tickets=tickets)
 
@@ -459,3 +594,12 @@ class SchedulerState:
         if figures[0] == 0:
             del self._pending_models[model]
         return tracked
+
+
+def _attributes(tracked: _Tracked, attempt: int) -> dict[str, str | int | float]:
+    request = tracked.admitted.request
+    return {
+        "llmq.request_id": request.request_id, "llmq.tenant": request.tenant,
+        "llmq.priority": tracked.queued.priority, "llmq.lane": tracked.queued.lane,
+        "llmq.attempt": attempt, "gen_ai.request.model": request.model,
+    }

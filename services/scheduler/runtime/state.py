@@ -269,11 +269,13 @@ class SchedulerState:
         """A lifecycle event; True when it freed capacity (worth a dispatch cycle)."""
         news = self.log.observe_event(event)
         if isinstance(event, EventStarted):
-            self.ledger.mark_started(event.request_id, event.attempt)
+            # ``at`` (the worker's clock, like its heartbeats) lets the ledger credit capacity
+            # freed after the worker's last heartbeat instead of waiting for the next one.
+            self.ledger.mark_started(event.request_id, event.attempt, at=event.ts)
             return False
         if not isinstance(event, EventDone | EventFailed | EventAborted):
             return False
-        freed = self.ledger.release(event.request_id, event.attempt) > 0
+        freed = self.ledger.release(event.request_id, event.attempt, at=event.ts) > 0
         if self.log.status(event.request_id) == "finished":
             self._active_trace.pop(event.request_id, None)
         usage = event.usage

@@ -76,6 +76,29 @@ async def broker_answers(bootstrap: str, timeout_s: float = 3.0) -> bool:
     return True
 
 
+async def wait_for_group_coordinator(bootstrap: str, timeout_s: float = 60.0) -> bool:
+    """Wait until the broker can coordinate consumer groups; True when it can.
+
+    A fresh broker creates ``__consumer_offsets`` on the first group lookup and answers
+    "coordinator not available" meanwhile; asking once here, at start, spares every service
+    that transient error (a worker's slot check would otherwise refuse to start).
+    """
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=5_000)
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    await asyncio.wait_for(admin.start(), timeout_s)
+    try:
+        while True:
+            try:
+                await admin.describe_consumer_groups(["llmq-coordinator-probe"])
+                return True
+            except KafkaError:
+                if asyncio.get_running_loop().time() >= deadline:
+                    return False
+                await asyncio.sleep(0.5)
+    finally:
+        await admin.close()
+
+
 async def ensure_topics(
     bootstrap: str, topics: Iterable[TopicRequest], timeout_s: float = 30.0
 ) -> list[str]:

@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common.kafka import broker_answers
+from services.common.kafka import broker_answers, wait_for_group_coordinator
 from services.common.settings import PROJECT_ROOT, Settings
 
 INFRA_DIR = PROJECT_ROOT / "infra" / "kafka"
@@ -208,6 +208,8 @@ class KafkaBroker:
             if exited:
                 raise BrokerError(f"the broker exited during start; see {self.log_file}")
             if asyncio.run(broker_answers(self.cfg.bootstrap, 2.0)):
+                if proc is not None:  # freshly started: let it create __consumer_offsets
+                    asyncio.run(wait_for_group_coordinator(self.cfg.bootstrap, 60.0))
                 return self.status()
             time.sleep(0.3)
         raise BrokerError(

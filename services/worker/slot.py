@@ -40,6 +40,11 @@ from aiokafka.coordinator.protocol import (
     ConsumerProtocolMemberAssignment,
     ConsumerProtocolMemberMetadata,
 )
+from aiokafka.errors import (
+    CoordinatorLoadInProgressError,
+    GroupCoordinatorNotAvailableError,
+    NotCoordinatorError,
+)
 
 _log = logging.getLogger(__name__)
 
@@ -65,10 +70,30 @@ def slot_group(prefix: str, slot: int) -> str:
     return f"{prefix}-worker-slot-{slot}"
 
 
-async def slot_members(admin: AIOKafkaAdminClient, group: str) -> list[SlotMember]:
-    """Live members of ``group`` (none when it is empty, dead or unknown)."""
+async def slot_members(
+    admin: AIOKafkaAdminClient, group: str, retry_s: float = 60.0
+) -> list[SlotMember]:
+    """Live members of ``group`` (none when it is empty, dead or unknown).
+
+    A fresh broker has no group coordinator until ``__consumer_offsets`` exists, and a
+    coordinator may be loading: those answers are transient, so they are retried for up to
+    ``retry_s`` before the error is raised.
+    """
+    deadline = time.monotonic() + retry_s
+    while True:
+        try:
+            responses = await admin.describe_consumer_groups([group])
+            break
+        except (
+            GroupCoordinatorNotAvailableError,
+            CoordinatorLoadInProgressError,
+            NotCoordinatorError,
+        ):
+            if time.monotonic() >= deadline:
+                raise
+            await asyncio.sleep(0.5)
     members: list[SlotMember] = []
-    for response in await admin.describe_consumer_groups([group]):
+    for response in responses:
         for desc in response.to_object()["groups"]:
             if desc["group"] != group or desc["state"] in ("Dead", "Empty"):
                 continue

@@ -96,7 +96,19 @@ class LiveStack:
             proc = subprocess.Popen(spec.argv, env=env, stdout=log, stderr=subprocess.STDOUT)
         self.stack.procs = [(s, proc if s.name == name else p) for s, p in self.stack.procs]
 
-    def wait_ready(self, timeout_s: float = 90.0) -> None:
+    def _warm_up(self, deadline: float) -> bool:
+        """One request end to end: on a fresh broker the Faust consumer groups of ingest
+        and the scheduler may still be settling when every probe already says ready."""
+        body = {"model": MODEL, "prompt": "warm up", "max_tokens": 2}
+        try:
+            resp = httpx.post(f"{self.base_url}/v1/completions", json=body,
+                              headers=self.headers(),
+                              timeout=max(1.0, deadline - time.monotonic()))
+        except httpx.TimeoutException:
+            return False
+        return resp.status_code == 200
+
+    def wait_ready(self, timeout_s: float = 180.0) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             dead = self.stack.failed()
@@ -109,7 +121,7 @@ class LiveStack:
                 ready = httpx.get(f"{self.base_url}/readyz", timeout=2)
                 if models.status_code == 200 and ready.status_code == 200 and models.json()[
                     "data"
-                ]:
+                ] and self._warm_up(deadline):
                     return
             except httpx.HTTPError:
                 pass

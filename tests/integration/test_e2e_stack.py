@@ -33,6 +33,7 @@ from services.common.kafka import make_consumer
 from services.common.settings import Settings
 from services.stack import ServiceSpec, Stack, StackConfig, settings_env, stack_services
 from tests.fakes.ingest_stack import free_port
+from tests.fakes.live_stack import wait_stack_ready
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -110,24 +111,8 @@ class LiveStack:
         return resp.status_code == 200
 
     def wait_ready(self, timeout_s: float = 180.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            dead = self.stack.failed()
-            if dead:
-                name = dead[0][0]
-                tail = (self.log_dir / f"{name}.log").read_text(errors="replace")[-3000:]
-                raise AssertionError(f"stack process exited: {dead}; {name}'s log ends:\n{tail}")
-            try:
-                models = httpx.get(f"{self.base_url}/v1/models", headers=self.headers(), timeout=2)
-                ready = httpx.get(f"{self.base_url}/readyz", timeout=2)
-                if models.status_code == 200 and ready.status_code == 200 and models.json()[
-                    "data"
-                ] and self._warm_up(deadline):
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise AssertionError(f"stack not ready in {timeout_s} s; logs in {self.log_dir}")
+        wait_stack_ready(self.stack, self.base_url, self.log_dir, timeout_s,
+                         also=self._warm_up)
 
 
 @pytest.fixture(scope="module")

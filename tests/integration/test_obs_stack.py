@@ -33,6 +33,7 @@ from services.common.settings import Settings
 from services.dev.jaeger import OTLP_HTTP_TRACES, QUERY_URL, Jaeger, JaegerError, query_answers
 from services.stack import Stack, StackConfig, metrics_url, settings_env, stack_services
 from tests.fakes.ingest_stack import free_port
+from tests.fakes.live_stack import wait_stack_ready
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -124,23 +125,7 @@ class TracedStack:
         return {name: url for name, url in urls.items() if url is not None}
 
     def wait_ready(self, timeout_s: float = 90.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            dead = self.stack.failed()
-            if dead:
-                name = dead[0][0]
-                tail = (self.log_dir / f"{name}.log").read_text(errors="replace")[-3000:]
-                raise AssertionError(f"stack process exited: {dead}; {name}'s log:\n{tail}")
-            try:
-                ready = httpx.get(f"{self.base_url}/readyz", timeout=2)
-                models = httpx.get(f"{self.base_url}/v1/models", timeout=2,
-                                   headers={"Authorization": "Bearer open-key"})
-                if ready.status_code == 200 and models.json().get("data"):
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise AssertionError(f"stack not ready in {timeout_s} s; logs in {self.log_dir}")
+        wait_stack_ready(self.stack, self.base_url, self.log_dir, timeout_s)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ import asyncio
 import hashlib
 import json
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +27,7 @@ from services.common.settings import Settings
 from services.ops.top import top
 from services.stack import Stack, StackConfig, settings_env, stack_services, write_services_file
 from tests.fakes.ingest_stack import free_port
+from tests.fakes.live_stack import wait_stack_ready
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -67,23 +67,7 @@ class LiveStack:
         self.base_url = f"http://127.0.0.1:{self.http_port}"
 
     def wait_ready(self, timeout_s: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            dead = self.stack.failed()
-            if dead:
-                name = dead[0][0]
-                tail = (self.log_dir / f"{name}.log").read_text(errors="replace")[-3000:]
-                raise AssertionError(f"stack process exited: {dead}; {name}'s log:\n{tail}")
-            try:
-                ready = httpx.get(f"{self.base_url}/readyz", timeout=2)
-                models = httpx.get(f"{self.base_url}/v1/models", timeout=2,
-                                   headers={"Authorization": "Bearer open-key"})
-                if ready.status_code == 200 and models.json().get("data"):
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise AssertionError(f"stack not ready in {timeout_s} s; logs in {self.log_dir}")
+        wait_stack_ready(self.stack, self.base_url, self.log_dir, timeout_s)
 
     def chat(self, key: str = "open-key") -> int:
         body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}],

@@ -1,0 +1,45 @@
+"""Test-only: wait until a live stack started with ``services.stack.Stack`` serves requests.
+
+Shared by the end-to-end, observability and ``llmq top`` stack tests. Fails fast with the
+log tail of the first child that exited.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+
+from services.stack import Stack
+
+
+def wait_stack_ready(
+    stack: Stack,
+    base_url: str,
+    log_dir: Path,
+    timeout_s: float,
+    *,
+    api_key: str = "open-key",
+    also: Callable[[float], bool] | None = None,
+) -> None:
+    """Poll /readyz and /v1/models (and ``also(deadline)``) until the stack is ready."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        dead = stack.failed()
+        if dead:
+            name = dead[0][0]
+            tail = (log_dir / f"{name}.log").read_text(errors="replace")[-3000:]
+            raise AssertionError(f"stack process exited: {dead}; {name}'s log ends:\n{tail}")
+        try:
+            ready = httpx.get(f"{base_url}/readyz", timeout=2)
+            models = httpx.get(f"{base_url}/v1/models", timeout=2,
+                               headers={"Authorization": f"Bearer {api_key}"})
+            if (ready.status_code == 200 and models.status_code == 200
+                    and models.json().get("data") and (also is None or also(deadline))):
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"stack not ready in {timeout_s} s; logs in {log_dir}")

@@ -8,11 +8,21 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
 
-from services.stack import Stack
+from services.stack import Stack, StackConfig
+from tests.fakes.ingest_stack import free_port_block
+
+
+def loopback_config(**fields: object) -> StackConfig:
+    """A :class:`StackConfig` whose HTTP, health and metrics ports are one free block."""
+    cfg = StackConfig(**fields)  # type: ignore[arg-type]
+    workers = cfg.short_workers + cfg.long_workers + cfg.any_workers
+    base = free_port_block(2 + 3 + workers)
+    return replace(cfg, http_port=base, health_port=base + 1, metrics_base_port=base + 2)
 
 
 def wait_stack_ready(

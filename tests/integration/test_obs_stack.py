@@ -31,9 +31,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from services.common.kafka import make_producer
 from services.common.settings import Settings
 from services.dev.jaeger import OTLP_HTTP_TRACES, QUERY_URL, Jaeger, JaegerError, query_answers
-from services.stack import Stack, StackConfig, metrics_url, settings_env, stack_services
-from tests.fakes.ingest_stack import free_port
-from tests.fakes.live_stack import wait_stack_ready
+from services.stack import Stack, metrics_url, settings_env, stack_services
+from tests.fakes.live_stack import loopback_config, wait_stack_ready
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -103,11 +102,9 @@ class TracedStack:
     def __init__(self, tmp: Path) -> None:
         self.prefix = f"o{uuid.uuid4().hex[:8]}"
         self.settings = Settings(topic_prefix=self.prefix, assignment_partitions=8)
-        self.http_port = free_port()
-        self.specs = stack_services(StackConfig(
-            http_port=self.http_port, health_port=free_port(), metrics_base_port=free_port(),
-            time_scale=0.05, model=MODEL,
-        ))
+        cfg = loopback_config(time_scale=0.05, model=MODEL)
+        self.http_port = cfg.http_port
+        self.specs = stack_services(cfg)
         env = settings_env(self.settings) | {
             "LLMQ_TENANTS_FILE": str(_tenants_file(tmp / "tenants.toml")),
             "LLMQ_WORKER_HEARTBEAT_INTERVAL": "0.5",

@@ -25,9 +25,8 @@ from click.testing import CliRunner
 
 from services.common.settings import Settings
 from services.ops.top import top
-from services.stack import Stack, StackConfig, settings_env, stack_services, write_services_file
-from tests.fakes.ingest_stack import free_port
-from tests.fakes.live_stack import wait_stack_ready
+from services.stack import Stack, settings_env, stack_services, write_services_file
+from tests.fakes.live_stack import loopback_config, wait_stack_ready
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -52,11 +51,9 @@ class LiveStack:
     def __init__(self, tmp: Path) -> None:
         self.settings = Settings(topic_prefix=f"top{uuid.uuid4().hex[:8]}",
                                  assignment_partitions=8, home=tmp)
-        self.http_port = free_port()
-        specs = stack_services(StackConfig(
-            http_port=self.http_port, health_port=free_port(), metrics_base_port=free_port(),
-            time_scale=0.05, model=MODEL,
-        ))
+        cfg = loopback_config(time_scale=0.05, model=MODEL)
+        self.http_port = cfg.http_port
+        specs = stack_services(cfg)
         env = settings_env(self.settings) | {
             "LLMQ_TENANTS_FILE": str(_tenants_file(tmp / "tenants.toml")),
             "LLMQ_WORKER_HEARTBEAT_INTERVAL": "0.5",

@@ -90,6 +90,7 @@ def make_capacity(
     queued_tokens: int = 0,
     drain_tokens_per_s: float = 10_000.0,
     max_model_len: int | None = None,
+    kv_headroom_tokens: int = 0,
 ) -> ModelCapacity:
     return ModelCapacity(
         model=model,
@@ -98,6 +99,7 @@ def make_capacity(
         queued_tokens=queued_tokens,
         drain_tokens_per_s=drain_tokens_per_s,
         max_model_len=max_model_len,
+        kv_headroom_tokens=kv_headroom_tokens,
     )
 
 

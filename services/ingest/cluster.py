@@ -92,17 +92,20 @@ class ClusterTracker:
         workers: dict[str, list[WorkerHeartbeat]] = defaultdict(list)
         for hb in self.live_workers(now):
             workers[self._canonical(hb.model)].append(hb)
-        queued: dict[str, tuple[int, float]] = {}
+        queued: dict[str, tuple[int, float, int]] = {}  # model -> (tokens, drain, running)
         for (model, _), st in self._statuses.items():
             if now - st.ts <= self._freshness.status_stale_s:
-                tokens, drain = queued.get(model, (0, 0.0))
-                queued[model] = (tokens + st.pending_tokens, drain + st.drain_tokens_per_s)
+                tokens, drain, running = queued.get(model, (0, 0.0, 0))
+                queued[model] = (tokens + st.pending_tokens, drain + st.drain_tokens_per_s,
+                                 running + st.running_tokens)
         capacities = []
         for model in workers.keys() | queued.keys():
             live = workers.get(model, [])
-            tokens, drain = queued.get(model, (0, 0.0))
+            tokens, drain, running = queued.get(model, (0, 0.0, 0))
             best_kv = max((hb.kv_total_tokens for hb in live), default=0)
-            capacities.append(ModelCapacity(model, len(live), best_kv, tokens, drain))
+            headroom = max(0, sum(hb.kv_total_tokens for hb in live) - running)
+            capacities.append(ModelCapacity(model, len(live), best_kv, tokens, drain,
+                                            kv_headroom_tokens=headroom))
         return ClusterView.of(capacities)
 
     def _live(self, hb: WorkerHeartbeat, now: float) -> bool:

@@ -24,6 +24,7 @@ Typical loop::
 
 from services.scheduler.core.affinity import AffinityMap
 from services.scheduler.core.cycle import schedule
+from services.scheduler.core.drain import DrainMeter
 from services.scheduler.core.errors import ConfigError
 from services.scheduler.core.lanes import DEFAULT_LANE_WEIGHTS, LaneInterleave
 from services.scheduler.core.ledger import Ledger, Reservation
@@ -66,6 +67,7 @@ __all__ = [
     "ConfigError",
     "Decision",
     "Defer",
+    "DrainMeter",
     "Factory",
     "Filter",
     "LaneInterleave",

@@ -11,11 +11,12 @@ This adapter only plays the parts of the Kafka plumbing:
   interval), in one fresh :class:`Snapshot` that the scheduler uses until the next one.
   The ledger, updated at once by placements and finishes, is ahead of it.
 * **Queue status** (``llmq.status``) with the same period: ``queued_tokens`` = Σ (prompt +
-  max_tokens) of pending requests, ``drain_tokens_per_s`` = Σ (prompt + generated) of
-  requests finished in ``(now − drain_window_s, now]`` divided by ``drain_window_s``
-  (30 s), as the live scheduler's ``DrainMeter`` measures it. With the live workers and
-  their largest usable KV it forms the :class:`ClusterView` admission reads; like the
-  live ingest, admission sees it as of the last status.
+  max_tokens) of pending requests, ``drain_tokens_per_s`` from the live scheduler's
+  :class:`DrainMeter` (tokens finished while requests waited, per backlogged second, over
+  ``drain_window_s`` = 30 s), fed the same way: finishes as they happen, the backlog
+  after every scheduling pass. With the live workers, their largest usable KV and the
+  fleet's KV headroom it forms the :class:`ClusterView` admission reads; like the live
+  ingest, admission sees it as of the last status.
 * **Assignments** are delivered at once: a placement is added to its engine and marked
   started in the ledger in the same instant; a finish releases the reservation and settles
   the tenant's token bucket (``settle``) at once. Both pass their time (``at=now``), so the
@@ -37,7 +38,7 @@ request's timeout) and ``too_large``.
 from __future__ import annotations
 
 import random
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Final
@@ -59,6 +60,7 @@ from services.ingest.core import Reject as AdmissionReject
 from services.scheduler import (
     DEFAULT_LANE_WEIGHTS,
     DEFAULT_PROFILE,
+    DrainMeter,
     Ledger,
     PendingQueue,
     Placement,
@@ -114,8 +116,7 @@ class LlmqPolicy:
         self._states: dict[str, TenantState] = {}
         self._reserved: dict[int, int] = {}
         self._queued_tokens = 0
-        self._finished: deque[tuple[float, int]] = deque()  # (time, tokens) in the window
-        self._finished_tokens = 0
+        self._drain = DrainMeter(cfg.drain_window_s)
         self._decoded: list[int] = []
         self._snapshot: Snapshot | None = None
         self._view = ClusterView()
@@ -193,8 +194,7 @@ class LlmqPolicy:
         self._ledger.release(str(job.idx), 0, at=now)
         used = job.prompt + job.output
         self._settle(job, used, now)
-        self._finished.append((now, used))
-        self._finished_tokens += used
+        self._drain.add(self._model, now, used)
         self._schedule(now)
 
     def queued(self) -> int:
@@ -210,13 +210,14 @@ class LlmqPolicy:
         )
 
     def _schedule(self, now: float) -> None:
-        if not len(self._pending) or self._snapshot is None:
-            return
+        if len(self._pending) and self._snapshot is not None:
+            self._place(self._snapshot, now)
+        self._drain.waiting(now, (self._model,) if len(self._pending) else ())
+
+    def _place(self, snapshot: Snapshot, now: float) -> None:
         sim = self._started()
         jobs = sim.jobs
-        decisions = schedule(
-            self._snapshot, self._pending, self._ledger, self._pipeline, now, self._rng
-        )
+        decisions = schedule(snapshot, self._pending, self._ledger, self._pipeline, now, self._rng)
         for d in decisions:
             if isinstance(d, Placement):
                 job = jobs[int(d.request.request_id)]
@@ -258,18 +259,15 @@ class LlmqPolicy:
         )
 
     def _cluster_view(self, states: list[WorkerState], now: float) -> ClusterView:
-        window = self.config.drain_window_s
-        finished = self._finished
-        while finished and finished[0][0] <= now - window:
-            self._finished_tokens -= finished.popleft()[1]
-        drain = self._finished_tokens / window
-        usable = max(self._ledger.usable_kv(s) for s in states)
+        usable = [self._ledger.usable_kv(s) for s in states]
+        reserved = sum(self._ledger.reserved_kv(s.worker_id) for s in states)
         capacity = ModelCapacity(
             model=self._model,
             live_workers=len(states),
-            max_usable_kv_tokens=usable,
+            max_usable_kv_tokens=max(usable),
             queued_tokens=self._queued_tokens,
-            drain_tokens_per_s=drain,
+            drain_tokens_per_s=self._drain.rate(self._model, now),
+            kv_headroom_tokens=max(0, sum(usable) - reserved),
         )
         return ClusterView.of([capacity])
 

@@ -95,6 +95,17 @@ REJECTS = [
     ("queue with unknown drain", make_request(), POLICY, None,
      make_cluster(make_capacity(queued_tokens=100, drain_tokens_per_s=0.0)),
      "overloaded", "drain_unknown", 5.0),
+    # make_request() needs 200 tokens: 100 queued + 200 does not fit in 299 free.
+    ("unknown drain, backlog beyond the free KV", make_request(), POLICY, None,
+     make_cluster(make_capacity(queued_tokens=100, drain_tokens_per_s=0.0,
+                                kv_headroom_tokens=299)),
+     "overloaded", "drain_unknown", 5.0),
+    # 100 queued at 1/s, 10 s timeout, needs 200 — and 299 free KV is not enough to start
+    # it all at once either.
+    ("slow drain and too little free KV", make_request(timeout_s=10.0), POLICY, None,
+     make_cluster(make_capacity(queued_tokens=100, drain_tokens_per_s=1.0,
+                                kv_headroom_tokens=299)),
+     "overloaded", "queue_backlog", 100.0),
     ("queue with NaN drain", make_request(), POLICY, None,
      make_cluster(make_capacity(queued_tokens=100, drain_tokens_per_s=float("nan"))),
      "overloaded", "drain_unknown", 5.0),
@@ -217,6 +228,17 @@ def test_admits_when_the_queue_is_empty_or_drains_in_time(
 ) -> None:
     cluster = make_cluster(make_capacity(queued_tokens=queued, drain_tokens_per_s=drain))
     assert isinstance(decide(make_request(timeout_s=timeout_s), cluster=cluster), Admit)
+
+
+@pytest.mark.parametrize("drain", [0.0, float("nan"), 0.5])
+def test_a_backlog_the_free_kv_can_start_at_once_is_admitted_whatever_the_drain(
+    drain: float,
+) -> None:
+    # 100 queued + 200 needed = 300 = the fleet's free KV: everything can start now. A
+    # fleet that was idle measured almost no drain (0.5 tokens/s of one warm-up request).
+    cluster = make_cluster(make_capacity(queued_tokens=100, drain_tokens_per_s=drain,
+                                         kv_headroom_tokens=300))
+    assert isinstance(decide(make_request(), cluster=cluster), Admit)
 
 
 def test_cluster_view_keyed_by_served_name_is_found_too() -> None:

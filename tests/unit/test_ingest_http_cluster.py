@@ -24,9 +24,10 @@ def beat(worker: str, **changes: object) -> object:
     return make_heartbeat(**fields)
 
 
-def status(model: str, scheduler: str, pending: int, drain: float, ts: float) -> QueueStatus:
+def status(model: str, scheduler: str, pending: int, drain: float, ts: float,
+           running: int = 0) -> QueueStatus:
     return QueueStatus(model=model, scheduler_id=scheduler, pending_requests=1,
-                       pending_tokens=pending, running_tokens=0, drain_tokens_per_s=drain,
+                       pending_tokens=pending, running_tokens=running, drain_tokens_per_s=drain,
                        live_workers=1, max_usable_kv_tokens=1, ts=ts)
 
 
@@ -70,6 +71,18 @@ def test_queue_status_is_summed_over_fresh_schedulers() -> None:
     t.observe_status(status("llama-3.1-8b", "s1", 1, 1.0, NOW - 30))  # older than s1's newest
     capacity = t.view(NOW).models["llama-3.1-8b"]
     assert (capacity.queued_tokens, capacity.drain_tokens_per_s) == (1500, 75.0)
+
+
+def test_kv_headroom_is_the_live_budget_minus_what_running_requests_reserve() -> None:
+    t = tracker()
+    t.observe_heartbeat(beat("a", kv_total_tokens=1000, kv_free_tokens=0))
+    t.observe_heartbeat(beat("b", kv_total_tokens=5000, kv_free_tokens=0))
+    t.observe_heartbeat(beat("gone", ts=NOW - 3.5, kv_total_tokens=9000, kv_free_tokens=0))
+    t.observe_status(status(LLAMA, "s1", 10, 0.0, NOW - 1, running=1500))
+    t.observe_status(status(LLAMA, "s2", 10, 0.0, NOW - 1, running=500))
+    assert t.view(NOW).models["llama-3.1-8b"].kv_headroom_tokens == 4000
+    t.observe_status(status(LLAMA, "s2", 10, 0.0, NOW, running=9000))
+    assert t.view(NOW).models["llama-3.1-8b"].kv_headroom_tokens == 0  # never negative
 
 
 def test_status_without_workers_keeps_the_model_with_no_live_worker() -> None:

@@ -1,46 +1,10 @@
-"""DrainMeter (sliding-window drain rate) and RecentCancels (cancel memory)."""
+"""RecentCancels: cancels remembered until their request shows up."""
 
 from __future__ import annotations
 
 import pytest
 
-from services.scheduler.runtime.meters import DrainMeter, RecentCancels
-
-
-@pytest.mark.parametrize(
-    ("samples", "now", "rate"),
-    [
-        ([], 100.0, 0.0),
-        ([(90.0, 300)], 100.0, 10.0),  # 300 tokens in a 30 s window
-        ([(90.0, 300), (95.0, 600)], 100.0, 30.0),
-        ([(69.0, 300), (95.0, 600)], 100.0, 20.0),  # the first left the window
-        ([(70.0, 300)], 100.0, 0.0),  # exactly window_s old: out
-        ([(10.0, 999), (20.0, 999)], 100.0, 0.0),  # replayed history counts for nothing
-        ([(99.0, 0)], 100.0, 0.0),  # nothing generated, nothing drained
-    ],
-)
-def test_drain_rate_over_the_window(
-    samples: list[tuple[float, int]], now: float, rate: float
-) -> None:
-    meter = DrainMeter(30.0)
-    for ts, tokens in samples:
-        meter.add("m", ts, tokens)
-    assert meter.rate("m", now) == pytest.approx(rate)
-
-
-def test_drain_rate_is_per_model_and_forgets_idle_models() -> None:
-    meter = DrainMeter(10.0)
-    meter.add("a", 0.0, 100)
-    meter.add("b", 5.0, 50)
-    assert meter.rate("a", 6.0) == pytest.approx(10.0)
-    assert meter.rate("b", 6.0) == pytest.approx(5.0)
-    assert meter.rate("a", 20.0) == 0.0
-    assert meter.models() == ["b"]
-
-
-def test_drain_window_must_be_positive() -> None:
-    with pytest.raises(ValueError):
-        DrainMeter(0.0)
+from services.scheduler.runtime.meters import RecentCancels
 
 
 @pytest.mark.parametrize(

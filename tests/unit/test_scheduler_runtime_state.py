@@ -278,7 +278,8 @@ def test_queue_status_per_model() -> None:
     assert (status.pending_requests, status.pending_tokens) == (1, 6_008)
     assert status.running_tokens == 6_016
     assert (status.live_workers, status.max_usable_kv_tokens) == (2, 9_500)
-    assert status.drain_tokens_per_s == pytest.approx(1_020 / 30.0)
+    # The third request has waited since T: 1,020 tokens finished in 3 backlogged seconds.
+    assert status.drain_tokens_per_s == pytest.approx(1_020 / 3.0)
 
 
 def test_revoked_partitions_take_their_pending_requests_but_not_requeues() -> None:

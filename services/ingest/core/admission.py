@@ -16,9 +16,10 @@ data; the ingest agent publishes them). Checks, first failure wins:
 4. ``rate_limited`` (429): concurrency cap (no Retry-After: release time unknown), request
    or token bucket (exact Retry-After, see :mod:`.rate_limit`).
 5. ``overloaded`` (503), fail closed: no live worker for the model (empty fleet =
-   saturated), or a non-empty queue with no measured drain rate (Retry-After:
-   ``unknown_drain_retry_after_s``, and the reason says so), or the queue would not drain
-   in time: ``queued + need > drain × timeout_s``, Retry-After =
+   saturated); or a non-empty queue that the fleet could not start at once
+   (``queued + need > kv_headroom_tokens``) and that, with no measured drain rate, gets
+   Retry-After ``unknown_drain_retry_after_s`` (the reason says so), or that would not
+   drain in time: ``queued + need > drain × timeout_s``, Retry-After =
    ``min(queued, queued + need − drain × timeout_s) / drain`` (the time until, with no new
    arrivals, the backlog fits or is gone), capped at ``max_retry_after_s``. An empty queue
    never rejects: the request starts at once and its own length is bounded by 3.
@@ -73,8 +74,12 @@ class ModelCapacity:
     ``max_usable_kv_tokens``: usable KV token slots of the largest such worker (its whole
     budget, not what is free now). ``queued_tokens``: Σ (prompt +
     max_tokens) of admitted requests for the model not yet placed. ``drain_tokens_per_s``:
-    the same unit leaving the queue per second, measured over a recent window (0 or NaN:
-    unknown). ``max_model_len``: the smallest limit the workers report, None if unreported.
+    the same unit leaving the queue per second, measured while work waited (0 or NaN:
+    unknown — a fleet that has not been busy yet has no measured capacity).
+    ``max_model_len``: the smallest limit the workers report, None if unreported.
+    ``kv_headroom_tokens``: Σ KV budget of the live workers minus what running requests
+    reserve — how much could start at once. A backlog within it is admitted whatever the
+    drain rate (an idle fleet's measured rate says little about what it can do).
     """
 
     model: str
@@ -83,6 +88,7 @@ class ModelCapacity:
     queued_tokens: int
     drain_tokens_per_s: float
     max_model_len: int | None = None
+    kv_headroom_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,12 +236,13 @@ def _overloaded(
         reason = f"no live worker serves {model!r} (fail closed)"
         return Reject("overloaded", reason, config.unknown_drain_retry_after_s, "no_live_workers")
     queued = capacity.queued_tokens
-    if queued <= 0:
-        return None
+    if queued <= 0 or queued + need <= capacity.kv_headroom_tokens:
+        return None  # all of it can start now, whatever the drain rate says
     drain = capacity.drain_tokens_per_s
     if not drain > 0.0:  # also NaN
         reason = (
-            f"{queued} tokens queued for {model!r} and no measured drain rate; failing closed"
+            f"{queued} tokens queued for {model!r}, more than the fleet's free KV "
+            f"({capacity.kv_headroom_tokens}), and no measured drain rate yet; failing closed"
         )
         return Reject("overloaded", reason, config.unknown_drain_retry_after_s, "drain_unknown")
     drainable = drain * timeout_s

@@ -7,7 +7,7 @@ Who owns what (one owner each, driven from the service's single event loop):
 - :mod:`.fleet` — :class:`FleetView`: newest heartbeat per worker, liveness (stale = dead);
 - :mod:`.log` — :class:`AssignmentLog`: assignments and lifecycle events per request, the
   replayable memory the ledger is rebuilt from after a restart;
-- :mod:`.meters` — :class:`DrainMeter` (drain rate for QueueStatus), :class:`RecentCancels`;
+- :mod:`.meters` — :class:`RecentCancels` (cancels that arrived before their request);
 - :mod:`.flow` — :class:`OrderedAcks` (acks in offset order), :class:`PauseLadder`
   (which request topics to pause as the queue fills);
 - :mod:`.messages` — translations between wire messages and the core's values;

@@ -51,6 +51,7 @@ from schemas.workers import (
     WorkerHeartbeat,
 )
 from services.scheduler import (
+    DrainMeter,
     Ledger,
     PendingQueue,
     Pipeline,
@@ -73,7 +74,7 @@ from services.scheduler.runtime.messages import (
     restored_request,
     terminal,
 )
-from services.scheduler.runtime.meters import DrainMeter, RecentCancels
+from services.scheduler.runtime.meters import RecentCancels
 
 _log = logging.getLogger(__name__)
 
@@ -391,6 +392,7 @@ class SchedulerState:
                 if isinstance(decision, Placement):
                     self.ledger.release(decision.request.request_id, decision.attempt)
         placed_n = len(placements)
+        self.drain.waiting(now, [m for m, (n, _) in self._pending_models.items() if n > 0])
         more = self.config.max_placements is not None and placed_n >= self.config.max_placements
         return TickResult(effects, placed_n, rejected, requeued, lost, schedule_s, more,
                           tuple(placements), deferred)

@@ -47,7 +47,7 @@ class SchedulerTopics:
         return [topic for _, topic in self.requests]
 
     def to_create(self) -> list[TopicRequest]:
-        """The catalog: faust creates no topics of its own for this app."""
+        """The catalog (the service adds Faust's leader topic: ``leader_topic``)."""
         return [
             TopicRequest(s.name, s.partitions, s.config)
             for s in catalog(self.prefix, self.assignment_partitions)

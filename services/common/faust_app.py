@@ -21,7 +21,7 @@ from typing import Any
 
 import faust
 
-from services.common.kafka import MAX_RECORD_BYTES
+from services.common.kafka import MAX_RECORD_BYTES, TopicRequest
 from services.common.settings import Settings
 
 
@@ -57,3 +57,15 @@ def run_app(app: faust.App, loglevel: str = "info") -> None:
     worker = faust.Worker(app, loglevel=loglevel, redirect_stdouts=False)
     logging.getLogger("faust").setLevel(loglevel.upper())
     worker.execute_from_commandline()
+
+
+def leader_topic(app_id: str) -> TopicRequest:
+    """Faust's leader-assignor topic of app ``app_id`` (Faust's own name and size for it).
+
+    Services create it with their other topics, before Faust starts: created by Faust the
+    instant its consumer subscribes, it can be missing from that consumer's first metadata,
+    and the app then runs without the leader partition (``is_leader()`` False) until the
+    next metadata refresh.
+    """
+    return TopicRequest(f"{app_id}-__assignor-__leader", 1)
+

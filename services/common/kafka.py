@@ -31,7 +31,44 @@ class TopicRequest:
     config: dict[str, str] = field(default_factory=dict)
 
 
-def make_producer(bootstrap: str, **overrides: Any) -> AIOKafkaProducer:
+class Producer(AIOKafkaProducer):  # type: ignore[misc]  # aiokafka ships no types
+    """An ``AIOKafkaProducer`` that keeps every topic it sends to in its metadata.
+
+    Works around aiokafka 0.14's client: it starts out tracking "all topics", and the
+    first send to a topic its metadata lacks (a reply topic created after the producer
+    started) narrows the tracked set to that one topic; the next metadata refresh then
+    drops every other topic. A batch already waiting for one of those has no leader any
+    more, and the refreshes it triggers never bring it back: seen as a worker's
+    ``first_token`` event stuck behind the first reply to a new ingest reply topic, so the
+    request's ``done`` event never went out and its KV reservation stayed booked.
+    Tracking each topic on its first send keeps the set a superset of what is in flight.
+    """
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self._tracked: set[str] = set()
+
+    async def send(self, topic: str, *args: Any, **kwargs: Any) -> Any:
+        if topic not in self._tracked:
+            track_topics(self, [topic])
+        return await super().send(topic, *args, **kwargs)
+
+
+def track_topics(producer: AIOKafkaProducer, topics: Iterable[str]) -> None:
+    """Add ``topics`` to the metadata ``producer``'s client keeps (see :class:`Producer`).
+
+    For producers we do not build ourselves (Faust's), call it right after they start with
+    every topic the service writes to; a topic added later is then added to the set, not
+    swapped in for it.
+    """
+    tracked = getattr(producer, "_tracked", None)
+    for topic in topics:
+        producer.client.add_topic(topic)
+        if tracked is not None:
+            tracked.add(topic)
+
+
+def make_producer(bootstrap: str, **overrides: Any) -> Producer:
     """An idempotent producer, ``acks=all``, small linger so replies stream promptly."""
     options: dict[str, Any] = {
         "bootstrap_servers": bootstrap,
@@ -42,7 +79,7 @@ def make_producer(bootstrap: str, **overrides: Any) -> AIOKafkaProducer:
         "max_request_size": MAX_RECORD_BYTES,
     }
     options.update(overrides)
-    return AIOKafkaProducer(**options)
+    return Producer(**options)
 
 
 def make_consumer(bootstrap: str, *topics: str, **overrides: Any) -> AIOKafkaConsumer:
@@ -102,28 +139,47 @@ async def wait_for_group_coordinator(bootstrap: str, timeout_s: float = 60.0) ->
 async def ensure_topics(
     bootstrap: str, topics: Iterable[TopicRequest], timeout_s: float = 30.0
 ) -> list[str]:
-    """Create the topics that do not exist yet; returns the names created. Idempotent."""
+    """Create the topics that do not exist yet; returns the names created. Idempotent.
+
+    Returns once every requested topic has all its partitions led: a client that looks up
+    a topic the moment it was created can get it without partitions, and Faust, for one,
+    then refuses to write a table's changelog until its next metadata refresh (minutes).
+    """
+    wanted = list(topics)
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=15_000)
     await asyncio.wait_for(admin.start(), timeout_s)
     try:
         existing = set(await admin.list_topics())
-        missing = [t for t in topics if t.name not in existing]
-        if not missing:
-            return []
-        new = [
-            NewTopic(
-                name=t.name,
-                num_partitions=t.partitions,
-                replication_factor=1,
-                topic_configs=t.config,
-            )
-            for t in missing
-        ]
-        try:
-            await asyncio.wait_for(admin.create_topics(new), timeout_s)
-        except TopicAlreadyExistsError:
-            # Another process created some of them between list and create: fine.
-            log.debug("topics created concurrently: %s", [t.name for t in missing])
+        missing = [t for t in wanted if t.name not in existing]
+        if missing:
+            new = [
+                NewTopic(
+                    name=t.name,
+                    num_partitions=t.partitions,
+                    replication_factor=1,
+                    topic_configs=t.config,
+                )
+                for t in missing
+            ]
+            try:
+                await asyncio.wait_for(admin.create_topics(new), timeout_s)
+            except TopicAlreadyExistsError:
+                # Another process created some of them between list and create: fine.
+                log.debug("topics created concurrently: %s", [t.name for t in missing])
+        await asyncio.wait_for(_until_led(admin, [t.name for t in wanted]), timeout_s)
         return [t.name for t in missing]
     finally:
         await admin.close()
+
+
+async def _until_led(admin: AIOKafkaAdminClient, names: list[str]) -> None:
+    """Poll the broker until every topic in ``names`` exists and each partition has a leader."""
+    while names:
+        described = await admin.describe_topics(names)
+        names = [
+            d["topic"] for d in described
+            if d["error_code"] != 0 or not d["partitions"]
+            or any(p["error_code"] != 0 or p["leader"] < 0 for p in d["partitions"])
+        ]
+        if names:
+            await asyncio.sleep(0.05)

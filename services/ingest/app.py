@@ -39,14 +39,14 @@ from mode import Service
 from schemas.codec import encode
 from services.common.faust_app import make_app
 from services.common.guard import DeadLetterSend, Guard, Headers
-from services.common.kafka import ensure_topics
+from services.common.kafka import ensure_topics, track_topics
 from services.common.settings import Settings
 from services.ingest.cluster import ClusterTracker, ClusterWatcher, Freshness
 from services.ingest.core import TokenCounter
 from services.ingest.intake import IntakeHandler, Publish
 from services.ingest.settings import IngestSettings
 from services.ingest.tenants import Tenancy
-from services.ingest.topics import IngestTopics
+from services.ingest.topics import TABLES, IngestTopics
 
 _log = logging.getLogger("services.ingest")
 _RAW: dict[str, Any] = {
@@ -107,8 +107,8 @@ def build_app(rt: IngestRuntime) -> IngestApp:
         rt.settings.bootstrap, tracker, heartbeats_topic=topics.heartbeats,
         status_topic=topics.status, guard=guard,
     )
-    buckets = app.Table("buckets", partitions=topics.partitions, schema=_TABLE_SCHEMA)
-    reservations = app.Table("reservations", partitions=topics.partitions, schema=_TABLE_SCHEMA)
+    buckets, reservations = (app.Table(name, partitions=topics.partitions, schema=_TABLE_SCHEMA)
+                             for name in TABLES)
     publish = _publisher(app)
     handler = IntakeHandler(
         topics=topics, tenancy=rt.tenancy, tracker=tracker, buckets=buckets,
@@ -118,7 +118,7 @@ def build_app(rt: IngestRuntime) -> IngestApp:
         owner_partition=_partitioner(topics.partitions),
     )
     _add_agents(app, rt, handler, guard, watcher)
-    app.service(_ingest_service(rt, watcher))
+    app.service(_ingest_service(app, rt, watcher))
     return IngestApp(app, watcher)
 
 
@@ -203,11 +203,15 @@ def _topic_creator(bootstrap: str, topics: IngestTopics) -> Callable[[str], Awai
     return ensure
 
 
-def _ingest_service(rt: IngestRuntime, watcher: ClusterWatcher) -> type[Any]:
+def _ingest_service(app: faust.App, rt: IngestRuntime, watcher: ClusterWatcher) -> type[Any]:
     """A mode Service (started by the app) that runs the fleet reader and logs the banner."""
 
     class IngestService(Service):
         async def on_start(self) -> None:
+            # Faust's producer is a plain AIOKafkaProducer: give its metadata every topic
+            # this app writes to before the first send (services.common.kafka.Producer).
+            producer = await app.maybe_start_producer()
+            track_topics(producer._ensure_producer(), [t.name for t in rt.topics.to_create()])
             await watcher.start()
             ingest, topics = rt.ingest, rt.topics
             _log.info(

@@ -30,7 +30,8 @@ reservation (prompt + max_tokens) to ``llmq_admitted_tokens_total`` of the tenan
 
 Failure rules (docs/live-system.md, "Guards"): an undecodable intake record raises
 ``SchemaError`` to the guard (dead letter) after an ``invalid`` Error is sent if the raw
-JSON names a request_id and an authorized reply target. An exception while deciding
+JSON names a request_id and an authorized reply target. An exception while deciding or
+while writing the decision to the tables (before anything was published for the request)
 sends an ``overloaded`` Error to the request's reply topic and re-raises (dead letter), so
 the client is never left waiting.
 """
@@ -200,15 +201,18 @@ class IntakeHandler:
         now = self._clock()
         try:
             decision = self._decide(req, now)
+            self._record(req, decision)
         except Exception:
+            # Nothing was published for it yet: this Error is its one terminal reply.
             _count_refusal("overloaded")
             await self._send(_fallback_target(req, self._topics.prefix), _error(
-                req.request_id, "overloaded", "ingest failed to decide on this request", now,
-                retry_after_s=1.0,
+                req.request_id, "overloaded",
+                "ingest failed to admit this request (an internal error, logged by ingest); "
+                "retry", now, retry_after_s=1.0,
             ))
             raise
         _annotate(span, decision)
-        await self._apply(req, decision)
+        await self._send(decision.topic, decision.message)
 
     def _owns(self, record: SourceRecord, tenant_key: bytes) -> bool:
         """Whether the record sits where its tenant's state is: keyed by the tenant, on the
@@ -257,7 +261,8 @@ class IntakeHandler:
         return _Decision(request_topic(self._topics.prefix, result.priority, result.lane),
                          message, result.new_state, reservation)
 
-    async def _apply(self, req: InferenceRequest, decision: _Decision) -> None:
+    def _record(self, req: InferenceRequest, decision: _Decision) -> None:
+        """Write the decision's tenant state and reservation (tables), count it."""
         if decision.state is not None:
             self._buckets[req.tenant] = decision.state.to_dict()
         if decision.reservation is not None:
@@ -267,7 +272,6 @@ class IntakeHandler:
             _count_refusal(message.code)
         else:
             ADMITTED_TOKENS.labels(tenant=req.tenant).inc(message.prompt_tokens + req.max_tokens)
-        await self._send(decision.topic, decision.message)
 
     async def _refuse_undecodable(self, raw: Any, exc: SchemaError) -> None:
         """Send ``invalid``/``too_large`` if the raw JSON says who is waiting; never raises."""

@@ -8,6 +8,11 @@ Besides catalog topics, ingest owns two of its own:
   ``<app id>-<table>-changelog``): terminal events re-keyed by tenant, so that the tenant's
   bucket is settled on the partition that owns it. It has as many partitions as
   ``llmq.intake``, which both tables share.
+
+It also creates the changelogs of its two Faust tables (:data:`TABLES`) before Faust
+starts, with the partitions Faust expects: Faust would create them too, but a consumer
+that looks them up the same instant can see them without partitions, and Faust then
+refuses every table write (``PartitionsMismatch``) until its next metadata refresh.
 """
 
 from __future__ import annotations
@@ -16,11 +21,14 @@ from dataclasses import dataclass
 from typing import Final
 
 from schemas.topics import TopicSpec, catalog, find_topic, reply_spec
+from services.common.faust_app import leader_topic
 from services.common.kafka import TopicRequest
 
 #: An instance's reply topic is ``reply_topic(prefix, INSTANCE_REPLIES + instance_id)``; no
 #: tenant may have a name starting with it.
 INSTANCE_REPLIES: Final = "ingest-"
+#: Ingest's Faust tables; each has the changelog ``<app id>-<table>-changelog``.
+TABLES: Final = ("buckets", "reservations")
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +44,9 @@ class IngestTopics:
     deadletter: str
     settle: str
     reply: str
+    changelogs: tuple[str, ...]
+    #: Faust's leader-assignor topic of the app (created up front, like the changelogs).
+    leader: TopicRequest
     #: Partitions of intake = of the settle topic = of both tables' changelogs.
     partitions: int
     assignment_partitions: int
@@ -58,19 +69,24 @@ class IngestTopics:
             deadletter=name("deadletter").name,
             settle=f"{app_id}-settle",
             reply=reply_spec(prefix, INSTANCE_REPLIES + instance_id).name,
+            changelogs=tuple(f"{app_id}-{table}-changelog" for table in TABLES),
+            leader=leader_topic(app_id),
             partitions=intake.partitions,
             assignment_partitions=assignment_partitions,
         )
 
     def to_create(self) -> list[TopicRequest]:
-        """Every topic ingest needs before it starts: the catalog, its reply topic and the
-        settle topic (Faust creates only its changelogs)."""
+        """Every topic ingest needs before it starts: the catalog, its reply topic, the
+        settle topic, the tables' changelogs and Faust's leader topic."""
         specs = [
             *catalog(self.prefix, self.assignment_partitions),
             find_topic(self.reply, self.prefix, self.assignment_partitions),
         ]
         requests = [TopicRequest(s.name, s.partitions, s.config) for s in specs]
         requests.append(TopicRequest(self.settle, self.partitions, {"cleanup.policy": "delete"}))
+        requests += [TopicRequest(name, self.partitions, {"cleanup.policy": "compact"})
+                     for name in self.changelogs]
+        requests.append(self.leader)
         return requests
 
     def reply_request(self, topic: str) -> TopicRequest:

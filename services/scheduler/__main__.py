@@ -20,11 +20,11 @@ from aiokafka.errors import KafkaError
 from pydantic import ValidationError
 
 from services.common import tracing
-from services.common.faust_app import run_app
+from services.common.faust_app import leader_topic, run_app
 from services.common.kafka import ensure_topics
 from services.common.settings import Settings
 from services.scheduler import ConfigError, build_pipeline
-from services.scheduler.app import SchedulerRuntime, build_app
+from services.scheduler.app import SchedulerRuntime, app_id, build_app
 from services.scheduler.runtime.topics import SchedulerTopics
 from services.scheduler.settings import SchedulerSettings
 
@@ -60,7 +60,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     topics = SchedulerTopics.of(settings.topic_prefix, settings.assignment_partitions)
     try:
-        asyncio.run(ensure_topics(settings.bootstrap, topics.to_create()))
+        faust_topics = [leader_topic(app_id(settings, scheduler))]
+        asyncio.run(ensure_topics(settings.bootstrap, [*topics.to_create(), *faust_topics]))
     except (KafkaError, OSError, TimeoutError) as exc:
         print(f"scheduler: cannot create topics on Kafka at {settings.bootstrap}: {exc!r}",
               file=sys.stderr)

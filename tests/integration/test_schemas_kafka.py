@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 import pytest
+from aiokafka.client import AIOKafkaClient
 
 from schemas.base import WireMessage
 from schemas.codec import decode, encode
@@ -33,6 +34,17 @@ async def test_every_message_roundtrips_through_the_broker(
     assert await ensure_topics(
         bootstrap, [TopicRequest(s.name, s.partitions, s.config) for s in specs]
     ) == []  # idempotent
+
+    # Returned only once every partition of every topic has a leader: a fresh consumer
+    # sees all partitions at once (Faust's PartitionsMismatch otherwise, see ensure_topics).
+    probe = AIOKafkaClient(bootstrap_servers=bootstrap)
+    await probe.bootstrap()
+    try:
+        cluster = await probe.fetch_all_metadata()
+        for spec in specs:
+            assert len(cluster.partitions_for_topic(spec.name) or ()) == spec.partitions
+    finally:
+        await probe.close()
 
     # A 1 MiB-character prompt must fit too (the catalog raises max.message.bytes).
     messages = [*sample_messages(), make_prompt_request("x" * (1 << 20))]

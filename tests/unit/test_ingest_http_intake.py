@@ -185,6 +185,25 @@ async def test_a_failed_decision_still_answers_then_raises() -> None:
     assert refusal.code == "overloaded" and refusal.retry_after_s == 1.0
 
 
+class RefusingTable(dict[str, Any]):
+    """A table whose writes fail, as Faust's do (PartitionsMismatch) while its consumer
+    sees a changelog topic without partitions."""
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        raise RuntimeError("PartitionsMismatch: the changelog topic has 0 partitions")
+
+
+async def test_a_failed_table_write_answers_once_publishes_nothing_then_raises() -> None:
+    h = Harness(load_tenancy(None))
+    h.handler._reservations = RefusingTable()
+    with pytest.raises(RuntimeError, match="PartitionsMismatch"):
+        await h.submit(request(reply_to="llmq.replies.ingest-a"))
+    [(topic, _, _)] = h.sent  # no admitted request went to a request topic
+    assert topic == "llmq.replies.ingest-a"
+    [refusal] = h.replies()
+    assert refusal.code == "overloaded" and "retry" in refusal.message
+
+
 async def test_terminal_events_become_settle_records_keyed_by_tenant() -> None:
     h = Harness(load_tenancy(None))
     usage = Usage(prompt_tokens=10, completion_tokens=3)
@@ -220,3 +239,13 @@ async def test_expired_reservations_are_found() -> None:
     assert list(h.handler.expired(NOW + 39)) == []
     [expired] = list(h.handler.expired(NOW + 41))
     assert (expired.request_id, expired.reason, expired.used_tokens) == ("r1", "expired", None)
+
+
+def test_ingest_creates_its_table_changelogs_before_faust_does() -> None:
+    wanted = {t.name: t for t in TOPICS.to_create()}
+    for table in ("buckets", "reservations"):
+        changelog = wanted[f"llmq-ingest-{table}-changelog"]  # Faust's name for it
+        assert changelog.partitions == TOPICS.partitions
+        assert changelog.config == {"cleanup.policy": "compact"}
+    assert wanted["llmq-ingest-__assignor-__leader"].partitions == 1
+

@@ -27,6 +27,7 @@ from services.scheduler import (
     Ledger,
     PendingQueue,
     Placement,
+    PlacementContext,
     QueueConfig,
     QueuedRequest,
     Reject,
@@ -184,7 +185,10 @@ def check_capacity(loop: Loop, snapshot: Snapshot) -> None:
 
 
 def check_work_conserving(loop: Loop, snapshot: Snapshot) -> None:
+    """No class head fits a worker it may use, apart from holds and the room filters
+    (``class-reserve`` keeps room for the high class on purpose)."""
     ledger = loop.ledger
+    ctx = PlacementContext(snapshot, ledger, loop.now)
     for head in loop.queue.heads():
         for worker in snapshot.workers.values():
             holder = ledger.holder(worker.worker_id)
@@ -193,6 +197,7 @@ def check_work_conserving(loop: Loop, snapshot: Snapshot) -> None:
             fits = (
                 ledger.free_kv(worker) >= head.kv_tokens
                 and ledger.in_flight(worker) < worker.max_num_seqs
+                and all(f.accepts(worker, head, ctx) for f in PIPELINE.room_filters)
             )
             assert not fits, f"{head.request_id} fits idle-able {worker.worker_id}"
 

@@ -29,7 +29,7 @@ def test_default_profile_builds_llmq_choice() -> None:
     pipeline = build_pipeline()
     assert [f.name for f in pipeline.route_filters] == FILTERS[:4]
     assert [f.name for f in pipeline.index_filters] == FILTERS[4:]
-    assert pipeline.room_filters == ()
+    assert [f.name for f in pipeline.room_filters] == ["class-reserve"]
     weights = {s.name: w for s, w in pipeline.scorers}
     assert weights == pytest.approx(
         {
@@ -64,7 +64,7 @@ def test_every_registered_plugin_is_a_known_kind() -> None:
 
 def test_profile_is_a_plain_value() -> None:
     profile = Profile.from_mapping({"picker": "random", "candidates": 0})
-    assert profile.picker == "random" and profile.filters == REQUIRED_FILTERS
+    assert profile.picker == "random" and profile.filters == (*REQUIRED_FILTERS, "class-reserve")
     assert build_pipeline(profile).profile is profile
 
 

@@ -46,10 +46,11 @@ Decisions come out in this order: rejections of cancelled and expired requests, 
 placements and rejections as they are decided, then one ``Defer`` per class head still
 blocked (requests behind a head wait silently).
 
-The cycle is work-conserving apart from holds: when it returns (without
-``max_placements``), no class head fits any worker it may use that is not held for
-someone else. It stops as soon as every class is placed out or blocked, so its cost is
-O(placements · K log n + classes), never O(pending).
+The cycle is work-conserving apart from holds and room-stage filters (the default
+``class-reserve`` keeps a little room for the high class on purpose): when it returns
+(without ``max_placements``), no class head fits any worker it may use that is not held
+for someone else and that its room filters accept. It stops as soon as every class is
+placed out or blocked, so its cost is O(placements · K log n + classes), never O(pending).
 """
 
 from __future__ import annotations

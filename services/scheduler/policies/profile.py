@@ -3,7 +3,7 @@
 A profile is a plain mapping (parsed TOML/YAML or a literal)::
 
     filters = ["model-match", "lane-pool", "fresh-heartbeat", "not-draining", "kv-fits",
-               "seq-slots"]
+               "seq-slots", "class-reserve"]
     picker = "max-score"
     candidates = 8            # roomiest workers scored per decision; 0 = every feasible one
     [scorers]                 # name = weight >= 0; combined as a weighted mean
@@ -20,7 +20,7 @@ A profile is a plain mapping (parsed TOML/YAML or a literal)::
     after_s = 10.0            # ... after waiting 10 s
     max_per_worker = 1        # ... one borrowed long request per short worker at a time
 
-Missing keys take the values of :data:`DEFAULT_PROFILE`. The six filters above are
+Missing keys take the values of :data:`DEFAULT_PROFILE`. The first six filters above are
 required: they are the capacity and liveness guarantees (never overcommit, stale = full,
 drain takes nothing new), so a profile may add filters but not drop these. Anything wrong
 raises :class:`ConfigError` naming the setting.
@@ -67,6 +67,9 @@ REQUIRED_FILTERS: Final = (
     "seq-slots",
 )
 
+#: The required filters, then the high class's reserve (filters/class_reserve.py).
+DEFAULT_FILTERS: Final = (*REQUIRED_FILTERS, "class-reserve")
+
 #: llmq's choice: headroom first (slack for decode growth, few preemptions), then short
 #: queues, then prefix-cache reuse, with throughput as a tie-breaker between equals.
 DEFAULT_SCORERS: Final = (
@@ -92,7 +95,7 @@ DEFAULT_SPILL: Final[Mapping[Lane, SpillRule]] = MappingProxyType(
 
 DEFAULT_PROFILE: Final[Mapping[str, object]] = MappingProxyType(
     {
-        "filters": list(REQUIRED_FILTERS),
+        "filters": list(DEFAULT_FILTERS),
         "scorers": dict(DEFAULT_SCORERS),
         "picker": "max-score",
         "candidates": DEFAULT_CANDIDATES,
@@ -124,7 +127,7 @@ _MAX_CANDIDATES: Final = 100_000
 class Profile:
     """A validated profile (names and numbers only; plugins are built by the pipeline)."""
 
-    filters: tuple[str, ...] = REQUIRED_FILTERS
+    filters: tuple[str, ...] = DEFAULT_FILTERS
     scorers: tuple[tuple[str, float], ...] = DEFAULT_SCORERS
     picker: str = "max-score"
     candidates: int = DEFAULT_CANDIDATES

@@ -12,6 +12,7 @@ from typing import Final
 
 from services.scheduler.policies.base import Params, Plugin
 from services.scheduler.policies.filters import (
+    class_reserve,
     fresh_heartbeat,
     kv_fits,
     lane_pool,
@@ -37,6 +38,7 @@ REGISTRY: Final[dict[str, Factory]] = {
     "not-draining": not_draining.factory,
     "kv-fits": kv_fits.factory,
     "seq-slots": seq_slots.factory,
+    "class-reserve": class_reserve.factory,
     # scorers
     "kv-headroom": kv_headroom.factory,
     "queue-depth": queue_depth.factory,

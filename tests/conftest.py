@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import Iterator
 
 import pytest
 
 from services.common.kafka import broker_answers
 from services.common.settings import Settings
+from tests.prefixes import is_ours, unique_prefix
 
 
 @pytest.fixture(scope="session")
@@ -28,7 +28,9 @@ def bootstrap(settings: Settings) -> str:
     return settings.bootstrap
 
 
-async def _delete_topics(bootstrap: str, keep: set[str] | None, prefix: str | None) -> None:
+async def _delete_topics(
+    bootstrap: str, keep: set[str] | None, prefix: str | None, *, only_ours: bool = False
+) -> None:
     """Delete the topics a test (or the session) created, so the broker stays small."""
     from aiokafka.admin import AIOKafkaAdminClient
 
@@ -40,6 +42,7 @@ async def _delete_topics(bootstrap: str, keep: set[str] | None, prefix: str | No
             if not t.startswith("__")
             and (prefix is None or t.startswith(prefix))
             and (keep is None or t not in keep)
+            and (not only_ours or is_ours(t))
         ]
         for i in range(0, len(names), 200):
             await admin.delete_topics(names[i : i + 200], timeout_ms=30_000)
@@ -60,21 +63,22 @@ async def _topic_names(bootstrap: str) -> set[str]:
 
 @pytest.fixture(scope="session", autouse=True)
 def _clean_topics_after_session(settings: Settings) -> Iterator[None]:
-    """Every topic the test session created is deleted at its end (each test makes its own
-    prefix; thousands of partitions left behind would exhaust a small broker heap)."""
+    """Every topic the test session created under its prefixes (tests/prefixes.py) is
+    deleted at its end: thousands of partitions left behind would exhaust a small broker
+    heap. Topics of another session on the same broker are left alone."""
     if not asyncio.run(broker_answers(settings.bootstrap, 3.0)):
         yield
         return
     before = asyncio.run(_topic_names(settings.bootstrap))
     yield
-    asyncio.run(_delete_topics(settings.bootstrap, keep=before, prefix=None))
+    asyncio.run(_delete_topics(settings.bootstrap, keep=before, prefix=None, only_ours=True))
 
 
 @pytest.fixture
 def topic_prefix(settings: Settings) -> Iterator[str]:
     """A unique topic prefix per test, so tests never see each other's messages; the
     test's topics are deleted afterwards."""
-    prefix = f"t{uuid.uuid4().hex[:10]}"
+    prefix = unique_prefix("t")
     yield prefix
     if asyncio.run(broker_answers(settings.bootstrap, 3.0)):
         asyncio.run(_delete_topics(settings.bootstrap, keep=None, prefix=prefix + "."))

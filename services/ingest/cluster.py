@@ -15,9 +15,10 @@ scheduler). :meth:`ClusterTracker.view` applies the rules, failing closed:
 
 Models are keyed by their canonical registry name when the registry knows them.
 
-:class:`ClusterWatcher` feeds a tracker from both compacted topics with one plain aiokafka
-consumer (no group: every instance reads everything from the beginning). Undecodable
-records go through the guard to the dead letter; a null value (tombstone) removes a worker.
+:class:`ClusterWatcher` feeds a tracker from both compacted topics through a
+:class:`~services.common.log_reader.LogReader` (no group: every instance reads everything
+from the beginning). New undecodable records go through the guard to the dead letter
+(replayed ones are only logged); a null value (tombstone) removes a worker.
 """
 
 from __future__ import annotations
@@ -25,20 +26,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-
-from aiokafka import TopicPartition
-from aiokafka.errors import KafkaError
 
 from schemas.codec import decode
 from schemas.messages import HEARTBEAT_ADAPTER, STATUS_ADAPTER
 from schemas.status import QueueStatus
 from schemas.workers import WorkerHeartbeat
 from services.common.guard import Guard
-from services.common.kafka import make_consumer
-from services.common.replies import topic_partitions
+from services.common.log_reader import LogReader
 from services.ingest.core import ClusterView, ModelCapacity, ModelRegistry
 
 _log = logging.getLogger(__name__)
@@ -122,6 +118,7 @@ class ClusterWatcher:
 
     ``caught_up`` is set once everything that was in both topics at start has been read,
     so admission does not refuse early requests for want of a fleet it has not read yet.
+    The reading is :class:`services.common.log_reader.LogReader`'s (as the scheduler's).
     """
 
     def __init__(
@@ -134,71 +131,27 @@ class ClusterWatcher:
         guard: Guard,
     ) -> None:
         self.tracker = tracker
-        self.caught_up = asyncio.Event()
-        self._bootstrap = bootstrap
-        self._topics = (heartbeats_topic, status_topic)
-        self._guard = guard
-        self._handlers: dict[str, Callable[[Any], None]] = {
-            heartbeats_topic: self._on_heartbeat,
-            status_topic: self._on_status,
-        }
-        self._consumer: Any = None
-        self._task: asyncio.Task[None] | None = None
+        self._reader = LogReader(
+            bootstrap,
+            {heartbeats_topic: self._on_heartbeat, status_topic: self._on_status},
+            guard,
+            poll_ms=200,
+            name="ingest-cluster-watcher",
+        )
+
+    @property
+    def caught_up(self) -> asyncio.Event:
+        return self._reader.caught_up
 
     @property
     def running(self) -> bool:
-        return self._task is not None and not self._task.done()
+        return self._reader.running
 
     async def start(self) -> None:
-        tps = [
-            TopicPartition(topic, p)
-            for topic in self._topics
-            for p in await topic_partitions(self._bootstrap, topic)
-        ]
-        consumer = make_consumer(self._bootstrap)
-        await consumer.start()
-        try:
-            consumer.assign(tps)
-            await consumer.seek_to_beginning(*tps)
-            ends: dict[Any, int] = await consumer.end_offsets(tps)
-        except BaseException:
-            await consumer.stop()
-            raise
-        self._consumer = consumer
-        self._task = asyncio.create_task(self._run(ends), name="ingest-cluster-watcher")
+        await self._reader.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
-        if self._consumer is not None:
-            await self._consumer.stop()
-            self._consumer = None
-
-    async def _run(self, ends: dict[Any, int]) -> None:
-        pending = {tp: end for tp, end in ends.items() if end > 0}
-        if not pending:
-            self.caught_up.set()
-        while True:
-            try:
-                batches = await self._consumer.getmany(timeout_ms=200)
-            except KafkaError:
-                _log.warning("cluster watcher: fetch failed", exc_info=True)
-                await asyncio.sleep(0.5)
-                continue
-            for tp, records in batches.items():
-                for record in records:
-                    await self._guard.run(record, _sync(self._handlers[tp.topic], record))
-                    if record.offset + 1 >= pending.get(tp, 0):
-                        pending.pop(tp, None)
-            if pending and not self.caught_up.is_set():
-                # A partition emptied by retention ends before its end offset: ask.
-                for tp in list(pending):
-                    if await self._consumer.position(tp) >= pending[tp]:
-                        pending.pop(tp)
-            if not pending:
-                self.caught_up.set()
+        await self._reader.stop()
 
     def _on_heartbeat(self, record: Any) -> None:
         if record.value is None:
@@ -210,10 +163,3 @@ class ClusterWatcher:
     def _on_status(self, record: Any) -> None:
         if record.value is not None:
             self.tracker.observe_status(decode(record.value, STATUS_ADAPTER))
-
-
-def _sync(handler: Callable[[Any], None], record: Any) -> Callable[[], Any]:
-    async def run() -> None:
-        handler(record)
-
-    return run

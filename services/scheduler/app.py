@@ -4,7 +4,7 @@ the core; this module moves records between Kafka and it.
 
 What runs (one process, one event loop):
 
-1. **log reader** (:class:`~services.scheduler.runtime.reader.LogReader`, plain aiokafka,
+1. **log reader** (:class:`~services.common.log_reader.LogReader`, plain aiokafka,
    no group): ``llmq.heartbeats`` → fleet view, ``llmq.assignments`` + ``llmq.events`` →
    assignment log → ledger. This is the documented equivalent of a ``GlobalTable`` of
    workers (faust 0.15 wants a table to own its changelog; the heartbeat topic is the
@@ -89,13 +89,13 @@ from services.common import tracing
 from services.common.faust_app import make_app
 from services.common.guard import Guard, Headers
 from services.common.kafka import ensure_topics, make_producer
+from services.common.log_reader import LogReader
 from services.common.settings import Settings
 from services.scheduler import build_pipeline
 from services.scheduler.runtime.flow import OrderedAcks, PauseLadder
 from services.scheduler.runtime.messages import Outgoing
 from services.scheduler.runtime.metrics import SchedulerMetrics
 from services.scheduler.runtime.outbox import Outbox
-from services.scheduler.runtime.reader import LogReader
 from services.scheduler.runtime.state import Effect, RuntimeConfig, SchedulerState, Ticket
 from services.scheduler.runtime.topics import SchedulerTopics
 from services.scheduler.settings import SchedulerSettings
@@ -204,6 +204,7 @@ class Scheduler:
             },
             self.guard,
             on_batch=self._wake,
+            name="scheduler-log-reader",
         )
         self.ready = asyncio.Event()
         self.wake = asyncio.Event()

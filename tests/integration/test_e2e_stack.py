@@ -16,7 +16,6 @@ import os
 import signal
 import subprocess
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from services.common.kafka import make_consumer
 from services.common.settings import Settings
 from services.stack import ServiceSpec, Stack, settings_env, stack_services
 from tests.fakes.live_stack import loopback_config, wait_stack_ready
+from tests.prefixes import unique_prefix
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -59,7 +59,7 @@ class LiveStack:
     """The stack's processes plus what tests need to reach them."""
 
     def __init__(self, tmp: Path, bootstrap: str) -> None:
-        self.prefix = f"e{uuid.uuid4().hex[:8]}"
+        self.prefix = unique_prefix("e")
         self.settings = Settings(topic_prefix=self.prefix, assignment_partitions=8)
         self.bootstrap = bootstrap
         self.cfg = loopback_config(time_scale=0.05, model=MODEL)

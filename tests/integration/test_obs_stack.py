@@ -19,7 +19,6 @@ import hashlib
 import json
 import secrets
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from services.common.settings import Settings
 from services.dev.jaeger import OTLP_HTTP_TRACES, QUERY_URL, Jaeger, JaegerError, query_answers
 from services.stack import Stack, metrics_url, settings_env, stack_services
 from tests.fakes.live_stack import loopback_config, wait_stack_ready
+from tests.prefixes import unique_prefix
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -100,7 +100,7 @@ def jaeger() -> Iterator[None]:
 
 class TracedStack:
     def __init__(self, tmp: Path) -> None:
-        self.prefix = f"o{uuid.uuid4().hex[:8]}"
+        self.prefix = unique_prefix("o")
         self.settings = Settings(topic_prefix=self.prefix, assignment_partitions=8)
         cfg = loopback_config(time_scale=0.05, model=MODEL)
         self.http_port = cfg.http_port

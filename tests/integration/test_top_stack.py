@@ -14,7 +14,6 @@ import asyncio
 import hashlib
 import json
 import threading
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from services.common.settings import Settings
 from services.ops.top import top
 from services.stack import Stack, settings_env, stack_services, write_services_file
 from tests.fakes.live_stack import loopback_config, wait_stack_ready
+from tests.prefixes import unique_prefix
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -49,7 +49,7 @@ def _tenants_file(path: Path) -> Path:
 
 class LiveStack:
     def __init__(self, tmp: Path) -> None:
-        self.settings = Settings(topic_prefix=f"top{uuid.uuid4().hex[:8]}",
+        self.settings = Settings(topic_prefix=unique_prefix("top"),
                                  assignment_partitions=8, home=tmp)
         cfg = loopback_config(time_scale=0.05, model=MODEL)
         self.http_port = cfg.http_port

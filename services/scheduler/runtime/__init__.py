@@ -12,11 +12,11 @@ Who owns what (one owner each, driven from the service's single event loop):
   (which request topics to pause as the queue fills);
 - :mod:`.messages` — translations between wire messages and the core's values;
 - :mod:`.outbox` — :class:`Outbox`: batched sends, acks once durable, retries;
-- :mod:`.topics` — the topic names; :mod:`.metrics` — Prometheus metrics;
-- :mod:`.reader` — :class:`LogReader`, the only module here that talks to Kafka: reads
-  heartbeats, assignments and events from the beginning (the GlobalTable equivalent).
+- :mod:`.topics` — the topic names; :mod:`.metrics` — Prometheus metrics.
 
-Everything but ``reader``, ``metrics`` and ``topics`` imports no Kafka client; the state
+Heartbeats, assignments and events are read from the beginning by
+:class:`services.common.log_reader.LogReader` (the GlobalTable equivalent, shared with
+ingest). Everything here but ``metrics`` and ``topics`` imports no Kafka client; the state
 classes are I/O-free and tested synchronously (the outbox with a fake send). The Faust
 wiring is ``services.scheduler.app``.
 """

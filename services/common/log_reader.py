@@ -1,21 +1,17 @@
-"""The log reader: heartbeats, assignments and events, every partition, from the beginning.
+"""Read topics from the beginning, every partition, without a consumer group.
 
-This is the one module of the runtime that talks to Kafka (aiokafka). It is the
-scheduler's documented equivalent of a Faust ``GlobalTable`` over ``llmq.heartbeats``:
-faust 0.15 wants a table to own its changelog topic, while the heartbeat topic is written
-by workers as plain JSON and already compacted. One plain consumer without a group
-(assigned every partition, so every replica sees everything) reads all three topics from
-the beginning:
+The "GlobalTable" of llmq: one plain aiokafka consumer, assigned every partition of its
+topics (so every replica sees everything), replays them from the beginning into one
+handler per topic and then follows them. Users: the scheduler (``llmq.heartbeats`` → the
+fleet view, ``llmq.assignments`` and ``llmq.events`` → the assignment log the ledger is
+rebuilt from) and ingest's cluster watcher (``llmq.heartbeats`` and ``llmq.status``).
+faust 0.15 wants a table to own its changelog topic, while these topics are written by
+other services as plain JSON (the compacted ones already are a table).
 
-- ``llmq.heartbeats`` → the fleet view (a null value removes a worker);
-- ``llmq.assignments`` and ``llmq.events`` → the assignment log, from which the ledger is
-  rebuilt at start (restart safety) and kept current afterwards (releases on terminal
-  events; other replicas' placements).
-
-:attr:`LogReader.caught_up` is set once everything that was in the three topics at start
-was handled; the scheduler consumes no request before that. :meth:`LogReader.barrier`
-waits until what is in the assignments and events topics *now* was handled (used after a
-rebalance, so a request redelivered from another replica is recognised as assigned).
+:attr:`LogReader.caught_up` is set once everything that was in the topics at start was
+handled; callers act on nothing before that. :meth:`LogReader.barrier` waits until what is
+in some topics *now* was handled (the scheduler uses it after a rebalance, so a request
+redelivered from another replica is recognised as assigned).
 
 Records that fail to decode are dead-lettered through the guard when they are new; the
 history replayed at start was dead-lettered by whoever read it first, so it is only
@@ -53,6 +49,7 @@ class LogReader:
         *,
         on_batch: Callable[[], None] | None = None,
         poll_ms: int = 50,
+        name: str = "log-reader",
     ) -> None:
         self.caught_up = asyncio.Event()
         self._bootstrap = bootstrap
@@ -60,6 +57,7 @@ class LogReader:
         self._guard = guard
         self._on_batch = on_batch
         self._poll_ms = poll_ms
+        self._name = name
         self._consumer: Any = None
         self._task: asyncio.Task[None] | None = None
         self._tps: list[TopicPartition] = []
@@ -90,7 +88,7 @@ class LogReader:
             await consumer.stop()
             raise
         self._consumer, self._tps, self._history = consumer, tps, dict(ends)
-        self._task = asyncio.create_task(self._run(), name="scheduler-log-reader")
+        self._task = asyncio.create_task(self._run(), name=self._name)
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -123,7 +121,7 @@ class LogReader:
             try:
                 batches = await self._consumer.getmany(timeout_ms=self._poll_ms)
             except KafkaError:
-                _log.warning("log reader: fetch failed", exc_info=True)
+                _log.warning("%s: fetch failed", self._name, exc_info=True)
                 await asyncio.sleep(0.5)
                 continue
             for tp, records in batches.items():
@@ -148,7 +146,7 @@ class LogReader:
             handler(record)
         except Exception as exc:
             self.bad_history += 1
-            _log.warning("log reader: skipped replayed record %s/%s/%s: %s",
+            _log.warning("%s: skipped replayed record %s/%s/%s: %s", self._name,
                          record.topic, record.partition, record.offset, exc)
 
     def _reached(self, ends: Mapping[TopicPartition, int]) -> bool:

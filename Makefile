@@ -18,12 +18,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[test]'
 	@touch $(STAMP)
 
-up: install  ## provision and start Kafka on 127.0.0.1, then run the local stack
-	@$(BIN)/llmq dev jaeger up || echo "llmq: Jaeger unavailable (needs Go to build it); tracing off"
-	@if $(BIN)/llmq dev jaeger status >/dev/null 2>&1; then \
-	  echo "llmq: traces go to Jaeger, query API and UI on http://127.0.0.1:16686"; \
-	  LLMQ_OTLP_ENDPOINT=http://127.0.0.1:4318/v1/traces $(BIN)/llmq up; \
-	else $(BIN)/llmq up; fi
+up: install  ## run Kafka, Jaeger (when Go can build it) and the local stack; Ctrl-C stops all
+	@$(BIN)/llmq up --jaeger
 
 down: install  ## stop what `make up` started in the background
 	$(BIN)/llmq down

@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from services.common.settings import Settings
+
+if TYPE_CHECKING:
+    from services.stack import StackConfig
 
 
 def _emit(data: dict[str, Any], as_json: bool, text: str) -> None:
@@ -307,21 +311,78 @@ def demo(settings: Settings, n: int, rate: float, trace: Path | None, url: str, 
 @click.option("--long-workers", default=1, show_default=True, type=click.IntRange(0))
 @click.option("--any-workers", default=0, show_default=True, type=click.IntRange(0))
 @click.option("--http-port", default=8080, show_default=True, help="Ingest HTTP port.")
+@click.option("--health-port", default=8081, show_default=True, help="Health service port.")
+@click.option("--metrics-base-port", default=9400, show_default=True,
+              help="First of the services' Prometheus ports (one per service, upwards).")
 @click.option("--profile", default="llama3-8b-h100", show_default=True,
               help="Engine profile of the sim workers.")
 @click.option("--model", default="llama-3.1-8b", show_default=True)
 @click.option("--kafka-only", is_flag=True, help="Start only Kafka and the topics.")
+@click.option("--jaeger", "with_jaeger", is_flag=True,
+              help="Also run Jaeger on 127.0.0.1:16686 (built with Go on first use) and send "
+                   "traces to it; tracing stays off when it cannot start.")
+@click.option("--keep-kafka", is_flag=True,
+              help="Leave the embedded broker running when the foreground stack stops.")
 @click.pass_context
 def up(ctx: click.Context, detach: bool, short_workers: int, long_workers: int,
-       any_workers: int, http_port: int, profile: str, model: str, kafka_only: bool) -> None:
+       any_workers: int, http_port: int, health_port: int, metrics_base_port: int,
+       profile: str, model: str, kafka_only: bool, with_jaeger: bool, keep_kafka: bool,
+       ) -> None:
     """Run the whole local stack on embedded defaults, in the foreground (Ctrl-C stops it).
 
     Kafka (embedded, 127.0.0.1), ingest with the OpenAI-compatible API on
     127.0.0.1:8080, the scheduler, health, and sim workers (2 short-pool + 1 long-pool).
+    In the foreground, Ctrl-C also stops the broker and Jaeger if this command started
+    them (`--keep-kafka` leaves the broker); `--detach` leaves all to `llmq down`.
     """
+    from services.stack import StackConfig
+
+    settings: Settings = ctx.obj
+    started_kafka = not settings.kafka_bootstrap and not _broker(settings).status().running
+    if not settings.kafka_bootstrap:
+        ctx.invoke(kafka_up, timeout=90.0, as_json=False)
+    started_jaeger = with_jaeger and _start_jaeger(settings)
+    try:
+        _up(ctx, settings, detach, StackConfig(
+            short_workers=short_workers, long_workers=long_workers, any_workers=any_workers,
+            http_port=http_port, health_port=health_port, metrics_base_port=metrics_base_port,
+            profile=profile, model=model), kafka_only)
+    finally:
+        if not detach and not kafka_only:
+            if started_jaeger:
+                _jaeger_of(settings).down()
+                click.echo("jaeger stopped")
+            if started_kafka and not keep_kafka:
+                ctx.invoke(kafka_down)
+
+
+def _start_jaeger(settings: Settings) -> bool:
+    """Start Jaeger unless it runs and point the children's traces at it; True if started
+    here. Failing to start only leaves tracing off."""
+    from services.dev.jaeger import OTLP_HTTP_TRACES, JaegerError
+
+    jaeger = _jaeger_of(settings)
+    running = jaeger.status().running
+    try:
+        jaeger.up(echo=click.echo)
+    except (JaegerError, OSError) as exc:
+        click.echo(f"llmq: Jaeger unavailable ({exc}); tracing off", err=True)
+        return False
+    os.environ["LLMQ_OTLP_ENDPOINT"] = OTLP_HTTP_TRACES
+    click.echo("llmq: traces go to Jaeger, query API and UI on http://127.0.0.1:16686")
+    return not running
+
+
+def _jaeger_of(settings: Settings) -> Any:
+    from services.dev.jaeger import Jaeger
+
+    return Jaeger.from_settings(settings)
+
+
+def _up(ctx: click.Context, settings: Settings, detach: bool, cfg: StackConfig,
+        kafka_only: bool) -> None:
     from services.stack import (
         Stack,
-        StackConfig,
         run_foreground,
         settings_env,
         stack_dir,
@@ -329,21 +390,16 @@ def up(ctx: click.Context, detach: bool, short_workers: int, long_workers: int,
         write_services_file,
     )
 
-    settings: Settings = ctx.obj
-    if not settings.kafka_bootstrap:
-        ctx.invoke(kafka_up, timeout=90.0, as_json=False)
     created = asyncio.run(create_catalog_topics(settings))
     click.echo(f"topics ready ({len(created)} created) with prefix '{settings.topic_prefix}'")
     if kafka_only:
         click.echo(f"Kafka bootstrap: {settings.bootstrap}   stop with: llmq down")
         return
-    cfg = StackConfig(short_workers=short_workers, long_workers=long_workers,
-                      any_workers=any_workers, http_port=http_port, profile=profile,
-                      model=model)
     stack = Stack(stack_services(cfg), settings_env(settings))
-    click.echo(f"llmq: OpenAI-compatible API on http://127.0.0.1:{http_port}/v1 ; "
-               f"Kafka on {settings.bootstrap} ; workers: {short_workers} short, "
-               f"{long_workers} long, {any_workers} any (sim engine, profile {profile})")
+    click.echo(f"llmq: OpenAI-compatible API on http://127.0.0.1:{cfg.http_port}/v1 ; "
+               f"Kafka on {settings.bootstrap} ; workers: {cfg.short_workers} short, "
+               f"{cfg.long_workers} long, {cfg.any_workers} any (sim engine, "
+               f"profile {cfg.profile})")
     if detach:
         stack.start(log_dir=stack_dir(settings))
         path = write_services_file(settings, stack)
@@ -353,7 +409,8 @@ def up(ctx: click.Context, detach: bool, short_workers: int, long_workers: int,
     click.echo("Ctrl-C stops everything.")
     status = run_foreground(stack, on_started=lambda: write_services_file(settings, stack))
     (stack_dir(settings) / "services.json").unlink(missing_ok=True)
-    sys.exit(status)
+    if status:
+        ctx.exit(status)
 
 
 @main.command("down")

@@ -99,11 +99,20 @@ class Publisher:
         pending = list(futures)
         if not pending:
             return True
-        try:
-            await asyncio.wait_for(asyncio.gather(*pending), self.timeout_s)
-        except (KafkaError, TimeoutError, OSError) as exc:
-            _log.error("broker did not acknowledge %d record(s): %r", len(pending), exc)
+        # asyncio.wait, not wait_for(gather(...)): a gather cancelled at shutdown would be
+        # logged as "exception was never retrieved"; the futures stay the producer's.
+        done, late = await asyncio.wait(pending, timeout=self.timeout_s)
+        if late:
+            _log.error("broker did not acknowledge %d of %d record(s) within %.0f s",
+                        len(late), len(pending), self.timeout_s)
             return False
+        for future in done:
+            if future.cancelled():
+                return False
+            exc = future.exception()
+            if exc is not None:
+                _log.error("broker did not acknowledge %d record(s): %r", len(pending), exc)
+                return False
         return True
 
     async def send_acked(

@@ -16,9 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -39,41 +37,10 @@ from schemas.workers import EventDone
 from services.common.kafka import make_consumer, make_producer
 from services.common.replies import topic_partitions
 from tests.builders_schemas import make_heartbeat
+from tests.fakes.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "smollm2-135m"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def free_port_block(count: int) -> int:
-    """First port of ``count`` consecutive free loopback ports, below the ephemeral range.
-
-    A stack numbers its metrics ports upwards from one base; a base taken from ``bind(0)``
-    lies in the kernel's ephemeral range (32768-60999 here), where the children's own Kafka
-    connections can take the next ports before a worker binds them. 20000-32000 is outside it.
-    """
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20000, 32000 - count)
-        socks: list[socket.socket] = []
-        try:
-            for port in range(base, base + count):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError(f"no {count} consecutive free ports in 20000-32000 on 127.0.0.1")
 
 
 @dataclass

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 
 from services.stack import Stack, StackConfig
-from tests.fakes.ingest_stack import free_port_block
+from tests.fakes.ports import free_port_block
 
 
 def loopback_config(**fields: object) -> StackConfig:

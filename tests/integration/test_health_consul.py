@@ -9,7 +9,6 @@ against a recording stub everywhere.)
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -26,6 +25,7 @@ from services.health.registry import RegistryError, ServiceRegistration
 from services.health.service import HealthService
 from services.health.settings import ConsulAddress, HealthSettings
 from tests.fakes.heartbeat_worker import heartbeat
+from tests.fakes.ports import free_port
 
 CONSUL = shutil.which("consul")
 
@@ -35,23 +35,16 @@ pytestmark = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @pytest.fixture
 def agent(tmp_path: Path) -> Iterator[ConsulAddress]:
     assert CONSUL is not None
-    http = _free_port()
+    http = free_port()
     log = (tmp_path / "consul.log").open("wb")
     proc = subprocess.Popen(
         [CONSUL, "agent", "-dev", "-bind", "127.0.0.1", "-client", "127.0.0.1",
          "-http-port", str(http), "-dns-port", "-1", "-grpc-port", "-1",
-         "-server-port", str(_free_port()), "-serf-lan-port", str(_free_port()),
-         "-serf-wan-port", str(_free_port())],
+         "-server-port", str(free_port()), "-serf-lan-port", str(free_port()),
+         "-serf-wan-port", str(free_port())],
         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
     )
     client = consul.Consul(host="127.0.0.1", port=http)

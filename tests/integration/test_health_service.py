@@ -21,35 +21,14 @@ import httpx
 import pytest
 
 from tests.fakes.heartbeat_worker import FakeHeartbeatWorker
+from tests.fakes.ports import free_port, listening_sockets
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(60)]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def _listening(pid: int) -> set[tuple[str, int]]:
-    """(address, port) of the LISTEN sockets owned by ``pid`` (from /proc/net/tcp*)."""
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            target = os.readlink(fd)
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    found = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            cols = line.split()
-            if cols[3] == "0A" and cols[9] in inodes:  # 0A = LISTEN
-                addr, port = cols[1].split(":")
-                found.add((_ip(addr), int(port, 16)))
-    return found
+    """(address, port) of the LISTEN sockets owned by ``pid``."""
+    return {(_ip(addr), port) for addr, port in listening_sockets(pid)}
 
 
 def _ip(hex_addr: str) -> str:
@@ -90,7 +69,7 @@ class HealthProcess:
 
 @pytest.fixture
 def health(bootstrap: str, topic_prefix: str, tmp_path: Path) -> Iterator[HealthProcess]:
-    proc = HealthProcess(bootstrap, topic_prefix, tmp_path, _free_port(), _free_port())
+    proc = HealthProcess(bootstrap, topic_prefix, tmp_path, free_port(), free_port())
     yield proc
     proc.stop()
 
@@ -182,7 +161,7 @@ async def test_kafka_down_is_alive_but_not_ready(topic_prefix: str, tmp_path: Pa
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         dead = f"127.0.0.1:{sock.getsockname()[1]}"  # nothing listens once closed
-    proc = HealthProcess(dead, topic_prefix, tmp_path, _free_port(), _free_port())
+    proc = HealthProcess(dead, topic_prefix, tmp_path, free_port(), free_port())
     base = f"http://127.0.0.1:{proc.port}"
     try:
         async with httpx.AsyncClient(timeout=10.0) as client:

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,23 +11,17 @@ import pytest
 from services.common.kafka import TopicRequest, ensure_topics, make_consumer, make_producer
 from services.common.settings import Settings
 from services.dev.kafka_broker import BrokerConfig, KafkaBroker, server_properties
+from tests.fakes.ports import free_port, listening_sockets
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @pytest.fixture
-def broker(tmp_path: Path, settings: Settings) -> KafkaBroker:
+def broker(tmp_path: Path, settings: Settings) -> Iterator[KafkaBroker]:
     cfg = BrokerConfig(
         host="127.0.0.1",
-        port=_free_port(),
-        controller_port=_free_port(),
+        port=free_port(),
+        controller_port=free_port(),
         data_dir=tmp_path / "kafka",
         cache_dir=settings.cache_dir,  # share the jar cache: no second download
         heap_mb=256,
@@ -36,25 +29,6 @@ def broker(tmp_path: Path, settings: Settings) -> KafkaBroker:
     b = KafkaBroker(cfg)
     yield b
     b.down()
-
-
-def _listening_addresses(pid: int) -> set[str]:
-    """Local addresses of the LISTEN sockets owned by ``pid`` (from /proc/net/tcp*)."""
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            target = os.readlink(fd)
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    found = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            cols = line.split()
-            if cols[3] == "0A" and cols[9] in inodes:  # 0A = LISTEN
-                found.add(cols[1].split(":")[0])
-    return found
 
 
 async def _roundtrip_topic(bootstrap: str, topic: str, produce: bool) -> list[bytes]:
@@ -84,7 +58,7 @@ def test_up_twice_down_and_restart_keeps_data(broker: KafkaBroker) -> None:
 
     # Loopback only: every listening socket of the broker is on 127.0.0.1 (7F000001 in
     # /proc's little-endian hex, or its IPv4-mapped IPv6 form).
-    addrs = _listening_addresses(first.pid)
+    addrs = {addr for addr, _ in listening_sockets(first.pid)}
     assert addrs, "the broker listens on nothing?"
     assert all(a.endswith("0100007F") for a in addrs), addrs
 

@@ -16,7 +16,7 @@ import pytest
 
 from services.common.settings import Settings
 from services.dev.kafka_broker import BrokerConfig, KafkaBroker
-from tests.fakes.ingest_stack import free_port_block
+from tests.fakes.ports import free_port_block
 from tests.prefixes import unique_prefix
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]

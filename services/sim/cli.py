@@ -53,6 +53,9 @@ DEFAULT_TRACE = TRACES / "azure_llm_2023_conv.csv"
               show_default=True, help="Request timeout: admission horizon and queue deadline.")
 @click.option("--kv-margin", type=click.FloatRange(0.0, 1.0, max_open=True), default=0.05,
               show_default=True, help="llmq ledger's KV safety margin.")
+@click.option("--engine-priority/--no-engine-priority", default=True, show_default=True,
+              help="llmq's engines serve their waiting queue by class (vLLM's "
+                   "--scheduling-policy priority) instead of FCFS.")
 @click.option("--max-tokens-slack", type=click.FloatRange(min=1.0), default=1.0,
               show_default=True, help="max_tokens = ceil(true output × slack).")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path),
@@ -67,8 +70,9 @@ DEFAULT_TRACE = TRACES / "azure_llm_2023_conv.csv"
 def policies(
     trace: Path, synthetic: bool, requests: int | None, policy_list: str, workers: int,
     profile: str, profiles_file: Path | None, load: float, seed: int, pools: str,
-    heartbeat_s: float, timeout_s: float, kv_margin: float, max_tokens_slack: float,
-    json_out: Path | None, plot: Path | None, matrix: bool, markdown: Path | None, quiet: bool,
+    heartbeat_s: float, timeout_s: float, kv_margin: float, engine_priority: bool,
+    max_tokens_slack: float, json_out: Path | None, plot: Path | None, matrix: bool,
+    markdown: Path | None, quiet: bool,
 ) -> None:
     """Compare fifo-rr, least-requests, vllm-random and llmq on the same arrivals and fleet.
 
@@ -87,7 +91,8 @@ def policies(
                                  param_hint="--policies")
     if not synthetic and not matrix and not trace.exists():
         raise click.BadParameter(f"{trace} does not exist", param_hint="--trace")
-    llmq = LlmqConfig(heartbeat_s=heartbeat_s, timeout_s=timeout_s, kv_safety_margin=kv_margin)
+    llmq = LlmqConfig(heartbeat_s=heartbeat_s, timeout_s=timeout_s, kv_safety_margin=kv_margin,
+                      engine_priority=engine_priority)
     base = BenchConfig(
         trace=None if synthetic else trace, synthetic=synthetic, requests=requests,
         workers=workers, profile=profile, profiles_file=profiles_file, load=load, seed=seed,

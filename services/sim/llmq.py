@@ -17,6 +17,11 @@ This adapter only plays the parts of the Kafka plumbing:
   after every scheduling pass. With the live workers, their largest usable KV and the
   fleet's KV headroom it forms the :class:`ClusterView` admission reads; like the live
   ingest, admission sees it as of the last status.
+* **Engine priority**: a placement joins its engine's waiting queue at its class rank
+  (0 high, 1 normal, 2 low), as the live worker submits it to an engine run with vLLM's
+  priority scheduling; within a class, FCFS. The baselines submit everything at 0 — plain
+  FCFS, what a vLLM fleet without priorities does. ``engine_priority=False`` submits
+  llmq's at 0 too.
 * **Assignments** are delivered at once: a placement is added to its engine and marked
   started in the ledger in the same instant; a finish releases the reservation and settles
   the tenant's token bucket (``settle``) at once. Both pass their time (``at=now``), so the
@@ -43,7 +48,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
-from schemas.common import Lane
+from schemas.common import Lane, priority_rank
 from services.ingest.core import (
     AdmissionConfig,
     AdmissionRequest,
@@ -88,6 +93,9 @@ class LlmqConfig:
     aging_s_per_class: float = 30.0
     drain_window_s: float = 30.0
     lane_threshold: int = 2000
+    #: Engines order their waiting queue by the request's class (vLLM's
+    #: ``--scheduling-policy priority``), as llmq's workers ask them to; False: FCFS.
+    engine_priority: bool = True
     lane_weights: Mapping[Lane, float] = field(default_factory=lambda: dict(DEFAULT_LANE_WEIGHTS))
     profile: Mapping[str, object] = field(default_factory=lambda: dict(DEFAULT_PROFILE))
 
@@ -222,13 +230,18 @@ class LlmqPolicy:
             if isinstance(d, Placement):
                 job = jobs[int(d.request.request_id)]
                 self._queued_tokens -= job.prompt + job.max_tokens
-                sim.dispatch(job, d.partition)
+                sim.dispatch(job, d.partition, self._engine_priority(d.request))
                 self._ledger.mark_started(d.request.request_id, d.attempt, at=now)
             elif isinstance(d, Reject):
                 job = jobs[int(d.request_id)]
                 self._queued_tokens -= job.prompt + job.max_tokens
                 sim.reject(job, d.code)
                 self._settle(job, 0, now)
+
+    def _engine_priority(self, request: QueuedRequest) -> int:
+        # What the live worker passes its engine (``services.worker.runner``): the class
+        # rank, 0 high .. 2 low, or 0 for all (FCFS) with engine priorities off.
+        return priority_rank(request.priority) if self.config.engine_priority else 0
 
     def _settle(self, job: Job, used: int, now: float) -> None:
         reserved = self._reserved.pop(job.idx)

@@ -146,8 +146,9 @@ def render_markdown(cells: Sequence[Cell], base: BenchConfig) -> str:
     legend = (
         f"\n{base.workers} workers, profile {base.profile}, seed {base.seed}, llmq pools "
         f"`{base.pools}`, heartbeat {base.llmq.heartbeat_s:g} s, timeout "
-        f"{base.llmq.timeout_s:g} s. Baseline preemptions: fifo-rr / least-requests / "
-        "vllm-random.\n"
+        f"{base.llmq.timeout_s:g} s, llmq's engines "
+        f"{'by priority' if base.llmq.engine_priority else 'FCFS'} (the baselines' FCFS). "
+        "Baseline preemptions: fifo-rr / least-requests / vllm-random.\n"
     )
     return "\n".join(rows) + "\n" + legend
 

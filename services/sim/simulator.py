@@ -145,8 +145,9 @@ class Simulator:
         self._ran = False
 
     # ---- what policies call ---------------------------------------------------------
-    def dispatch(self, job: Job, worker: int) -> None:
-        """Send ``job`` to worker ``worker`` now; it joins the engine's FCFS queue."""
+    def dispatch(self, job: Job, worker: int, priority: int = 0) -> None:
+        """Send ``job`` to worker ``worker`` now; it joins the engine's waiting queue at
+        ``priority`` (vLLM's: lower first; every job at the default 0 is FCFS)."""
         if job.state != QUEUED:
             raise SimulationError(f"job {job.idx} dispatched in state {job.state}")
         w = self.workers[worker]
@@ -154,7 +155,7 @@ class Simulator:
         engine = w.engine
         if engine.has_work:
             self._record(engine.advance(now), w)
-        engine.add(SimRequest(job.idx, job.prompt, job.output, job.arrival_s), now)
+        engine.add(SimRequest(job.idx, job.prompt, job.output, job.arrival_s, priority), now)
         job.state = RUNNING
         job.dispatched_s = now
         job.worker = worker

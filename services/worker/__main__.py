@@ -50,6 +50,10 @@ def _parse(argv: Sequence[str] | None) -> dict[str, Any]:
     p.add_argument("--openai-url", dest="openai_url", help="openai engine: server base URL")
     p.add_argument("--openai-model", dest="openai_model",
                    help="openai engine: model name on the server (default --model)")
+    p.add_argument("--scheduling-policy", dest="scheduling_policy",
+                   choices=("priority", "fcfs"),
+                   help="order of requests the engine has not started: by class, then "
+                   "arrival (default; vLLM's --scheduling-policy priority), or arrival only")
     p.add_argument("--time-scale", dest="time_scale", type=float,
                    help="sim engine: real seconds per simulated second (default 1.0)")
     p.add_argument("--heartbeat-interval", dest="heartbeat_interval_s", type=float)
@@ -77,7 +81,7 @@ def build(overrides: dict[str, Any]) -> Worker:
         kind=ws.engine, model=model, profile=profile, time_scale=ws.time_scale,
         seed=ws.seed, openai_url=ws.openai_url, openai_model=ws.openai_model,
         openai_api_key=ws.openai_api_key, metrics_interval_s=ws.heartbeat_interval_s,
-        vllm_args=ws.vllm_args,
+        vllm_args=ws.vllm_args, scheduling_policy=ws.scheduling_policy,
     ))
     identity = WorkerIdentity(
         worker_id=ws.resolved_worker_id(), slot=ws.slot, pool=ws.pool, model=model,

@@ -16,6 +16,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from schemas.base import ID_PATTERN, MODEL_PATTERN, NAME_PATTERN
 from schemas.common import Pool
+from services.worker.engines.base import SchedulingPolicy
 
 EngineKind = Literal["sim", "openai", "vllm"]
 
@@ -58,6 +59,13 @@ class WorkerSettings(BaseSettings):
     openai_api_key: str | None = Field(default=None, description="Bearer token, if needed.")
     vllm_args: dict[str, Any] = Field(
         default_factory=dict, description="Extra AsyncEngineArgs for the vllm engine (JSON)."
+    )
+    scheduling_policy: SchedulingPolicy = Field(
+        default="priority",
+        description="How the engine orders requests it has not started: priority = by the "
+        "request's class, then arrival (vLLM's --scheduling-policy priority; the vllm engine "
+        "is started with it), fcfs = arrival only. sim and vllm engines; openai: set it on "
+        "the server.",
     )
     heartbeat_interval_s: float = Field(default=1.0, gt=0, le=60)
     chunk_tokens: int = Field(default=16, ge=1, le=4096, description="Flush a chunk at N tokens.")

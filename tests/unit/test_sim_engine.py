@@ -82,6 +82,12 @@ def run(profile: EngineProfile, reqs: Sequence[SimRequest], mode: str) -> dict[i
 MODES = pytest.mark.parametrize("mode", ["step", "advance"])
 
 
+def tiny_pool(max_num_seqs: int) -> EngineProfile:
+    """The preemption cases: 4 blocks of 4 tokens, budget 64, β = 1000 / 10 / 1 µs."""
+    return make_profile(num_blocks=4, block_size=4, max_num_seqs=max_num_seqs,
+                        max_num_batched_tokens=64, beta2_s_per_decode_tok=1 * US)
+
+
 def test_one_request_alone_step_by_step() -> None:
     core = SimEngineCore(make_profile())
     core.add(SimRequest(1, prompt_tokens=100, max_output_tokens=5), 0.0)
@@ -137,6 +143,46 @@ def test_arrival_mid_step_joins_next_step_as_mixed_batch(mode: str) -> None:
 
 
 @MODES
+@pytest.mark.parametrize(("late_priority", "order"), [(0, (3, 2)), (2, (2, 3))])
+def test_waiting_queue_is_served_by_priority_then_arrival(
+    mode: str, late_priority: int, order: tuple[int, int]
+) -> None:
+    # One sequence slot. Seq 1 (10 in, 3 out) runs: prefill 1100, two decodes of 1002 →
+    # done at 3104. Seqs 2 (priority 2, at 100) and 3 (at 200) wait; at 3104 the better
+    # priority goes first (10 in, 1 out: 1100 → 4204), the other next (→ 5304). Equal
+    # priorities are FCFS: vLLM's priority policy orders by (priority, arrival).
+    profile = make_profile(max_num_seqs=1, max_num_batched_tokens=64)
+    reqs = [
+        SimRequest(1, 10, 3, priority=2),
+        SimRequest(2, 10, 1, arrival_s=100 * US, priority=2),
+        SimRequest(3, 10, 1, arrival_s=200 * US, priority=late_priority),
+    ]
+    recs = run(profile, reqs, mode)
+    assert recs[1].finish_s == pytest.approx(3104 * US)
+    first, second = order
+    assert recs[first].finish_s == pytest.approx(4204 * US)
+    assert recs[second].finish_s == pytest.approx(5304 * US)
+
+
+@MODES
+def test_preempted_sequence_keeps_its_priority_place(mode: str) -> None:
+    # The preemption case below (A, B: 4 in, 9 out, priority 1; 4 blocks of 4; 2 slots)
+    # with C (1 in, 1 out) arriving at 2000 with priority 0. B is preempted at 5088 and goes
+    # back to waiting BEHIND C, which has the better priority (under FCFS it would block C
+    # until A ends). The preempting step admits nobody: A alone, 1001 → 6089. Then C (its
+    # one block is free) joins A: 1000 + 10·1 + 1·1 → C done at 7100; A's last two
+    # decodes → 9102; B recomputes 9 tokens (1090 → 10_192) and decodes 3 more → 13_195.
+    profile = tiny_pool(max_num_seqs=2)
+    reqs = [SimRequest(1, 4, 9, priority=1), SimRequest(2, 4, 9, priority=1),
+            SimRequest(3, 1, 1, arrival_s=2000 * US, priority=0)]
+    recs = run(profile, reqs, mode)
+    assert recs[2].preempted_at == pytest.approx([5088 * US])
+    assert recs[3].first_token_s == recs[3].finish_s == pytest.approx(7100 * US)
+    assert recs[1].finish_s == pytest.approx(9102 * US)
+    assert recs[2].finish_s == pytest.approx(13_195 * US)
+
+
+@MODES
 def test_max_num_seqs_caps_the_batch(mode: str) -> None:
     # Two fit: prefill 20 (1200), two decode steps of 1004 → both done at 3208. Then the
     # third: prefill 10 (1100) → 4308, two decodes of 1002 → 6312.
@@ -156,13 +202,7 @@ def test_kv_exhaustion_preempts_newest_which_recomputes_and_finishes(mode: str) 
     # front of waiting. Steps 6-9 (1001 each) A alone, done at 9092 (3 blocks freed). Step
     # 10: B recomputes 4 + 5 = 9 tokens (1000 + 90 → 10182) and samples its 6th token;
     # 3 decodes of 1001 → 13185.
-    profile = make_profile(
-        num_blocks=4,
-        block_size=4,
-        max_num_seqs=8,
-        max_num_batched_tokens=64,
-        beta2_s_per_decode_tok=1 * US,
-    )
+    profile = tiny_pool(max_num_seqs=8)
     recs = run(profile, [SimRequest(1, 4, 9), SimRequest(2, 4, 9)], mode)
     a, b = recs[1], recs[2]
     assert a.first_token_s == b.first_token_s == pytest.approx(1080 * US)
@@ -177,13 +217,7 @@ def test_preempted_sequence_goes_back_to_the_front_of_the_queue(mode: str) -> No
     # preempted at 5088 and queued AHEAD of C; B needs 3 blocks, 1 is free, and FCFS lets
     # nothing pass it, so C waits although its 1 block would fit. At 9092 (A done) B and
     # C are admitted together: 1000 + 10·(9 + 1) = 1100 → C done at 10192, B 3 decodes later.
-    profile = make_profile(
-        num_blocks=4,
-        block_size=4,
-        max_num_seqs=2,
-        max_num_batched_tokens=64,
-        beta2_s_per_decode_tok=1 * US,
-    )
+    profile = tiny_pool(max_num_seqs=2)
     recs = run(profile, [SimRequest(1, 4, 9), SimRequest(2, 4, 9), SimRequest(3, 1, 1)], mode)
     assert recs[2].preempted_at == pytest.approx([5088 * US])
     assert recs[3].first_token_s == recs[3].finish_s == pytest.approx(10_192 * US)

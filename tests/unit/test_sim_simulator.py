@@ -39,6 +39,15 @@ TIGHT = EngineProfile(
 )
 
 
+def small_engine(max_num_seqs: int) -> EngineProfile:
+    """β = 10 ms + 10 µs per token, roomy KV, a 64-token step budget."""
+    return EngineProfile(
+        name="small", beta0_s=0.01, beta1_s_per_prefill_tok=1e-5, beta2_s_per_decode_tok=1e-5,
+        num_blocks=1000, block_size=16, max_num_seqs=max_num_seqs, max_num_batched_tokens=64,
+        source="test",
+    )
+
+
 def workload(n: int, rate_rps: float, seed: int = 3, **lengths: float) -> list[TraceRequest]:
     rng = random.Random(seed)
     shape = {"prompt_mean": 300.0, "prompt_max": 1500, "output_mean": 100.0,
@@ -194,11 +203,7 @@ def test_unsorted_arrivals_are_refused() -> None:
 def test_llmq_serves_high_priority_first_under_overload() -> None:
     """Thirty jobs arrive at once on one worker with two slots: the first two take the
     slots as they come; of the rest, the ten high ones go first."""
-    one_slot = EngineProfile(
-        name="slots", beta0_s=0.01, beta1_s_per_prefill_tok=1e-5, beta2_s_per_decode_tok=1e-5,
-        num_blocks=1000, block_size=16, max_num_seqs=2, max_num_batched_tokens=64,
-        source="test",
-    )
+    one_slot = small_engine(max_num_seqs=2)
     classes = ["low", "normal", "high"] * 10
     burst = [TraceRequest(i, 0.0, 20, 20, priority=p) for i, p in enumerate(classes)]  # type: ignore[arg-type]
     jobs, stats, _ = run("llmq", burst, one_slot, pools=["any"])
@@ -206,6 +211,28 @@ def test_llmq_serves_high_priority_first_under_overload() -> None:
     order = sorted(jobs, key=lambda j: (j.dispatched_s, j.idx))
     assert [j.idx for j in order[:2]] == [0, 1]
     assert {j.priority for j in order[2:12]} == {"high"}
+
+
+@pytest.mark.parametrize("engine_priority", [True, False])
+def test_llmq_engines_prefill_by_class_unless_told_fcfs(engine_priority: bool) -> None:
+    """Thirty jobs at once fit one worker's KV and slots, so llmq places them all at once;
+    the engine prefills one prompt a step (64-token budget). Job 0 (low) starts alone, in
+    the step that begins as it arrives; then, with engine priority, the ten high jobs get
+    their first token next; FCFS engines serve everyone in arrival order."""
+    narrow = small_engine(max_num_seqs=64)
+    classes = ["low", "normal", "high"] * 10
+    burst = [TraceRequest(i, 0.0, 60, 20, priority=p) for i, p in enumerate(classes)]  # type: ignore[arg-type]
+    config = LlmqConfig(heartbeat_s=0.25, engine_priority=engine_priority)
+    jobs, stats, _ = run("llmq", burst, narrow, pools=["any"], config=config)
+    assert stats.completed == 30
+    assert {j.dispatched_s for j in jobs} == {0.0}
+    first = sorted(jobs, key=lambda j: (j.first_token_s, j.idx))
+    if engine_priority:
+        assert first[0].idx == 0
+        assert {j.priority for j in first[1:11]} == {"high"}
+        assert {j.priority for j in first[11:21]} == {"normal"}
+    else:
+        assert [j.idx for j in first] == sorted(j.idx for j in jobs)
 
 
 def test_same_seed_same_figures() -> None:

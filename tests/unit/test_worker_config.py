@@ -13,8 +13,11 @@ from services.worker.__main__ import _parse, build
 from services.worker.engines.registry import ENGINES, EngineConfig, build_engine
 from services.worker.engines.sim.engine import SimEngine
 from services.worker.engines.sim.profiles import get_profile
+from services.worker.engines.vllm import VllmEngine
+from services.worker.runner import engine_request
 from services.worker.settings import WorkerSettings
 from services.worker.slot import encode_claim, pick_holder, slot_group
+from tests.builders_schemas import make_assignment
 
 PROFILE = get_profile("llama3-8b-h100")
 
@@ -51,6 +54,7 @@ def test_bad_settings_are_refused(bad: dict[str, object]) -> None:
 def test_build_wires_profile_model_and_engine() -> None:
     worker = build({"slot": 2, "pool": "short", "worker_id": "w2"})
     assert isinstance(worker.engine, SimEngine)
+    assert worker.ws.scheduling_policy == "priority"
     assert (worker.id.model, worker.id.engine, worker.id.slot) == (PROFILE.model, "sim", 2)
     assert worker.tp.partition == 2 and worker.group.endswith("-worker-slot-2")
 
@@ -71,6 +75,23 @@ def test_registry_names_every_engine() -> None:
     with pytest.raises(ValueError, match="openai-url"):
         build_engine(EngineConfig(kind="openai", model="m", profile=PROFILE))
     assert build_engine(EngineConfig(kind="vllm", model="m", profile=PROFILE)).name == "vllm"
+
+
+@pytest.mark.parametrize(("priority", "rank"), [("high", 0), ("normal", 1), ("low", 2)])
+def test_the_engine_gets_the_class_rank_as_its_priority(priority: str, rank: int) -> None:
+    assignment = make_assignment()
+    assignment = assignment.evolve(admitted=assignment.admitted.evolve(priority=priority))
+    assert engine_request(assignment, "e1").priority == rank
+
+
+def test_vllm_schedules_by_priority_unless_its_args_say_otherwise() -> None:
+    default = VllmEngine("m", profile=PROFILE)
+    fcfs = VllmEngine("m", profile=PROFILE, scheduling_policy="fcfs")
+    explicit = VllmEngine("m", profile=PROFILE, engine_args={"scheduling_policy": "fcfs"})
+    assert default._engine_args["scheduling_policy"] == "priority"
+    assert fcfs._engine_args["scheduling_policy"] == explicit._engine_args[
+        "scheduling_policy"] == "fcfs"
+    assert _parse(["--slot", "0", "--scheduling-policy", "fcfs"])["scheduling_policy"] == "fcfs"
 
 
 HOLDER_CASES = {

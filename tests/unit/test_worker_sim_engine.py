@@ -180,3 +180,30 @@ async def test_close_ends_open_streams() -> None:
     await engine.close()
     with pytest.raises(EngineAborted):
         await collect(stream)
+
+
+@pytest.mark.parametrize(("policy", "want"), [("priority", ["a", "c", "b"]),
+                                              ("fcfs", ["a", "b", "c"])])
+async def test_waiting_requests_start_by_priority_unless_fcfs(policy: str, want: list[str]) -> None:
+    """One sequence slot: while "a" runs, "b" (low) then "c" (high) wait; under the priority
+    policy "c" starts first (vLLM's --scheduling-policy priority), under fcfs "b"."""
+    engine = SimEngine(replace(PROFILE, max_num_seqs=1), time_scale=0.01, seed=1,
+                       scheduling_policy=policy)  # type: ignore[arg-type]  # parametrized
+    await engine.start()
+    finished: list[str] = []
+
+    async def run(name: str, priority: int, max_tokens: int) -> None:
+        await collect(engine.generate(make_req(name, max_tokens=max_tokens, priority=priority)))
+        finished.append(name)
+
+    try:
+        first = asyncio.create_task(run("a", 1, 2000))
+        while engine.capacity().running == 0:
+            await asyncio.sleep(0.001)
+        low = asyncio.create_task(run("b", 2, 5))
+        await asyncio.sleep(0.005)
+        high = asyncio.create_task(run("c", 0, 5))
+        await asyncio.wait_for(asyncio.gather(first, low, high), timeout=30)
+    finally:
+        await engine.close()
+    assert finished == want

@@ -30,6 +30,9 @@ from typing import Literal, Protocol, runtime_checkable
 from schemas.common import ErrorCode
 
 FinishReason = Literal["stop", "length"]
+#: How an engine orders the requests it has not started: by ``GenerateRequest.priority``
+#: (then arrival), or by arrival alone. vLLM's ``--scheduling-policy``.
+SchedulingPolicy = Literal["priority", "fcfs"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +64,9 @@ class GenerateRequest:
     frequency_penalty: float = 0.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    #: The request's class rank (0 high, 1 normal, 2 low). Engines that schedule by
+    #: priority (vLLM's ``--scheduling-policy priority``: lower first) use it; FCFS ignores it.
+    priority: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Final
 
-from services.worker.engines.base import Engine
+from services.worker.engines.base import Engine, SchedulingPolicy
 from services.worker.engines.sim.model import EngineProfile
 
 
@@ -29,6 +29,7 @@ class EngineConfig:
     openai_api_key: str | None = None
     metrics_interval_s: float = 1.0
     vllm_args: Mapping[str, Any] = field(default_factory=dict)
+    scheduling_policy: SchedulingPolicy = "priority"
 
 
 Factory = Callable[[EngineConfig], Engine]
@@ -37,7 +38,8 @@ Factory = Callable[[EngineConfig], Engine]
 def _sim(cfg: EngineConfig) -> Engine:
     from services.worker.engines.sim.engine import SimEngine
 
-    return SimEngine(cfg.profile, time_scale=cfg.time_scale, seed=cfg.seed)
+    return SimEngine(cfg.profile, time_scale=cfg.time_scale, seed=cfg.seed,
+                     scheduling_policy=cfg.scheduling_policy)
 
 
 def _openai(cfg: EngineConfig) -> Engine:
@@ -54,7 +56,8 @@ def _openai(cfg: EngineConfig) -> Engine:
 def _vllm(cfg: EngineConfig) -> Engine:
     from services.worker.engines.vllm import VllmEngine
 
-    return VllmEngine(cfg.model, profile=cfg.profile, engine_args=cfg.vllm_args)
+    return VllmEngine(cfg.model, profile=cfg.profile, engine_args=cfg.vllm_args,
+                      scheduling_policy=cfg.scheduling_policy)
 
 
 ENGINES: Final[Mapping[str, Factory]] = MappingProxyType(

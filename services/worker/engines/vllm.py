@@ -8,7 +8,10 @@ API used (vLLM ≥ 0.8, V1): ``AsyncLLM.from_engine_args(AsyncEngineArgs(model=.
 ``async for out in llm.generate(prompt, SamplingParams(...), request_id)`` yields
 ``RequestOutput`` values whose ``outputs[0].text`` / ``.token_ids`` are cumulative (the
 default ``RequestOutputKind.CUMULATIVE``), so this adapter emits the difference to the
-previous output as a delta; ``await llm.abort(request_id)``; ``llm.shutdown()``. Chat
+previous output as a delta; ``await llm.abort(request_id)``; ``llm.shutdown()``. The
+engine runs with ``scheduling_policy="priority"`` unless told otherwise, and each request
+goes in with ``priority=`` its class rank (0 high, 1 normal, 2 low), so a high-class
+request also overtakes the engine's own waiting queue. Chat
 requests are rendered with the tokenizer's chat template (``await llm.get_tokenizer()``).
 
 Capacity: pool size from ``vllm_config.cache_config`` (``num_gpu_blocks`` × ``block_size``),
@@ -32,6 +35,7 @@ from services.worker.engines.base import (
     EngineError,
     FinishReason,
     GenerateRequest,
+    SchedulingPolicy,
     TokenDelta,
 )
 from services.worker.engines.sim.model import EngineProfile
@@ -49,10 +53,13 @@ class VllmEngine:
     name = "vllm"
 
     def __init__(self, model: str, *, profile: EngineProfile,
-                 engine_args: Mapping[str, Any] | None = None) -> None:
+                 engine_args: Mapping[str, Any] | None = None,
+                 scheduling_policy: SchedulingPolicy = "priority") -> None:
         self.model = model
         self.profile = profile
-        self._engine_args = dict(engine_args or {})
+        # An explicit scheduling_policy in the engine args wins over the worker setting.
+        self._engine_args = {"scheduling_policy": scheduling_policy, **(engine_args or {})}
+        self._by_priority = self._engine_args["scheduling_policy"] == "priority"
         self._llm: Any = None
         self._sampling_cls: Any = None
         self._tokenizer: Any = None
@@ -112,7 +119,10 @@ class VllmEngine:
         self._tokens[rid] = request.prompt_tokens
         finished = False
         try:
-            async for out in self._llm.generate(prompt, self._sampling(request), rid):
+            # vLLM refuses a priority other than 0 unless it schedules by priority.
+            priority = request.priority if self._by_priority else 0
+            stream = self._llm.generate(prompt, self._sampling(request), rid, priority=priority)
+            async for out in stream:
                 if rid in self._aborted:
                     raise EngineAborted(f"request {rid} aborted")
                 completion = out.outputs[0]

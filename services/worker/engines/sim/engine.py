@@ -4,8 +4,10 @@ One driver task owns the core: it runs a step (``core.step``), sleeps for the st
 duration × ``time_scale`` (1.0 = real time; tests use 0.01 or less to run 100x faster, and
 0 runs as fast as the event loop allows), then hands each sequence that sampled a token in
 that step one :class:`TokenDelta` through the request's own queue. Continuous batching,
-chunked prefill, KV accounting and preemption are the core's; this module only adds the
-clock and the fan-out.
+chunked prefill, KV accounting, preemption and the order of waiting requests (by the
+request's class with ``scheduling_policy="priority"``, the default, as vLLM's priority
+policy; by arrival with ``"fcfs"``) are the core's; this module only adds the clock and
+the fan-out.
 
 Time. The core runs on a virtual clock: virtual seconds = real seconds since start ÷
 ``time_scale``. Steps run back to back in virtual time, and the driver sleeps until the real
@@ -34,6 +36,7 @@ from services.worker.engines.base import (
     EngineCapacity,
     EngineError,
     GenerateRequest,
+    SchedulingPolicy,
     TokenDelta,
 )
 from services.worker.engines.sim.model import EngineProfile, SimEngineCore, SimRequest, StepResult
@@ -72,12 +75,14 @@ class SimEngine:
     name = "sim"
 
     def __init__(self, profile: EngineProfile, *, time_scale: float = 1.0, seed: int = 0,
+                 scheduling_policy: SchedulingPolicy = "priority",
                  clock: Callable[[], float] = time.monotonic) -> None:
         if time_scale < 0:
             raise ValueError("time_scale must be >= 0")
         self.profile = profile
         self.time_scale = time_scale
         self._seed = seed
+        self._by_priority = scheduling_policy == "priority"
         self._clock = clock
         self._t0 = clock()
         self._core = SimEngineCore(profile)
@@ -156,7 +161,10 @@ class SimEngine:
                 f"{self.profile.kv_total_tokens} tokens ({self.profile.name})",
             )
         stream = _Stream(request.request_id, next(self._seq_ids), prompt, self._seed)
-        self._core.add(SimRequest(stream.seq_id, prompt, request.max_tokens), self._vnow())
+        priority = request.priority if self._by_priority else 0
+        self._core.add(
+            SimRequest(stream.seq_id, prompt, request.max_tokens, priority=priority), self._vnow()
+        )
         self._streams[stream.request_id] = stream
         self._by_seq[stream.seq_id] = stream
         self._wake.set()

@@ -9,7 +9,10 @@ Cost model (BLIS "blackbox" fit, inference-sim/inference-sim ``coefficients.yaml
 
     step time = β0 + β1 · (prefill tokens in the step) + β2 · (decode tokens in the step)
 
-Scheduler (vLLM v1, FCFS, recompute preemption, no prefix caching), once per step:
+Scheduler (vLLM v1, recompute preemption, no prefix caching), once per step. Waiting
+sequences are kept in (priority, arrival) order, as vLLM's ``--scheduling-policy
+priority`` keeps them (lower value first); with every priority equal — the default 0 —
+that is vLLM's FCFS policy exactly:
 
 1. Running sequences in admission order each need their next tokens: 1 for a decoding
    sequence, ``min(remaining prefill, budget)`` for the partially prefilled one. Budget =
@@ -20,10 +23,13 @@ Scheduler (vLLM v1, FCFS, recompute preemption, no prefix caching), once per ste
    step that computes ``n`` more allocates up to ``ceil((c + n) / block_size)``. For a
    decoding sequence with P prompt and g generated tokens the step computes token P + g
    (the last sampled one), so it holds ``ceil((P + g) / block_size)`` blocks. When the
-   pool is short, the NEWEST running sequence is preempted (blocks freed, put at the FRONT
-   of waiting, its P + g tokens recomputed by a later prefill, ``preemptions`` counted),
+   pool is short, the NEWEST running sequence is preempted (blocks freed, put back in
+   waiting at its (priority, arrival) place — the FRONT when priorities are equal — its
+   P + g tokens recomputed by a later prefill, ``preemptions`` counted),
    repeatedly, until the allocation fits or the needy sequence was itself the victim.
-3. If nothing was preempted, waiting sequences are admitted FCFS while
+   (vLLM's priority policy evicts the lowest-priority one instead; llmq's reservations
+   keep its engines from preempting at all, so the model keeps one rule.)
+3. If nothing was preempted, waiting sequences are admitted in that order while
    ``len(running) < max_num_seqs``, budget remains, and the blocks for their first chunk
    are free (no watermark). The head blocks the queue: no skipping.
 4. At the end of the step every sequence whose prefill is complete samples one token; the
@@ -127,6 +133,9 @@ class SimRequest:
     prompt_tokens: int
     max_output_tokens: int
     arrival_s: float = 0.0
+    #: vLLM's request priority under ``--scheduling-policy priority``: lower runs first.
+    #: All equal (the default 0) is exactly FCFS.
+    priority: int = 0
 
 
 EventKind = Literal["first_token", "finished", "preempted"]
@@ -170,15 +179,19 @@ class _Seq:
         "epoch",
         "g_base",
         "generated",
+        "order",
         "phase",
         "preemptions",
+        "priority",
         "prompt",
         "seq_id",
         "target",
     )
 
-    def __init__(self, req: SimRequest) -> None:
+    def __init__(self, req: SimRequest, order: int) -> None:
         self.seq_id = req.seq_id
+        self.priority = req.priority
+        self.order = order  # add order: FCFS within a priority
         self.prompt = req.prompt_tokens
         self.target = req.max_output_tokens
         self.generated = 0
@@ -203,7 +216,8 @@ class SimEngineCore:
         self._free = profile.num_blocks
         self._seqs: dict[int, _Seq] = {}
         self._running: dict[int, _Seq] = {}  # insertion order = admission order
-        self._waiting: deque[_Seq] = deque()
+        self._waiting: deque[_Seq] = deque()  # sorted by (priority, order)
+        self._adds = 0
         self._tail: _Seq | None = None  # the running sequence still in prefill, if any
         self._n_dec = 0
         self._counts = [0] * self._bs
@@ -271,9 +285,10 @@ class SimEngineCore:
             )
         if not self.has_work:
             self._ready = max(self._ready, to_ns(now))
-        s = _Seq(req)
+        self._adds += 1
+        s = _Seq(req, self._adds)
         self._seqs[req.seq_id] = s
-        self._waiting.append(s)
+        self._enqueue(s)
 
     def abort(self, seq_id: int) -> bool:
         """Drop a sequence between steps, freeing its blocks. False if unknown/done."""
@@ -341,6 +356,20 @@ class SimEngineCore:
             return s.prompt + s.g_base + self._G - s.G_base - 1
         return s.computed
 
+    def _enqueue(self, s: _Seq) -> None:
+        """Put ``s`` into waiting at its (priority, order) place; O(1) when it goes last."""
+        waiting, key = self._waiting, (s.priority, s.order)
+        if not waiting or (waiting[-1].priority, waiting[-1].order) <= key:
+            waiting.append(s)
+            return
+        if (waiting[0].priority, waiting[0].order) > key:
+            waiting.appendleft(s)
+            return
+        i = len(waiting)
+        while i > 0 and (waiting[i - 1].priority, waiting[i - 1].order) > key:
+            i -= 1
+        waiting.insert(i, s)
+
     def _release(self, s: _Seq) -> None:
         """Take a running sequence out of every running structure and free its blocks."""
         del self._running[s.seq_id]
@@ -360,7 +389,7 @@ class SimEngineCore:
         victim.computed = 0
         victim.preemptions += 1
         self.preemptions += 1
-        self._waiting.appendleft(victim)
+        self._enqueue(victim)  # all priorities equal: the front, as vLLM's FCFS does
         events.append(
             SeqEvent("preempted", victim.seq_id, to_s(start), victim.generated, victim.preemptions)
         )

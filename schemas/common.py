@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Final, Literal
 
-SCHEMA_VERSION: Final = 1
+#: 2: ``Assignment.engine_priority`` (readers of 1 refuse it; 2 reads 1's messages).
+SCHEMA_VERSION: Final = 2
 
 Priority = Literal["high", "normal", "low"]
 PRIORITIES: Final[tuple[Priority, ...]] = ("high", "normal", "low")

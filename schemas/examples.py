@@ -74,6 +74,7 @@ def example_assignment() -> Assignment:
         kv_tokens=96,
         deadline=T0 + 30.0,
         assigned_at=T0 + 0.012,
+        engine_priority=0,
     )
 
 

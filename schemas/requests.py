@@ -218,6 +218,12 @@ class Assignment(WireMessage):
         description="Unix seconds after which the worker aborts the request with timeout."
     )
     assigned_at: Timestamp = Field(description="Placement time, Unix seconds.")
+    engine_priority: Annotated[int, Field(ge=0, le=2)] | None = Field(
+        default=None,
+        description="The class the request had aged into when placed (0 high, 1 normal, 2 "
+        "low): the priority the worker gives its engine (vLLM's request priority, lower "
+        "first). None: the admitted class.",
+    )
 
     @property
     def request(self) -> InferenceRequest:

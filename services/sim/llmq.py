@@ -17,11 +17,12 @@ This adapter only plays the parts of the Kafka plumbing:
   after every scheduling pass. With the live workers, their largest usable KV and the
   fleet's KV headroom it forms the :class:`ClusterView` admission reads; like the live
   ingest, admission sees it as of the last status.
-* **Engine priority**: a placement joins its engine's waiting queue at its class rank
-  (0 high, 1 normal, 2 low), as the live worker submits it to an engine run with vLLM's
-  priority scheduling; within a class, FCFS. The baselines submit everything at 0 — plain
-  FCFS, what a vLLM fleet without priorities does. ``engine_priority=False`` submits
-  llmq's at 0 too.
+* **Engine priority**: a placement joins its engine's waiting queue at the class it has
+  aged into (``PendingQueue.engine_priority``: 0 high, 1 normal, 2 low), as the live
+  scheduler's assignment tells the worker to submit it to an engine run with vLLM's
+  priority scheduling; within a class, by arrival at the engine. The baselines submit
+  everything at 0 — plain FCFS, what a vLLM fleet without priorities does.
+  ``engine_priority=False`` submits llmq's at 0 too.
 * **Assignments** are delivered at once: a placement is added to its engine and marked
   started in the ledger in the same instant; a finish releases the reservation and settles
   the tenant's token bucket (``settle``) at once. Both pass their time (``at=now``), so the
@@ -48,7 +49,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
-from schemas.common import Lane, priority_rank
+from schemas.common import Lane
 from services.ingest.core import (
     AdmissionConfig,
     AdmissionRequest,
@@ -230,7 +231,7 @@ class LlmqPolicy:
             if isinstance(d, Placement):
                 job = jobs[int(d.request.request_id)]
                 self._queued_tokens -= job.prompt + job.max_tokens
-                sim.dispatch(job, d.partition, self._engine_priority(d.request))
+                sim.dispatch(job, d.partition, self._engine_priority(d.request, now))
                 self._ledger.mark_started(d.request.request_id, d.attempt, at=now)
             elif isinstance(d, Reject):
                 job = jobs[int(d.request_id)]
@@ -238,10 +239,10 @@ class LlmqPolicy:
                 sim.reject(job, d.code)
                 self._settle(job, 0, now)
 
-    def _engine_priority(self, request: QueuedRequest) -> int:
-        # What the live worker passes its engine (``services.worker.runner``): the class
-        # rank, 0 high .. 2 low, or 0 for all (FCFS) with engine priorities off.
-        return priority_rank(request.priority) if self.config.engine_priority else 0
+    def _engine_priority(self, request: QueuedRequest, now: float) -> int:
+        # What the live scheduler puts in the assignment for the worker's engine: the class
+        # the request has aged into, 0 high .. 2 low; 0 for all (FCFS) with it off.
+        return self._pending.engine_priority(request, now) if self.config.engine_priority else 0
 
     def _settle(self, job: Job, used: int, now: float) -> None:
         reserved = self._reserved.pop(job.idx)

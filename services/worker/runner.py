@@ -130,7 +130,9 @@ def engine_request(a: Assignment, engine_id: str) -> GenerateRequest:
         else tuple(ChatTurn(m.role, m.content) for m in req.messages),
         temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
         presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
-        stop=tuple(s.stop), seed=s.seed, priority=priority_rank(a.admitted.priority),
+        stop=tuple(s.stop), seed=s.seed,
+        priority=priority_rank(a.admitted.priority) if a.engine_priority is None
+        else a.engine_priority,
     )
 
 

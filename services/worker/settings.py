@@ -60,12 +60,13 @@ class WorkerSettings(BaseSettings):
     vllm_args: dict[str, Any] = Field(
         default_factory=dict, description="Extra AsyncEngineArgs for the vllm engine (JSON)."
     )
-    scheduling_policy: SchedulingPolicy = Field(
-        default="priority",
+    scheduling_policy: SchedulingPolicy | None = Field(
+        default=None,
         description="How the engine orders requests it has not started: priority = by the "
-        "request's class, then arrival (vLLM's --scheduling-policy priority; the vllm engine "
-        "is started with it), fcfs = arrival only. sim and vllm engines; openai: set it on "
-        "the server.",
+        "request's class, then arrival (vLLM's --scheduling-policy priority), fcfs = arrival "
+        "only. Default: priority for the sim and vllm engines (the vllm engine is started "
+        "with it); fcfs for openai, which sends the class as vLLM's `priority` field only "
+        "when set to priority (start that server with --scheduling-policy priority).",
     )
     heartbeat_interval_s: float = Field(default=1.0, gt=0, le=60)
     chunk_tokens: int = Field(default=16, ge=1, le=4096, description="Flush a chunk at N tokens.")

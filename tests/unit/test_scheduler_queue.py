@@ -32,6 +32,19 @@ def test_effective_priority_gains_one_class_per_interval(waited: float, expected
 
 
 @pytest.mark.parametrize(
+    ("priority", "waited", "expected"),
+    [("low", 0.0, 2), ("low", 29.9, 2), ("low", 30.0, 1), ("low", 59.0, 1), ("low", 60.0, 0),
+     ("low", 500.0, 0), ("normal", 0.0, 1), ("normal", 30.0, 0), ("high", 0.0, 0)],
+)
+def test_engine_priority_is_the_class_aged_into(
+    priority: Priority, waited: float, expected: int
+) -> None:
+    queue = make_queue()
+    request = make_request(priority=priority, enqueued_at=NOW - waited)
+    assert queue.engine_priority(request, NOW) == expected
+
+
+@pytest.mark.parametrize(
     ("requests", "order"),
     [
         # (id, priority, seconds waited): higher class first when equally old

@@ -108,6 +108,16 @@ def test_an_admitted_request_is_placed_on_the_workers_partition_and_acked_after(
     assert tickets(result.effects) == [("tp", 0)]
     assert state.reserved_kv("w0") == 1_024 and state.log.status("r1") == "active"
     assert len(state.pending) == state.tracked() == 0
+    assert a.engine_priority == 1  # a normal request placed at once keeps its class
+
+
+def test_the_assignment_carries_the_class_the_request_aged_into() -> None:
+    """A low request admitted 45 s before it is placed has aged one class (30 s each):
+    its engine gets priority 1 (normal); at 60 s it would get 0."""
+    state = ready_state(("w0", 0))
+    state.on_request(admitted("old", priority="low", at=T - 45, timeout_s=120.0), ("tp", 0), T)
+    ((_, a),) = assignments(state.tick(T).effects)
+    assert a.engine_priority == 1
 
 
 @pytest.mark.parametrize("end", ["none", "done"])

@@ -43,7 +43,7 @@ from schemas.messages import (
     kind_of,
 )
 from schemas.replies import Done, Error, Timings, TokenChunk, Usage
-from schemas.requests import ChatMessage, InferenceRequest, SamplingParams
+from schemas.requests import Assignment, ChatMessage, InferenceRequest, SamplingParams
 from schemas.topics import (
     DEADLETTER_FIELD_HEADER,
     DEADLETTER_REASON_HEADER,
@@ -148,6 +148,17 @@ def test_sample_decodes_and_reencodes_identically(path: Path) -> None:
     msg = decode(raw, ANY_ADAPTER)
     assert msg.kind == path.stem
     assert encode(msg) == _compact(raw)
+
+
+def test_a_version_1_assignment_still_decodes() -> None:
+    """Schema 2 added ``engine_priority``; a version-1 assignment (without it) still reads,
+    and the worker then gives its engine the admitted class."""
+    raw = json.loads((SAMPLES / "assignment.json").read_bytes())
+    del raw["engine_priority"]
+    raw["schema_version"] = 1
+    msg = decode(json.dumps(raw).encode(), ANY_ADAPTER)
+    assert isinstance(msg, Assignment)
+    assert (msg.schema_version, msg.engine_priority) == (1, None)
 
 
 # --- model rules (STYLE.md §7) --------------------------------------------------------------

@@ -10,6 +10,8 @@ import pytest
 from pydantic import ValidationError
 
 from services.worker.__main__ import _parse, build
+from services.worker.engines.base import GenerateRequest
+from services.worker.engines.openai import OpenAIEngine, request_body
 from services.worker.engines.registry import ENGINES, EngineConfig, build_engine
 from services.worker.engines.sim.engine import SimEngine
 from services.worker.engines.sim.profiles import get_profile
@@ -54,7 +56,8 @@ def test_bad_settings_are_refused(bad: dict[str, object]) -> None:
 def test_build_wires_profile_model_and_engine() -> None:
     worker = build({"slot": 2, "pool": "short", "worker_id": "w2"})
     assert isinstance(worker.engine, SimEngine)
-    assert worker.ws.scheduling_policy == "priority"
+    assert worker.ws.scheduling_policy is None  # each engine's default: priority for sim
+    assert worker.engine._by_priority
     assert (worker.id.model, worker.id.engine, worker.id.slot) == (PROFILE.model, "sim", 2)
     assert worker.tp.partition == 2 and worker.group.endswith("-worker-slot-2")
 
@@ -77,9 +80,13 @@ def test_registry_names_every_engine() -> None:
     assert build_engine(EngineConfig(kind="vllm", model="m", profile=PROFILE)).name == "vllm"
 
 
-@pytest.mark.parametrize(("priority", "rank"), [("high", 0), ("normal", 1), ("low", 2)])
-def test_the_engine_gets_the_class_rank_as_its_priority(priority: str, rank: int) -> None:
-    assignment = make_assignment()
+@pytest.mark.parametrize(("priority", "aged", "rank"),
+                         [("high", None, 0), ("normal", None, 1), ("low", None, 2),
+                          ("low", 1, 1), ("low", 0, 0)])
+def test_the_engine_gets_the_aged_class_else_the_admitted_one(
+    priority: str, aged: int | None, rank: int
+) -> None:
+    assignment = make_assignment(engine_priority=aged)
     assignment = assignment.evolve(admitted=assignment.admitted.evolve(priority=priority))
     assert engine_request(assignment, "e1").priority == rank
 
@@ -92,6 +99,19 @@ def test_vllm_schedules_by_priority_unless_its_args_say_otherwise() -> None:
     assert fcfs._engine_args["scheduling_policy"] == explicit._engine_args[
         "scheduling_policy"] == "fcfs"
     assert _parse(["--slot", "0", "--scheduling-policy", "fcfs"])["scheduling_policy"] == "fcfs"
+
+
+def test_openai_sends_the_class_only_when_told_the_server_schedules_by_priority() -> None:
+    url = "http://127.0.0.1:1"
+    default = build_engine(EngineConfig(kind="openai", model="m", profile=PROFILE, openai_url=url))
+    told = build_engine(EngineConfig(kind="openai", model="m", profile=PROFILE, openai_url=url,
+                                     scheduling_policy="priority"))
+    assert isinstance(default, OpenAIEngine) and isinstance(told, OpenAIEngine)
+    assert (default._by_priority, told._by_priority) == (False, True)
+    req = GenerateRequest(request_id="r", model="m", max_tokens=5, prompt_tokens=3,
+                          prompt="hi", priority=2)
+    assert "priority" not in request_body(req, "srv")[1]
+    assert request_body(req, "srv", priority=True)[1]["priority"] == 2
 
 
 HOLDER_CASES = {

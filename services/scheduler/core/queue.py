@@ -146,6 +146,13 @@ class PendingQueue:
         """``rank - wait / aging_s_per_class``; smaller is served first."""
         return _RANK[request.priority] - (now - request.enqueued_at) / self._aging
 
+    def engine_priority(self, request: QueuedRequest, now: float) -> int:
+        """The class ``request`` has aged into at ``now`` — ``max(0, ceil(effective
+        priority))``: 2 low, 1 normal, 0 high — which the worker hands its engine as vLLM's
+        request priority. A request at its aging bound gets 0, and the engine breaks ties by
+        arrival, so nothing placed after it overtakes it there either."""
+        return max(0, math.ceil(self.effective_priority(request, now) - 1e-9))
+
     def order_key(self, request: QueuedRequest) -> float:
         """A time-free key with the same order as effective priority at any ``now``."""
         return request.enqueued_at + _RANK[request.priority] * self._aging

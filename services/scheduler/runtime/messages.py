@@ -94,9 +94,12 @@ def restored_request(assignment: Assignment) -> QueuedRequest:
     )
 
 
-def assignment(admitted: AdmittedRequest, placement: Placement, now: float) -> Assignment:
+def assignment(
+    admitted: AdmittedRequest, placement: Placement, now: float, *, engine_priority: int | None
+) -> Assignment:
     """The Assignment for ``placement``: the admitted request verbatim, on the worker's
-    partition, with the reservation and the end-to-end deadline."""
+    partition, with the reservation, the end-to-end deadline and the class the request has
+    aged into (``PendingQueue.engine_priority``), which the worker gives its engine."""
     return Assignment(
         admitted=admitted,
         worker_id=placement.worker_id,
@@ -105,6 +108,7 @@ def assignment(admitted: AdmittedRequest, placement: Placement, now: float) -> A
         kv_tokens=placement.kv_tokens,
         deadline=deadline_of(admitted),
         assigned_at=now,
+        engine_priority=engine_priority,
     )
 
 

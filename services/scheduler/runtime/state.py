@@ -459,7 +459,8 @@ class SchedulerState:
     def _placed(self, placement: Placement, now: float, schedule_s: float) -> tuple[Effect, Placed]:
         request = placement.request
         tracked = self._untrack(request.request_id)
-        record = assignment(tracked.admitted, placement, now)
+        record = assignment(tracked.admitted, placement, now,
+                            engine_priority=self.pending.engine_priority(request, now))
         self.log.observe_assignment(record)
         trace = tracked.trace
         if self.spans.active:

@@ -13,6 +13,11 @@ Capacity comes from the server's Prometheus ``/metrics``, polled every
 labels of ``vllm:cache_config_info`` (``num_gpu_blocks``, ``block_size``) when exposed, else
 the profile's. KV bytes per token come from the profile (the server does not publish them).
 
+Priorities: vLLM's OpenAI server takes a request ``priority`` only when it runs
+``--scheduling-policy priority`` (and refuses non-zero values otherwise), and other
+servers may refuse the field, so this engine sends it only with ``scheduling_policy =
+"priority"`` — its default is ``fcfs``.
+
 Unknown state fails closed (STYLE.md §6): while ``/metrics`` cannot be read (server down,
 5xx) the engine reports no free KV, so the scheduler sends nothing. A server without a
 ``/metrics`` endpoint at all (404) is accounted locally instead: free KV = pool − Σ (prompt +
@@ -41,6 +46,7 @@ from services.worker.engines.base import (
     EngineError,
     FinishReason,
     GenerateRequest,
+    SchedulingPolicy,
     TokenDelta,
 )
 from services.worker.engines.sim.model import EngineProfile
@@ -110,8 +116,13 @@ def _finish(reason: object) -> FinishReason | None:
     return None if reason in (None, "abort") else "stop"
 
 
-def request_body(req: GenerateRequest, served_model: str) -> tuple[str, dict[str, Any]]:
-    """Path and JSON body of the streaming request for ``req``."""
+def request_body(
+    req: GenerateRequest, served_model: str, *, priority: bool = False
+) -> tuple[str, dict[str, Any]]:
+    """Path and JSON body of the streaming request for ``req``; with ``priority``, the
+    request's class rank as vLLM's ``priority`` field (a vLLM extension, accepted only by a
+    server started with ``--scheduling-policy priority``; it refuses non-zero values
+    otherwise, so it is sent only when the worker is told the server schedules by it)."""
     body: dict[str, Any] = {
         "model": served_model,
         "max_tokens": req.max_tokens,
@@ -128,6 +139,8 @@ def request_body(req: GenerateRequest, served_model: str) -> tuple[str, dict[str
         body["seed"] = req.seed
     if req.top_k is not None:
         body["top_k"] = req.top_k  # a vLLM extension; OpenAI itself has no top_k
+    if priority:
+        body["priority"] = req.priority
     if req.messages is not None:
         body["messages"] = [{"role": m.role, "content": m.content} for m in req.messages]
         return "/v1/chat/completions", body
@@ -182,8 +195,10 @@ class OpenAIEngine:
 
     def __init__(self, base_url: str, served_model: str, *, profile: EngineProfile,
                  api_key: str | None = None, metrics_interval_s: float = 1.0,
-                 connect_timeout_s: float = 5.0) -> None:
+                 connect_timeout_s: float = 5.0,
+                 scheduling_policy: SchedulingPolicy = "fcfs") -> None:
         self.base_url = base_url.rstrip("/")
+        self._by_priority = scheduling_policy == "priority"
         self.served_model = served_model
         self.profile = profile
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -222,7 +237,7 @@ class OpenAIEngine:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
         if self._client is None:
             raise EngineError("worker_lost", "openai engine is not started")
-        path, body = request_body(request, self.served_model)
+        path, body = request_body(request, self.served_model, priority=self._by_priority)
         rid = request.request_id
         self._in_flight[rid] = request.prompt_tokens + request.max_tokens
         tally = _Tally()

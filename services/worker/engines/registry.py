@@ -29,7 +29,9 @@ class EngineConfig:
     openai_api_key: str | None = None
     metrics_interval_s: float = 1.0
     vllm_args: Mapping[str, Any] = field(default_factory=dict)
-    scheduling_policy: SchedulingPolicy = "priority"
+    #: None: the engine's own default — ``priority`` for sim and vllm (llmq starts them),
+    #: ``fcfs`` for openai (an external server's policy is not ours to assume).
+    scheduling_policy: SchedulingPolicy | None = None
 
 
 Factory = Callable[[EngineConfig], Engine]
@@ -39,7 +41,7 @@ def _sim(cfg: EngineConfig) -> Engine:
     from services.worker.engines.sim.engine import SimEngine
 
     return SimEngine(cfg.profile, time_scale=cfg.time_scale, seed=cfg.seed,
-                     scheduling_policy=cfg.scheduling_policy)
+                     scheduling_policy=cfg.scheduling_policy or "priority")
 
 
 def _openai(cfg: EngineConfig) -> Engine:
@@ -50,6 +52,7 @@ def _openai(cfg: EngineConfig) -> Engine:
     return OpenAIEngine(
         cfg.openai_url, cfg.openai_model or cfg.model, profile=cfg.profile,
         api_key=cfg.openai_api_key, metrics_interval_s=cfg.metrics_interval_s,
+        scheduling_policy=cfg.scheduling_policy or "fcfs",
     )
 
 
@@ -57,7 +60,7 @@ def _vllm(cfg: EngineConfig) -> Engine:
     from services.worker.engines.vllm import VllmEngine
 
     return VllmEngine(cfg.model, profile=cfg.profile, engine_args=cfg.vllm_args,
-                      scheduling_policy=cfg.scheduling_policy)
+                      scheduling_policy=cfg.scheduling_policy or "priority")
 
 
 ENGINES: Final[Mapping[str, Factory]] = MappingProxyType(

@@ -4,7 +4,8 @@ Optional: needs the ``vllm`` extra (``pip install 'llmq[vllm]'``) and, in practi
 vLLM is imported in :meth:`VllmEngine.start`, never when this module is imported, so the
 worker package stays importable without it.
 
-API used (vLLM ≥ 0.8, V1): ``AsyncLLM.from_engine_args(AsyncEngineArgs(model=..., ...))``;
+API used (vLLM ≥ 0.9.2, V1 — the first whose V1 engine takes ``scheduling_policy=
+"priority"``): ``AsyncLLM.from_engine_args(AsyncEngineArgs(model=..., ...))``;
 ``async for out in llm.generate(prompt, SamplingParams(...), request_id)`` yields
 ``RequestOutput`` values whose ``outputs[0].text`` / ``.token_ids`` are cumulative (the
 default ``RequestOutputKind.CUMULATIVE``), so this adapter emits the difference to the

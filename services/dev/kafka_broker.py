@@ -105,6 +105,10 @@ def server_properties(cfg: BrokerConfig) -> str:
         "auto.create.topics.enable=false",
         "log.retention.hours=24",
         "log.segment.bytes=67108864",
+        # The log cleaner (compacted topics) allocates its dedupe map at start-up: 128 MB
+        # by default, half of a 256 MB heap, and the start sometimes failed with
+        # OutOfMemoryError. 16 MB indexes ~700k keys per cleaning pass, ample here.
+        "log.cleaner.dedupe.buffer.size=16777216",
     ]
     return "\n".join(lines) + "\n"
 

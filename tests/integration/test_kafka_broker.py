@@ -84,3 +84,5 @@ def test_server_properties_bind_loopback_and_single_node(tmp_path: Path) -> None
     assert props["listeners"] == "PLAINTEXT://127.0.0.1:1234,CONTROLLER://127.0.0.1:1235"
     assert props["offsets.topic.replication.factor"] == "1"
     assert props["group.initial.rebalance.delay.ms"] == "0"
+    # small heaps: the log cleaner's start-up allocation must not take half of it
+    assert int(props["log.cleaner.dedupe.buffer.size"]) <= 32 << 20

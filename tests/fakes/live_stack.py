@@ -6,6 +6,7 @@ log tail of the first child that exited.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -53,3 +54,19 @@ def wait_stack_ready(
             pass
         time.sleep(0.5)
     raise AssertionError(f"stack not ready in {timeout_s} s; logs in {log_dir}")
+
+
+def write_tenants_file(path: Path) -> Path:
+    """Two tenants for a live stack: ``default`` (key ``open-key``, limits far above any
+    test) and ``limited`` (key ``limited-key``, 1 request a minute)."""
+    open_digest = hashlib.sha256(b"open-key").hexdigest()
+    limited = hashlib.sha256(b"limited-key").hexdigest()
+    path.write_text(
+        "[tenants.default]\n"
+        f'api_key_sha256 = ["{open_digest}"]\n'
+        "rpm = 100000\ntpm = 100000000\nmax_concurrency = 10000\n\n"
+        "[tenants.limited]\n"
+        f'api_key_sha256 = ["{limited}"]\n'
+        "rpm = 1\ntpm = 100000\nmax_concurrency = 100\n"
+    )
+    return path

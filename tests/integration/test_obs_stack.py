@@ -15,7 +15,6 @@ own W3C ``traceparent``; then
 
 from __future__ import annotations
 
-import hashlib
 import json
 import secrets
 import time
@@ -31,7 +30,7 @@ from services.common.kafka import make_producer
 from services.common.settings import Settings
 from services.dev.jaeger import OTLP_HTTP_TRACES, QUERY_URL, Jaeger, JaegerError, query_answers
 from services.stack import Stack, metrics_url, settings_env, stack_services
-from tests.fakes.live_stack import loopback_config, wait_stack_ready
+from tests.fakes.live_stack import loopback_config, wait_stack_ready, write_tenants_file
 from tests.prefixes import unique_prefix
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
@@ -67,20 +66,6 @@ EXPECTED: dict[str, tuple[set[str], set[str]]] = {
 }
 
 
-def _tenants_file(path: Path) -> Path:
-    open_digest = hashlib.sha256(b"open-key").hexdigest()
-    limited = hashlib.sha256(b"limited-key").hexdigest()
-    path.write_text(
-        "[tenants.default]\n"
-        f'api_key_sha256 = ["{open_digest}"]\n'
-        "rpm = 100000\ntpm = 100000000\nmax_concurrency = 10000\n\n"
-        "[tenants.limited]\n"
-        f'api_key_sha256 = ["{limited}"]\n'
-        "rpm = 1\ntpm = 100000\nmax_concurrency = 100\n"
-    )
-    return path
-
-
 @pytest.fixture(scope="module")
 def jaeger() -> Iterator[None]:
     """A Jaeger answering on 127.0.0.1 (ours if one runs; else started, and stopped after)."""
@@ -106,7 +91,7 @@ class TracedStack:
         self.http_port = cfg.http_port
         self.specs = stack_services(cfg)
         env = settings_env(self.settings) | {
-            "LLMQ_TENANTS_FILE": str(_tenants_file(tmp / "tenants.toml")),
+            "LLMQ_TENANTS_FILE": str(write_tenants_file(tmp / "tenants.toml")),
             "LLMQ_WORKER_HEARTBEAT_INTERVAL": "0.5",
             "LLMQ_HEALTH_LAG_S": "0.5",
             "LLMQ_OTLP_ENDPOINT": OTLP_HTTP_TRACES,

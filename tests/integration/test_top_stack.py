@@ -11,7 +11,6 @@ scheduler's real histograms.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import threading
 from collections.abc import Iterator
@@ -25,26 +24,12 @@ from click.testing import CliRunner
 from services.common.settings import Settings
 from services.ops.top import top
 from services.stack import Stack, settings_env, stack_services, write_services_file
-from tests.fakes.live_stack import loopback_config, wait_stack_ready
+from tests.fakes.live_stack import loopback_config, wait_stack_ready, write_tenants_file
 from tests.prefixes import unique_prefix
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.timeout(240)]
 
 MODEL = "llama-3.1-8b"
-
-
-def _tenants_file(path: Path) -> Path:
-    open_digest = hashlib.sha256(b"open-key").hexdigest()
-    limited = hashlib.sha256(b"limited-key").hexdigest()
-    path.write_text(
-        "[tenants.default]\n"
-        f'api_key_sha256 = ["{open_digest}"]\n'
-        "rpm = 100000\ntpm = 100000000\nmax_concurrency = 10000\n\n"
-        "[tenants.limited]\n"
-        f'api_key_sha256 = ["{limited}"]\n'
-        "rpm = 1\ntpm = 100000\nmax_concurrency = 100\n"
-    )
-    return path
 
 
 class LiveStack:
@@ -55,7 +40,7 @@ class LiveStack:
         self.http_port = cfg.http_port
         specs = stack_services(cfg)
         env = settings_env(self.settings) | {
-            "LLMQ_TENANTS_FILE": str(_tenants_file(tmp / "tenants.toml")),
+            "LLMQ_TENANTS_FILE": str(write_tenants_file(tmp / "tenants.toml")),
             "LLMQ_WORKER_HEARTBEAT_INTERVAL": "0.5",
             "LLMQ_HEALTH_LAG_S": "0.5",
         }

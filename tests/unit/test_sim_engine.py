@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -209,6 +210,76 @@ def test_kv_exhaustion_preempts_newest_which_recomputes_and_finishes(mode: str) 
     assert a.preemptions == 0 and a.finish_s == pytest.approx(9092 * US)
     assert b.preempted_at == pytest.approx([5088 * US])
     assert b.preemptions == 1 and b.finish_s == pytest.approx(13_185 * US)
+
+
+@MODES
+def test_kv_exhaustion_preempts_the_lowest_class_not_the_newest(mode: str) -> None:
+    # 4 blocks of 4. A (4 in, 9 out, priority 2) at 0: prefill → 1040. B (4 in, 9 out,
+    # priority 1) arrives at 500 and joins step 2 (1000 + 40 + 1 → 2081). Steps 3-5 decode
+    # both (1002 each → 5087); the pool is empty. At 5087 A needs its 3rd block. FCFS would
+    # preempt B, the newest; vLLM's priority policy preempts the largest (priority,
+    # arrival), A itself. B decodes alone, 5 → 9 tokens at 6088 … 10092; A recomputes
+    # 4 + 5 tokens (1090 → 11182) and decodes 3 more → 14185.
+    profile = tiny_pool(max_num_seqs=8)
+    reqs = [SimRequest(1, 4, 9, priority=2), SimRequest(2, 4, 9, arrival_s=500 * US, priority=1)]
+    recs = run(profile, reqs, mode)
+    a, b = recs[1], recs[2]
+    assert a.first_token_s == pytest.approx(1040 * US)
+    assert b.first_token_s == pytest.approx(2081 * US)
+    assert b.preemptions == 0 and b.finish_s == pytest.approx(10_092 * US)
+    assert a.preempted_at == pytest.approx([5087 * US])
+    assert a.preemptions == 1 and a.finish_s == pytest.approx(14_185 * US)
+
+
+@MODES
+def test_a_victim_given_its_block_in_the_same_step_hands_it_back(mode: str) -> None:
+    # 5 blocks of 4. A (4 in, 9 out, priority 2) at 0: prefill → 1040. B (5 in, 9 out,
+    # priority 0) arrives at 500 and joins step 2 (1000 + 50 + 1 → 2091; A holds 2 blocks,
+    # B 2, 1 free). Steps 3-5 decode both (1002 each → 5097). At 5097 both need a 3rd
+    # block: A, first in running order, gets the free one; B finds none, and the victim is
+    # A (priority 2), which returns that block with its own 2. B decodes alone: 5 → 9
+    # tokens at 6098 … 10102. A recomputes 4 + 5 tokens (1090 → 11192), 3 decodes → 14195.
+    # A leaked block would leave the pool short at the end (``run`` checks it is whole).
+    profile = replace(tiny_pool(max_num_seqs=8), num_blocks=5)
+    reqs = [SimRequest(1, 4, 9, priority=2), SimRequest(2, 5, 9, arrival_s=500 * US)]
+    recs = run(profile, reqs, mode)
+    a, b = recs[1], recs[2]
+    assert a.first_token_s == pytest.approx(1040 * US)
+    assert b.first_token_s == pytest.approx(2091 * US)
+    assert a.preempted_at == pytest.approx([5097 * US])
+    assert b.preemptions == 0 and b.finish_s == pytest.approx(10_102 * US)
+    assert a.finish_s == pytest.approx(14_195 * US)
+
+
+def test_mixed_priorities_keep_the_block_pool_whole() -> None:
+    # Random small workloads with classes 0-2 and a scarce pool (many preemptions, victims
+    # anywhere in running order): after every call the blocks held + free = the pool, and
+    # every sequence finishes exactly once.
+    rng = random.Random(11)
+    preempted = 0
+    for _ in range(200):
+        profile = make_profile(num_blocks=rng.randint(20, 120), block_size=rng.choice([4, 16]),
+                               max_num_seqs=rng.choice([4, 8, 32]),
+                               max_num_batched_tokens=rng.choice([32, 64, 256]))
+        core = SimEngineCore(profile)
+        events: list[SeqEvent] = []
+        now, added = 0.0, set()
+        for seq_id in range(rng.randint(5, 40)):
+            prompt, output = rng.randint(1, 120), rng.randint(1, 80)
+            if prompt + output > profile.kv_total_tokens:
+                continue
+            now += rng.expovariate(20)
+            events += core.advance(now)
+            core.add(SimRequest(seq_id, prompt, output, priority=rng.randint(0, 2)), now)
+            added.add(seq_id)
+            assert core.blocks_held() + core.free_blocks == profile.num_blocks
+        while core.has_work:
+            events += core.step(core.next_step_s or 0.0).events
+            assert core.blocks_held() + core.free_blocks == profile.num_blocks
+        finished = [e.seq_id for e in events if e.kind == "finished"]
+        assert sorted(finished) == sorted(added)
+        preempted += core.preemptions
+    assert preempted > 1000  # the pools were scarce enough to exercise preemption
 
 
 @MODES

@@ -23,12 +23,14 @@ that is vLLM's FCFS policy exactly:
    step that computes ``n`` more allocates up to ``ceil((c + n) / block_size)``. For a
    decoding sequence with P prompt and g generated tokens the step computes token P + g
    (the last sampled one), so it holds ``ceil((P + g) / block_size)`` blocks. When the
-   pool is short, the NEWEST running sequence is preempted (blocks freed, put back in
-   waiting at its (priority, arrival) place — the FRONT when priorities are equal — its
-   P + g tokens recomputed by a later prefill, ``preemptions`` counted),
-   repeatedly, until the allocation fits or the needy sequence was itself the victim.
-   (vLLM's priority policy evicts the lowest-priority one instead; llmq's reservations
-   keep its engines from preempting at all, so the model keeps one rule.)
+   pool is short, the running sequence with the largest (priority, arrival) — the lowest
+   class, and the newest within it — is preempted (blocks freed, a block it was given in
+   this step handed back, put back in waiting at its (priority, arrival) place, its P + g
+   tokens recomputed by a later prefill, ``preemptions`` counted), repeatedly, until the
+   allocation fits or the needy sequence was itself the victim. That is vLLM's priority
+   policy (``max(running, key=(priority, arrival_time))``); with every priority equal the
+   victim is the newest running sequence and it goes back to the FRONT of waiting,
+   exactly vLLM's FCFS (``running.pop()``, ``prepend_request``).
 3. If nothing was preempted, waiting sequences are admitted in that order while
    ``len(running) < max_num_seqs``, budget remains, and the blocks for their first chunk
    are free (no watermark). The head blocks the queue: no skipping.
@@ -75,6 +77,11 @@ def to_s(t_ns: int) -> float:
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _rank(s: _Seq) -> tuple[int, int]:
+    """Preemption order: the running sequence with the largest rank goes first."""
+    return s.priority, s.order
 
 
 @dataclass(frozen=True, slots=True)
@@ -383,9 +390,13 @@ class SimEngineCore:
         elif s is self._tail:
             self._tail = None
 
-    def _preempt_newest(self, start: int, events: list[SeqEvent]) -> _Seq:
-        victim = self._running[next(reversed(self._running))]
+    def _preempt(self, start: int, events: list[SeqEvent], given: bool) -> _Seq:
+        """Preempt the running sequence with the largest (priority, arrival); ``given``:
+        whether it was handed a block for this step already (it gets it back)."""
+        victim = max(self._running.values(), key=_rank)
         self._release(victim)
+        if given:
+            self._free += 1  # the block for this step's token, not yet in its computed count
         victim.computed = 0
         victim.preemptions += 1
         self.preemptions += 1
@@ -395,17 +406,29 @@ class SimEngineCore:
         )
         return victim
 
+    def _victim_given(self, r: int, given: set[int] | None) -> bool:
+        """Whether the sequence :meth:`_preempt` is about to take holds a block for this
+        step: decoding sequences of phase ``r`` do once allocation ran (``given`` None),
+        or those in ``given`` while it runs."""
+        victim = max(self._running.values(), key=_rank)
+        if given is not None:
+            return victim.seq_id in given
+        return victim.decoding and victim.phase == r
+
     def _alloc_decodes_slow(self, r: int, start: int, events: list[SeqEvent]) -> None:
         """The pool cannot give every decoding sequence of phase ``r`` its block: walk the
-        running sequences in order, preempting the newest until each allocation fits."""
+        running sequences in order, preempting (see :meth:`_preempt`) until each
+        allocation fits or the sequence itself was the victim."""
+        given: set[int] = set()
         for s in list(self._running.values()):
             if not s.decoding or s.phase != r:
                 continue  # no new block needed, or preempted earlier in this walk
             while self._free < 1:
-                if self._preempt_newest(start, events) is s:
+                if self._preempt(start, events, self._victim_given(r, given)) is s:
                     break
             else:
                 self._free -= 1
+                given.add(s.seq_id)
 
     def _execute(self, start: int, events: list[SeqEvent]) -> tuple[int, int]:
         """One full scheduler step at ``start``; returns (prefill, decode) tokens."""
@@ -417,21 +440,22 @@ class SimEngineCore:
         else:
             self._alloc_decodes_slow(r, start, events)
             preempted = True
-        n_dec = self._n_dec
-        budget = self._max_tokens - n_dec
+        budget = self._max_tokens - self._n_dec
         chunks: list[tuple[_Seq, int]] = []
         tail = self._tail
         if tail is not None and budget > 0:
             c = tail.computed
             chunk = min(tail.prompt + tail.generated - c, budget)
             need = _ceil_div(c + chunk, bs) - _ceil_div(c, bs)
-            if need <= self._free:
+            while need > self._free:
+                preempted = True
+                if self._preempt(start, events, self._victim_given(r, None)) is tail:
+                    break
+            else:
                 self._free -= need
                 chunks.append((tail, chunk))
                 budget -= chunk
-            else:
-                self._preempt_newest(start, events)  # the tail is the newest running
-                preempted = True
+        n_dec = self._n_dec  # decoding sequences preempted for the tail do not step
         if not preempted:
             waiting = self._waiting
             while waiting and budget > 0 and len(self._running) < self._max_seqs:

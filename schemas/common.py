@@ -49,3 +49,12 @@ HTTP_STATUS: Final[dict[ErrorCode, int]] = {
 def priority_rank(priority: Priority) -> int:
     """0 for high, 1 for normal, 2 for low: smaller is served first."""
     return PRIORITIES.index(priority)
+
+
+def engine_rank(class_rank: int, lane: Lane) -> int:
+    """The request priority a worker gives an engine that schedules by priority (vLLM's
+    ``--scheduling-policy priority``: lower first, ties by arrival): the class first
+    (``class_rank`` 0 high … 2 low), then, within a class, the short lane before the long
+    one — ``2 · class_rank + (1 if long)``, 0 … 5. So a short request that meets long
+    prompts in one engine (borrowed workers, ``any`` pools) is not prefilled behind them."""
+    return 2 * class_rank + (1 if lane == "long" else 0)

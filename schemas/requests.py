@@ -221,8 +221,9 @@ class Assignment(WireMessage):
     engine_priority: Annotated[int, Field(ge=0, le=2)] | None = Field(
         default=None,
         description="The class the request had aged into when placed (0 high, 1 normal, 2 "
-        "low): the priority the worker gives its engine (vLLM's request priority, lower "
-        "first). None: the admitted class.",
+        "low). The worker gives its engine 2 x this + 1 for the long lane as the request "
+        "priority (vLLM's, lower first): class first, short before long. None: the "
+        "admitted class.",
     )
 
     @property

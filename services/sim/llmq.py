@@ -19,8 +19,9 @@ This adapter only plays the parts of the Kafka plumbing:
   ingest, admission sees it as of the last status.
 * **Engine priority**: a placement joins its engine's waiting queue at the class it has
   aged into (``PendingQueue.engine_priority``: 0 high, 1 normal, 2 low), as the live
-  scheduler's assignment tells the worker to submit it to an engine run with vLLM's
-  priority scheduling; within a class, by arrival at the engine. The baselines submit
+  scheduler's assignment tells the worker, and within a class the short lane before the
+  long one (``schemas.common.engine_rank``, what the live worker submits to an engine run
+  with vLLM's priority scheduling); then by arrival at the engine. The baselines submit
   everything at 0 — plain FCFS, what a vLLM fleet without priorities does.
   ``engine_priority=False`` submits llmq's at 0 too.
 * **Assignments** are delivered at once: a placement is added to its engine and marked
@@ -49,7 +50,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
-from schemas.common import Lane
+from schemas.common import Lane, engine_rank
 from services.ingest.core import (
     AdmissionConfig,
     AdmissionRequest,
@@ -240,9 +241,11 @@ class LlmqPolicy:
                 self._settle(job, 0, now)
 
     def _engine_priority(self, request: QueuedRequest, now: float) -> int:
-        # What the live scheduler puts in the assignment for the worker's engine: the class
-        # the request has aged into, 0 high .. 2 low; 0 for all (FCFS) with it off.
-        return self._pending.engine_priority(request, now) if self.config.engine_priority else 0
+        # What the live worker submits for an assignment: the class the request has aged
+        # into (the scheduler's engine_priority), then its lane; 0 for all (FCFS) when off.
+        if not self.config.engine_priority:
+            return 0
+        return engine_rank(self._pending.engine_priority(request, now), request.lane)
 
     def _settle(self, job: Job, used: int, now: float) -> None:
         reserved = self._reserved.pop(job.idx)

@@ -39,7 +39,7 @@ from typing import Any, Literal
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-from schemas.common import ErrorCode, priority_rank
+from schemas.common import ErrorCode, engine_rank, priority_rank
 from schemas.replies import Done, Error, Timings, TokenChunk, Usage
 from schemas.requests import Assignment
 from schemas.workers import (
@@ -131,8 +131,11 @@ def engine_request(a: Assignment, engine_id: str) -> GenerateRequest:
         temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
         presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
         stop=tuple(s.stop), seed=s.seed,
-        priority=priority_rank(a.admitted.priority) if a.engine_priority is None
-        else a.engine_priority,
+        priority=engine_rank(
+            priority_rank(a.admitted.priority) if a.engine_priority is None
+            else a.engine_priority,
+            a.admitted.lane,
+        ),
     )
 
 

@@ -235,6 +235,26 @@ def test_llmq_engines_prefill_by_class_unless_told_fcfs(engine_priority: bool) -
         assert [j.idx for j in first] == sorted(j.idx for j in jobs)
 
 
+@pytest.mark.parametrize("engine_priority", [True, False])
+def test_llmq_engines_prefill_short_before_long_within_a_class(engine_priority: bool) -> None:
+    """Twelve normal jobs at once, all placed on one worker: 0 and 5-11 short (60-token
+    prompts), 1-4 long (2,100, 33 steps of 64 tokens each). Job 0 starts alone. A FCFS
+    engine then prefills in arrival order, so the seven short jobs wait for four long
+    prompts; with engine priority (class, then lane) they go first."""
+    lengths = [60] + [2100] * 4 + [60] * 7
+    burst = [TraceRequest(i, 0.0, p, 10, priority="normal") for i, p in enumerate(lengths)]
+    config = LlmqConfig(heartbeat_s=0.25, engine_priority=engine_priority)
+    jobs, stats, _ = run("llmq", burst, small_engine(max_num_seqs=64), pools=["any"],
+                         config=config)
+    assert stats.completed == 12
+    assert {j.dispatched_s for j in jobs} == {0.0}
+    lanes = [j.lane for j in sorted(jobs, key=lambda j: (j.first_token_s, j.idx))]
+    if engine_priority:
+        assert lanes == ["short"] * 8 + ["long"] * 4
+    else:
+        assert lanes == ["short"] + ["long"] * 4 + ["short"] * 7
+
+
 def test_same_seed_same_figures() -> None:
     config = BenchConfig(synthetic=True, requests=600, workers=2, load=0.9, seed=5)
     first, _ = run_bench(config)

@@ -80,15 +80,19 @@ def test_registry_names_every_engine() -> None:
     assert build_engine(EngineConfig(kind="vllm", model="m", profile=PROFILE)).name == "vllm"
 
 
-@pytest.mark.parametrize(("priority", "aged", "rank"),
-                         [("high", None, 0), ("normal", None, 1), ("low", None, 2),
-                          ("low", 1, 1), ("low", 0, 0)])
-def test_the_engine_gets_the_aged_class_else_the_admitted_one(
-    priority: str, aged: int | None, rank: int
+@pytest.mark.parametrize(("priority", "aged", "lane", "engine_priority"),
+                         [("high", None, "short", 0), ("normal", None, "short", 2),
+                          ("low", None, "short", 4), ("low", 1, "short", 2),
+                          ("low", 0, "short", 0), ("high", None, "long", 1),
+                          ("low", None, "long", 5), ("low", 1, "long", 3)])
+def test_the_engine_gets_the_aged_class_else_the_admitted_one_then_the_lane(
+    priority: str, aged: int | None, lane: str, engine_priority: int
 ) -> None:
+    # Class first (aged, else admitted), then short before long: 2 · class + (1 if long).
     assignment = make_assignment(engine_priority=aged)
-    assignment = assignment.evolve(admitted=assignment.admitted.evolve(priority=priority))
-    assert engine_request(assignment, "e1").priority == rank
+    admitted = assignment.admitted.evolve(priority=priority, lane=lane)
+    assignment = assignment.evolve(admitted=admitted)
+    assert engine_request(assignment, "e1").priority == engine_priority
 
 
 def test_vllm_schedules_by_priority_unless_its_args_say_otherwise() -> None:

@@ -64,8 +64,9 @@ class GenerateRequest:
     frequency_penalty: float = 0.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
-    #: The request's class rank (0 high, 1 normal, 2 low). Engines that schedule by
-    #: priority (vLLM's ``--scheduling-policy priority``: lower first) use it; FCFS ignores it.
+    #: ``schemas.common.engine_rank`` of the request's class and lane (0 = high short …
+    #: 5 = low long). Engines that schedule by priority (vLLM's ``--scheduling-policy
+    #: priority``: lower first) use it; FCFS ignores it.
     priority: int = 0
 
 

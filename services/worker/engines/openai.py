@@ -120,9 +120,10 @@ def request_body(
     req: GenerateRequest, served_model: str, *, priority: bool = False
 ) -> tuple[str, dict[str, Any]]:
     """Path and JSON body of the streaming request for ``req``; with ``priority``, the
-    request's class rank as vLLM's ``priority`` field (a vLLM extension, accepted only by a
-    server started with ``--scheduling-policy priority``; it refuses non-zero values
-    otherwise, so it is sent only when the worker is told the server schedules by it)."""
+    request's ``priority`` (class, then lane) as vLLM's ``priority`` field (a vLLM
+    extension, accepted only by a server started with ``--scheduling-policy priority``; it
+    refuses non-zero values otherwise, so it is sent only when the worker is told the
+    server schedules by it)."""
     body: dict[str, Any] = {
         "model": served_model,
         "max_tokens": req.max_tokens,

@@ -11,8 +11,8 @@ API used (vLLM ≥ 0.9.2, V1 — the first whose V1 engine takes ``scheduling_po
 default ``RequestOutputKind.CUMULATIVE``), so this adapter emits the difference to the
 previous output as a delta; ``await llm.abort(request_id)``; ``llm.shutdown()``. The
 engine runs with ``scheduling_policy="priority"`` unless told otherwise, and each request
-goes in with ``priority=`` its class rank (0 high, 1 normal, 2 low), so a high-class
-request also overtakes the engine's own waiting queue. Chat
+goes in with ``priority=`` its ``GenerateRequest.priority`` (class, then lane: 0 high
+short … 5 low long), so a high-class request also overtakes the engine's own waiting queue. Chat
 requests are rendered with the tokenizer's chat template (``await llm.get_tokenizer()``).
 
 Capacity: pool size from ``vllm_config.cache_config`` (``num_gpu_blocks`` × ``block_size``),

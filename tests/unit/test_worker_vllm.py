@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from services.worker.engines.base import GenerateRequest
+from services.worker.engines.base import ChatTurn, GenerateRequest
 from services.worker.engines.sim.profiles import get_profile
 from services.worker.engines.vllm import INSTALL_HINT, VllmEngine
 
@@ -39,6 +39,38 @@ async def test_start_without_vllm_says_how_to_install() -> None:
     with pytest.raises(RuntimeError, match="pip install"):
         await engine.start()
     assert "vllm" in INSTALL_HINT
+
+
+class _Tokenizer:
+    """Stand-in for a Hugging Face tokenizer (vLLM cannot run here): renders turns."""
+
+    def apply_chat_template(self, turns: list[dict[str, str]], *, tokenize: bool,
+                            add_generation_prompt: bool) -> str:
+        assert tokenize is False and add_generation_prompt is True
+        return "".join(f"<{t['role']}>{t['content']}" for t in turns) + "<assistant>"
+
+
+class _OldAsyncLLM:
+    """Stand-in for AsyncLLM up to vLLM 0.10: ``async def get_tokenizer``."""
+
+    async def get_tokenizer(self) -> _Tokenizer:
+        return _Tokenizer()
+
+
+class _NewAsyncLLM:
+    """Stand-in for AsyncLLM of later vLLM: ``def get_tokenizer``."""
+
+    def get_tokenizer(self) -> _Tokenizer:
+        return _Tokenizer()
+
+
+@pytest.mark.parametrize("llm", [_OldAsyncLLM(), _NewAsyncLLM()])
+async def test_chat_turns_are_rendered_with_either_get_tokenizer(llm: object) -> None:
+    engine = VllmEngine("m", profile=get_profile("llama3-8b-h100"))
+    engine._llm = llm  # the adapter's handle on vLLM, replaced by a stand-in
+    request = GenerateRequest(request_id="c1", model="m", max_tokens=4, prompt_tokens=3,
+                              messages=(ChatTurn("system", "be brief"), ChatTurn("user", "hi")))
+    assert await engine._prompt(request) == "<system>be brief<user>hi<assistant>"
 
 
 @pytest.mark.gpu

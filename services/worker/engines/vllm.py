@@ -13,7 +13,8 @@ previous output as a delta; ``await llm.abort(request_id)``; ``llm.shutdown()``.
 engine runs with ``scheduling_policy="priority"`` unless told otherwise, and each request
 goes in with ``priority=`` its ``GenerateRequest.priority`` (class, then lane: 0 high
 short … 5 low long), so a high-class request also overtakes the engine's own waiting queue. Chat
-requests are rendered with the tokenizer's chat template (``await llm.get_tokenizer()``).
+requests are rendered with the tokenizer's chat template (``llm.get_tokenizer()``: a
+coroutine up to vLLM 0.10, a plain method since; both are taken).
 
 Capacity: pool size from ``vllm_config.cache_config`` (``num_gpu_blocks`` × ``block_size``),
 batch limit from ``scheduler_config.max_num_seqs``; AsyncLLM exposes no live KV figure to
@@ -25,6 +26,7 @@ utilisation come from NVML in the worker app.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -104,7 +106,8 @@ class VllmEngine:
         if req.messages is None:
             return req.prompt or ""
         if self._tokenizer is None:
-            self._tokenizer = await self._llm.get_tokenizer()
+            tokenizer = self._llm.get_tokenizer()  # vLLM <= 0.10: async def; later: def
+            self._tokenizer = await tokenizer if inspect.isawaitable(tokenizer) else tokenizer
         turns = [{"role": m.role, "content": m.content} for m in req.messages]
         rendered: str = self._tokenizer.apply_chat_template(
             turns, tokenize=False, add_generation_prompt=True

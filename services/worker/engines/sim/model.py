@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Final, Literal
 
@@ -390,13 +391,17 @@ class SimEngineCore:
         elif s is self._tail:
             self._tail = None
 
-    def _preempt(self, start: int, events: list[SeqEvent], given: bool) -> _Seq:
-        """Preempt the running sequence with the largest (priority, arrival); ``given``:
-        whether it was handed a block for this step already (it gets it back)."""
+    def _preempt(
+        self, start: int, events: list[SeqEvent], given: Callable[[_Seq], bool]
+    ) -> _Seq:
+        """Preempt the running sequence with the largest (priority, arrival). ``given``
+        tells whether it was already handed a block for this step: that block, not yet in
+        its computed count, goes back to the pool with the rest."""
         victim = max(self._running.values(), key=_rank)
+        handed_back = given(victim)  # asked before _release clears ``decoding``
         self._release(victim)
-        if given:
-            self._free += 1  # the block for this step's token, not yet in its computed count
+        if handed_back:
+            self._free += 1
         victim.computed = 0
         victim.preemptions += 1
         self.preemptions += 1
@@ -406,29 +411,20 @@ class SimEngineCore:
         )
         return victim
 
-    def _victim_given(self, r: int, given: set[int] | None) -> bool:
-        """Whether the sequence :meth:`_preempt` is about to take holds a block for this
-        step: decoding sequences of phase ``r`` do once allocation ran (``given`` None),
-        or those in ``given`` while it runs."""
-        victim = max(self._running.values(), key=_rank)
-        if given is not None:
-            return victim.seq_id in given
-        return victim.decoding and victim.phase == r
-
     def _alloc_decodes_slow(self, r: int, start: int, events: list[SeqEvent]) -> None:
         """The pool cannot give every decoding sequence of phase ``r`` its block: walk the
         running sequences in order, preempting (see :meth:`_preempt`) until each
         allocation fits or the sequence itself was the victim."""
-        given: set[int] = set()
+        allocated: set[int] = set()
         for s in list(self._running.values()):
             if not s.decoding or s.phase != r:
                 continue  # no new block needed, or preempted earlier in this walk
             while self._free < 1:
-                if self._preempt(start, events, self._victim_given(r, given)) is s:
+                if self._preempt(start, events, lambda v: v.seq_id in allocated) is s:
                     break
             else:
                 self._free -= 1
-                given.add(s.seq_id)
+                allocated.add(s.seq_id)
 
     def _execute(self, start: int, events: list[SeqEvent]) -> tuple[int, int]:
         """One full scheduler step at ``start``; returns (prefill, decode) tokens."""
@@ -449,7 +445,8 @@ class SimEngineCore:
             need = _ceil_div(c + chunk, bs) - _ceil_div(c, bs)
             while need > self._free:
                 preempted = True
-                if self._preempt(start, events, self._victim_given(r, None)) is tail:
+                # Every decoding sequence of phase r holds its block for this step by now.
+                if self._preempt(start, events, lambda v: v.decoding and v.phase == r) is tail:
                     break
             else:
                 self._free -= need

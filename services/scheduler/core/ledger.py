@@ -196,24 +196,8 @@ class Ledger:
 
     def headroom(self, worker: WorkerState) -> float:
         """``free_kv / usable_kv`` in [0, 1]; 0 for a worker with no usable KV."""
-        # Same arithmetic as free_kv, inlined: scorers call this for every candidate.
-        total = worker.kv_total_tokens
-        usable = int(total * self._keep)
-        if usable <= 0:
-            return 0.0
-        heartbeat_free = worker.kv_free_tokens - total + usable
-        credit = self._credits.get(worker.worker_id)
-        if credit is not None:
-            heartbeat_free += credit.for_heartbeat(worker.heartbeat_ts).kv
-        book = self._books.get(worker.worker_id)
-        if book is None:
-            free = usable if usable < heartbeat_free else heartbeat_free
-        else:
-            free = usable - book.reserved
-            heartbeat_free -= book.unstarted_kv
-            if heartbeat_free < free:
-                free = heartbeat_free
-        return free / usable if free > 0 else 0.0
+        usable = int(worker.kv_total_tokens * self._keep)
+        return self.free_kv(worker) / usable if usable > 0 else 0.0
 
     def in_flight(self, worker: WorkerState) -> int:
         """Sequences on the worker or on their way to it."""

@@ -17,10 +17,7 @@ serves the query API in full and a placeholder page at ``/``.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,6 +31,7 @@ from typing import Any, Final
 import click
 
 from services.common.settings import PROJECT_ROOT, Settings
+from services.dev import process
 
 VERSION: Final = "v1.76.0"
 MODULE: Final = "github.com/jaegertracing/jaeger/cmd/jaeger"
@@ -139,15 +137,7 @@ class Jaeger:
     # -- state -------------------------------------------------------------------------
     def _pid(self) -> int | None:
         """The PID of *our* Jaeger if it is alive (a reused PID of another program is not)."""
-        try:
-            pid = int(self.pid_file.read_text().strip())
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except (OSError, ValueError):
-            return None
-        if str(self.binary).encode() in cmdline and str(CONFIG_FILE).encode() in cmdline \
-                and _alive(pid):
-            return pid
-        return None
+        return process.own_pid(self.pid_file, (str(self.binary), str(CONFIG_FILE)))
 
     def status(self) -> JaegerStatus:
         pid = self._pid()
@@ -174,18 +164,14 @@ class Jaeger:
 
     def _start(self, echo: Echo) -> subprocess.Popen[bytes]:
         binary = self.build(echo)
-        taken = [f"{HOST}:{port}" for port in PORTS.values() if _port_taken(port)]
+        taken = [f"{HOST}:{port}" for port in PORTS.values() if process.port_taken(HOST, port)]
         if taken:
             raise JaegerError(f"{', '.join(taken)} taken by another program (another Jaeger "
                               "or collector?); stop it first")
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        with self.log_file.open("ab") as log:
-            proc = subprocess.Popen(
-                [str(binary), "--config", str(CONFIG_FILE)], stdout=log,
-                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True,  # survives the CLI; stopped by `down` through the pid
-                cwd=self.data_dir,
-            )
+        proc = process.start_detached(
+            [str(binary), "--config", str(CONFIG_FILE)], self.log_file, self.data_dir
+        )
         self.pid_file.write_text(f"{proc.pid}\n")
         _STARTED[proc.pid] = proc
         return proc
@@ -196,40 +182,9 @@ class Jaeger:
         if pid is None:
             self.pid_file.unlink(missing_ok=True)
             return False
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and _alive(pid):
-            time.sleep(0.1)
-        if _alive(pid):
-            os.kill(pid, signal.SIGKILL)
-            while _alive(pid):
-                time.sleep(0.1)
-        started = _STARTED.pop(pid, None)
-        if started is not None:
-            started.wait()  # ours: reap it
+        process.stop(pid, timeout_s, _STARTED.pop(pid, None))
         self.pid_file.unlink(missing_ok=True)
         return True
-
-
-def _port_taken(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.settimeout(0.5)
-        return sock.connect_ex((HOST, port)) == 0
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie still answers kill(0) until reaped; read its state.
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 # -- the command line ---------------------------------------------------------------------

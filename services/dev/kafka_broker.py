@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import os
-import signal
-import socket
 import subprocess
 import time
 import uuid
@@ -24,6 +21,7 @@ from pathlib import Path
 
 from services.common.kafka import broker_answers, wait_for_group_coordinator
 from services.common.settings import PROJECT_ROOT, Settings
+from services.dev import process
 
 INFRA_DIR = PROJECT_ROOT / "infra" / "kafka"
 
@@ -174,14 +172,7 @@ class KafkaBroker:
     # -- state --------------------------------------------------------------------------
     def _pid(self) -> int | None:
         """The PID of *our* broker if it is alive (a reused PID of another program is not)."""
-        try:
-            pid = int(self.pid_file.read_text().strip())
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-        except (OSError, ValueError):
-            return None
-        if b"kafka.Kafka" in cmdline and str(self.props_file).encode() in cmdline:
-            return pid
-        return None
+        return process.own_pid(self.pid_file, ("kafka.Kafka", str(self.props_file)))
 
     def status(self) -> BrokerStatus:
         pid = self._pid()
@@ -194,11 +185,6 @@ class KafkaBroker:
             data_dir=str(self.cfg.data_dir),
             log_file=str(self.log_file),
         )
-
-    def _port_taken(self, port: int) -> bool:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.settimeout(0.5)
-            return sock.connect_ex((self.cfg.host, port)) == 0
 
     # -- lifecycle ----------------------------------------------------------------------
     def up(self, timeout_s: float = 90.0) -> BrokerStatus:
@@ -222,7 +208,7 @@ class KafkaBroker:
 
     def _start(self) -> subprocess.Popen[bytes]:
         for port in (self.cfg.port, self.cfg.controller_port):
-            if self._port_taken(port):
+            if process.port_taken(self.cfg.host, port):
                 raise BrokerError(
                     f"port {self.cfg.host}:{port} is taken by another program; stop it or set "
                     "LLMQ_KAFKA_PORT / LLMQ_KAFKA_CONTROLLER_PORT"
@@ -232,15 +218,7 @@ class KafkaBroker:
         self.props_file.write_text(server_properties(self.cfg))
         self._format_once(libs)
         cmd = self._java_cmd(libs, "kafka.Kafka", str(self.props_file))
-        with self.log_file.open("ab") as log:
-            proc = subprocess.Popen(
-                cmd,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,  # survives the CLI; stopped by `down` through the pid
-                cwd=self.cfg.data_dir,
-            )
+        proc = process.start_detached(cmd, self.log_file, self.cfg.data_dir)
         self.pid_file.write_text(f"{proc.pid}\n")
         self._proc = proc
         return proc
@@ -251,29 +229,8 @@ class KafkaBroker:
         if pid is None:
             self.pid_file.unlink(missing_ok=True)
             return False
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and self._alive(pid):
-            time.sleep(0.2)
-        if self._alive(pid):
-            os.kill(pid, signal.SIGKILL)
-            while self._alive(pid):
-                time.sleep(0.1)
-        if self._proc is not None:
-            self._proc.wait()
-            self._proc = None
+        process.stop(pid, timeout_s, self._proc)
+        self._proc = None
         self.pid_file.unlink(missing_ok=True)
         return True
 
-    @staticmethod
-    def _alive(pid: int) -> bool:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        # A zombie still answers kill(0) until reaped; read its state.
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            return False
-        return stat.rsplit(")", 1)[1].split()[0] != "Z"

@@ -10,6 +10,7 @@ import pytest
 
 from services.common.kafka import TopicRequest, ensure_topics, make_consumer, make_producer
 from services.common.settings import Settings
+from services.dev import process
 from services.dev.kafka_broker import BrokerConfig, KafkaBroker, server_properties
 from tests.fakes.ports import free_port, listening_sockets
 
@@ -66,7 +67,7 @@ def test_up_twice_down_and_restart_keeps_data(broker: KafkaBroker) -> None:
     assert sent == [f"m{i}".encode() for i in range(5)]
 
     assert broker.down() is True
-    assert not Path(f"/proc/{first.pid}").exists() or not KafkaBroker._alive(first.pid)
+    assert not Path(f"/proc/{first.pid}").exists() or not process.alive(first.pid)
     assert broker.status().running is False
     assert broker.down() is False  # harmless when nothing runs
 

@@ -1,0 +1,87 @@
+"""Background processes of the dev tools (the embedded broker, Jaeger), by PID file.
+
+Each tool starts its program detached (a new session, so it outlives the CLI), writes the
+PID to a file and later finds it again only if that PID still runs *its* command line (a
+PID reused by another program is not ours) and is not a zombie. Stopping is SIGTERM, then
+SIGKILL after a timeout, then reaping the child when this process started it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def alive(pid: int) -> bool:
+    """The process runs (exists, and is not a zombie waiting to be reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie still answers kill(0) until reaped; read its state.
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def own_pid(pid_file: Path, markers: Sequence[str]) -> int | None:
+    """The PID in ``pid_file`` if that process is alive and its command line contains
+    every one of ``markers``; else None."""
+    try:
+        pid = int(pid_file.read_text().strip())
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+    except (OSError, ValueError):
+        return None
+    if all(m.encode() in cmdline for m in markers) and alive(pid):
+        return pid
+    return None
+
+
+def port_taken(host: str, port: int) -> bool:
+    """Something accepts TCP connections on ``host:port``."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex((host, port)) == 0
+
+
+def start_detached(cmd: Sequence[str], log_file: Path, cwd: Path) -> subprocess.Popen[bytes]:
+    """Start ``cmd`` in its own session, output appended to ``log_file``."""
+    with log_file.open("ab") as log:
+        return subprocess.Popen(
+            list(cmd),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # survives the CLI; stopped by `down` through the pid
+            cwd=cwd,
+        )
+
+
+def stop(pid: int, timeout_s: float, started: subprocess.Popen[bytes] | None = None) -> None:
+    """SIGTERM ``pid``, SIGKILL it after ``timeout_s``; reap ``started`` (its Popen, when
+    this process started it) so no zombie is left behind."""
+    _signal(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and alive(pid):
+        time.sleep(0.1)
+    if alive(pid):
+        _signal(pid, signal.SIGKILL)
+        while alive(pid):
+            time.sleep(0.1)
+    if started is not None:
+        started.wait()
+
+
+def _signal(pid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):  # it exited on its own meanwhile
+        os.kill(pid, sig)

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError
 
@@ -93,6 +93,24 @@ def make_consumer(bootstrap: str, *topics: str, **overrides: Any) -> AIOKafkaCon
     }
     options.update(overrides)
     return AIOKafkaConsumer(*topics, **options)
+
+
+Batches = dict[TopicPartition, list[ConsumerRecord[Any, Any]]]
+
+
+async def fetch_forever(
+    consumer: AIOKafkaConsumer, timeout_ms: int, what: str
+) -> AsyncIterator[Batches]:
+    """``consumer.getmany()`` in a loop, until the caller is cancelled. A failed fetch is
+    logged and retried after 0.5 s: aiokafka reconnects by itself, so it is not fatal."""
+    while True:
+        try:
+            batches = await consumer.getmany(timeout_ms=timeout_ms)
+        except KafkaError:
+            log.warning("%s: fetch failed", what, exc_info=True)
+            await asyncio.sleep(0.5)
+            continue
+        yield batches
 
 
 async def broker_answers(bootstrap: str, timeout_s: float = 3.0) -> bool:

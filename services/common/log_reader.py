@@ -26,10 +26,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from aiokafka import TopicPartition
-from aiokafka.errors import KafkaError
 
 from services.common.guard import Guard
-from services.common.kafka import make_consumer
+from services.common.kafka import fetch_forever, make_consumer
 from services.common.replies import topic_partitions
 
 #: Handles one record of a topic (decoding included); raising dead-letters it.
@@ -117,13 +116,7 @@ class LogReader:
         return self._reached(ends)
 
     async def _run(self) -> None:
-        while True:
-            try:
-                batches = await self._consumer.getmany(timeout_ms=self._poll_ms)
-            except KafkaError:
-                _log.warning("%s: fetch failed", self._name, exc_info=True)
-                await asyncio.sleep(0.5)
-                continue
+        async for batches in fetch_forever(self._consumer, self._poll_ms, self._name):
             for tp, records in batches.items():
                 handler = self._handlers[tp.topic]
                 history = self._history.get(tp, 0)

@@ -36,12 +36,11 @@ from typing import Any
 
 from aiokafka import TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
-from aiokafka.errors import KafkaError
 
 from schemas.codec import SchemaError, decode
 from schemas.messages import REPLY_ADAPTER
 from schemas.replies import Done, Error, TokenChunk
-from services.common.kafka import make_consumer
+from services.common.kafka import fetch_forever, make_consumer
 
 Reply = TokenChunk | Done | Error
 #: Called with the raw record and its decode error (e.g. to dead-letter it).
@@ -209,14 +208,9 @@ class ReplyRouter:
         return stream is not None and stream.offer(msg)
 
     async def _run(self) -> None:
-        while True:
-            try:
-                batches = await self._consumer.getmany(timeout_ms=self._poll_ms)
-            except KafkaError:
-                # The consumer reconnects by itself; a failed fetch is not fatal.
-                _log.warning("reply router %s: fetch failed", self.topic, exc_info=True)
-                await asyncio.sleep(0.5)
-                continue
+        async for batches in fetch_forever(
+            self._consumer, self._poll_ms, f"reply router {self.topic}"
+        ):
             for records in batches.values():
                 for record in records:
                     await self._handle(record)

@@ -30,7 +30,7 @@ from schemas.messages import CONTROL_ADAPTER
 from schemas.requests import Assignment
 from schemas.topics import TopicSpec, catalog, message_key
 from schemas.workers import EventStarted, WorkerHeartbeat
-from services.common.kafka import TopicRequest, make_consumer
+from services.common.kafka import TopicRequest, fetch_forever, make_consumer
 from services.common.replies import topic_partitions
 from services.common.tracing import Headers
 
@@ -160,13 +160,7 @@ class ControlReader:
 
     async def run(self) -> None:
         """Read until cancelled."""
-        while True:
-            try:
-                batches = await self._consumer.getmany(timeout_ms=200)
-            except KafkaError:
-                _log.warning("control reader: fetch failed", exc_info=True)
-                await asyncio.sleep(0.5)
-                continue
+        async for batches in fetch_forever(self._consumer, 200, "control reader"):
             for records in batches.values():
                 for record in records:
                     await self._one(record)

@@ -384,6 +384,10 @@ class Worker:
     async def _run_one(self, run: RequestRun, offset: int) -> None:
         try:
             outcome = await run.run()
+        except Exception:  # run() answers every ending itself; this is a bug in it
+            _log.exception("request %s: the run failed without an answer; offset %d stays "
+                           "uncommitted (a restart runs it again)", run.engine_id, offset)
+            return
         finally:
             if self.runs.get(run.request_id) is run:
                 del self.runs[run.request_id]

@@ -215,17 +215,19 @@ class RequestRun:
         if self._clock() >= self.deadline:
             return await self._terminal(_Stop("timeout", "deadline passed before it started"))
         self._started_at = self._clock()
-        await self._send(self.cfg.events_topic, self._event(EventStarted))
-        pump = asyncio.create_task(self._pump(), name=f"pump:{self.engine_id}")
+        pump: asyncio.Task[None] | None = None
         try:
+            await self._send(self.cfg.events_topic, self._event(EventStarted))
+            pump = asyncio.create_task(self._pump(), name=f"pump:{self.engine_id}")
             ending = await self._stream()
         except Exception as exc:
             _log.exception("request %s: run failed", self.engine_id)
             ending = _Failed("worker_lost", f"worker error: {type(exc).__name__}")
         finally:
-            if not pump.done():
+            if pump is not None and not pump.done():
                 pump.cancel()  # closes the engine's iterator, which aborts the request
-            await asyncio.gather(pump, return_exceptions=True)
+            if pump is not None:
+                await asyncio.gather(pump, return_exceptions=True)
         if not isinstance(ending, _Ended):
             await self.engine.abort(self.engine_id)
         return await self._terminal(ending)
@@ -244,6 +246,12 @@ class RequestRun:
             # Aborts we start end the run before this is read; this one came from elsewhere
             # (the engine shutting down).
             self._inbox.put_nowait(_Failed("worker_lost", f"engine aborted it: {exc}"))
+            return
+        except Exception as exc:  # an engine bug: the request still gets its one terminal
+            _log.exception("request %s: the engine failed", self.engine_id)
+            self._inbox.put_nowait(
+                _Failed("worker_lost", f"engine error: {type(exc).__name__}: {exc}")
+            )
             return
         self._inbox.put_nowait(_Ended(last))
 

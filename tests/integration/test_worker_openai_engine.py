@@ -230,6 +230,38 @@ async def test_server_without_metrics_is_accounted_locally(
     await stream.aclose()  # type: ignore[attr-defined]  # an async generator
 
 
+async def test_a_server_that_lost_its_metrics_and_then_fails_is_unknown_again(
+    engine: OpenAIEngine, server: tuple[str, FakeServerState]
+) -> None:
+    server[1].metrics_status = 404  # a server without /metrics: accounted locally
+    await engine.refresh_metrics()
+    assert engine.capacity().kv_free_tokens == PROFILE.kv_total_tokens
+    server[1].metrics_status = 503  # now failing: the local account no longer holds
+    await engine.refresh_metrics()
+    assert engine.capacity().kv_free_tokens == 0
+
+
+async def test_without_metrics_requests_beyond_max_num_seqs_are_waiting(
+    server: tuple[str, FakeServerState]
+) -> None:
+    profile = replace(PROFILE, max_num_seqs=2)
+    eng = OpenAIEngine(server[0], "served-model", profile=profile, metrics_interval_s=3600)
+    await eng.start()
+    server[1].metrics_status = 404
+    await eng.refresh_metrics()
+    server[1].token_delay_s = 0.01
+    streams = [eng.generate(make_req(request_id=f"r{i}", max_tokens=100)) for i in range(5)]
+    try:
+        for stream in streams:
+            await anext(stream)
+        cap = eng.capacity()
+        assert (cap.running, cap.waiting) == (2, 3)
+    finally:
+        for stream in streams:
+            await stream.aclose()  # type: ignore[attr-defined]  # an async generator
+        await eng.close()
+
+
 async def test_unreachable_server_is_worker_lost() -> None:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

@@ -11,10 +11,11 @@ import importlib.util
 import os
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
-from services.worker.engines.base import ChatTurn, GenerateRequest
+from services.worker.engines.base import ChatTurn, EngineError, GenerateRequest
 from services.worker.engines.sim.profiles import get_profile
 from services.worker.engines.vllm import INSTALL_HINT, VllmEngine
 
@@ -71,6 +72,90 @@ async def test_chat_turns_are_rendered_with_either_get_tokenizer(llm: object) ->
     request = GenerateRequest(request_id="c1", model="m", max_tokens=4, prompt_tokens=3,
                               messages=(ChatTurn("system", "be brief"), ChatTurn("user", "hi")))
     assert await engine._prompt(request) == "<system>be brief<user>hi<assistant>"
+
+
+class _Completion:
+    def __init__(self) -> None:
+        self.text, self.token_ids, self.finish_reason = "a", [1], None
+
+
+class _Output:
+    """Stand-in for vLLM's RequestOutput: one token, not finished."""
+
+    def __init__(self) -> None:
+        self.outputs, self.prompt_token_ids, self.finished = [_Completion()], [1, 2], False
+
+
+class _RefusingAsyncLLM(_NewAsyncLLM):
+    """Stand-in for AsyncLLM raising ``error`` after ``outputs`` outputs, as vLLM's input
+    processor does (before any output) for a prompt over ``max_model_len``."""
+
+    def __init__(self, error: Exception, outputs: int = 0) -> None:
+        self.error, self.outputs, self.aborted = error, outputs, []
+
+    async def _stream(self) -> Any:
+        for _ in range(self.outputs):
+            yield _Output()
+        raise self.error
+
+    def generate(self, prompt: str, params: Any, rid: str, *, priority: int) -> Any:
+        return self._stream()
+
+    async def abort(self, rid: str) -> None:
+        self.aborted.append(rid)
+
+
+def _engine(llm: object) -> VllmEngine:
+    engine = VllmEngine("m", profile=get_profile("llama3-8b-h100"))
+    engine._llm = llm  # the adapter's handle on vLLM, replaced by a stand-in
+    engine._sampling_cls = dict  # SamplingParams(**options)
+    return engine
+
+
+TOO_LONG = ("The decoder prompt (length 9000) is longer than the maximum model length of "
+            "8192. Make sure that `max_model_len` is no smaller than the number of text tokens.")
+
+
+@pytest.mark.parametrize(("message", "code"), [
+    (TOO_LONG, "too_large"),
+    ("temperature must be non-negative, got -1.0.", "invalid"),
+])
+async def test_a_request_vllm_refuses_is_the_requests_fault(message: str, code: str) -> None:
+    llm = _RefusingAsyncLLM(ValueError(message))
+    request = GenerateRequest(request_id="v2", model="m", max_tokens=4, prompt_tokens=9000,
+                              prompt="x")
+    with pytest.raises(EngineError) as refused:
+        [d async for d in _engine(llm).generate(request)]
+    assert refused.value.code == code
+    assert message in refused.value.message
+    assert llm.aborted == ["v2"]  # whatever vLLM holds of it is freed
+
+
+async def test_a_value_error_after_output_is_not_a_refusal() -> None:
+    llm = _RefusingAsyncLLM(ValueError("internal"), outputs=1)
+    request = GenerateRequest(request_id="v3", model="m", max_tokens=4, prompt_tokens=2,
+                              prompt="x")
+    with pytest.raises(ValueError, match="internal"):  # the runner answers it worker_lost
+        [d async for d in _engine(llm).generate(request)]
+
+
+class _StrictTokenizer:
+    def apply_chat_template(self, turns: list[dict[str, str]], **_: Any) -> str:
+        raise RuntimeError("Conversation roles must alternate user/assistant/user/...")
+
+
+class _StrictAsyncLLM:
+    def get_tokenizer(self) -> _StrictTokenizer:
+        return _StrictTokenizer()
+
+
+async def test_messages_the_chat_template_refuses_are_invalid() -> None:
+    request = GenerateRequest(request_id="c2", model="m", max_tokens=4, prompt_tokens=3,
+                              messages=(ChatTurn("user", "a"), ChatTurn("user", "b")))
+    with pytest.raises(EngineError) as refused:
+        [d async for d in _engine(_StrictAsyncLLM()).generate(request)]
+    assert refused.value.code == "invalid"
+    assert "roles must alternate" in refused.value.message
 
 
 @pytest.mark.gpu

@@ -303,6 +303,9 @@ class OpenAIEngine:
     async def refresh_metrics(self) -> None:
         """Scrape /metrics once; on failure the load becomes unknown (fail closed)."""
         assert self._client is not None
+        # Only a 404 now means "a server without /metrics" (accounted locally); any other
+        # failure, even after an earlier 404, means the load is unknown.
+        self._metrics_missing = False
         try:
             response = await self._client.get("/metrics", timeout=5.0)
         except httpx.HTTPError as exc:
@@ -338,7 +341,8 @@ class OpenAIEngine:
             running, waiting = load.running, load.waiting
         elif self._metrics_missing:
             free = max(0, total - sum(self._in_flight.values()))
-            running, waiting = min(len(self._in_flight), p.max_num_seqs), 0
+            n = len(self._in_flight)  # beyond max_num_seqs the server queues them
+            running, waiting = min(n, p.max_num_seqs), max(0, n - p.max_num_seqs)
         else:
             free = 0  # unknown: fail closed
             running, waiting = len(self._in_flight), 0

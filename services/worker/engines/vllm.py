@@ -31,6 +31,7 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
+from schemas.common import ErrorCode
 from services.worker.core.rate import RateMeter
 from services.worker.engines.base import (
     EngineAborted,
@@ -109,9 +110,13 @@ class VllmEngine:
             tokenizer = self._llm.get_tokenizer()  # vLLM <= 0.10: async def; later: def
             self._tokenizer = await tokenizer if inspect.isawaitable(tokenizer) else tokenizer
         turns = [{"role": m.role, "content": m.content} for m in req.messages]
-        rendered: str = self._tokenizer.apply_chat_template(
-            turns, tokenize=False, add_generation_prompt=True
-        )
+        try:
+            rendered: str = self._tokenizer.apply_chat_template(
+                turns, tokenize=False, add_generation_prompt=True
+            )
+        except Exception as exc:  # jinja2's TemplateError: e.g. roles that do not alternate
+            raise EngineError("invalid", f"the model's chat template refused the messages: "
+                                         f"{exc}") from exc
         return rendered
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
@@ -126,7 +131,7 @@ class VllmEngine:
             # vLLM refuses a priority other than 0 unless it schedules by priority.
             priority = request.priority if self._by_priority else 0
             stream = self._llm.generate(prompt, self._sampling(request), rid, priority=priority)
-            async for out in stream:
+            async for out in _refusals_as_errors(stream):
                 if rid in self._aborted:
                     raise EngineAborted(f"request {rid} aborted")
                 completion = out.outputs[0]
@@ -191,3 +196,26 @@ def _finish_reason(reason: object) -> FinishReason | None:
     if reason == "stop":
         return "stop"
     return None
+
+
+async def _refusals_as_errors(stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """vLLM's outputs, with its refusal of a request's input as an :class:`EngineError`.
+
+    vLLM validates a request when it is submitted, before any output, and refuses it with
+    ``ValueError`` (a prompt longer than ``max_model_len``, a bad sampling parameter).
+    That is the request's fault, not the worker's: ``too_large`` for the length, else
+    ``invalid``. A ``ValueError`` after the first output is left alone (a bug, not a
+    refusal: the runner answers it ``worker_lost``).
+    """
+    started = False
+    try:
+        async for out in stream:
+            started = True
+            yield out
+    except ValueError as exc:
+        if started:
+            raise
+        text = str(exc)
+        too_long = "maximum model length" in text or "maximum context length" in text
+        code: ErrorCode = "too_large" if too_long else "invalid"
+        raise EngineError(code, f"vLLM refused the request: {text}") from exc

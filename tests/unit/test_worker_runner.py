@@ -1,0 +1,133 @@
+"""How a run ends when something breaks: every accepted request still gets exactly one
+terminal reply, at once, not at its deadline.
+
+The engines are stand-ins (our own interface) and so is the producer under the
+``Publisher``: a real broker cannot be made to fail one send on cue. The normal paths run
+against a real broker in tests/integration/test_worker_kafka.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiokafka.errors import KafkaTimeoutError
+
+from schemas.requests import Assignment
+from services.worker.engines.base import EngineCapacity, GenerateRequest, TokenDelta
+from services.worker.kafka_io import Publisher
+from services.worker.runner import Outcome, RequestRun, RunConfig
+from tests.builders_schemas import make_admitted, make_assignment, make_request
+
+REPLIES, EVENTS = "p.replies.acme", "p.events"
+
+
+class _Producer:
+    """Stand-in for the aiokafka producer: records what is sent; the sends numbered in
+    ``fail`` (0-based) raise as a broker that does not answer in time makes them."""
+
+    def __init__(self, fail: frozenset[int] = frozenset()) -> None:
+        self.records: list[tuple[str, dict[str, Any]]] = []
+        self.fail = fail
+        self.sends = 0
+
+    async def send(self, topic: str, value: bytes, *, key: bytes,
+                   headers: list[tuple[str, bytes]] | None = None) -> asyncio.Future[None]:
+        n, self.sends = self.sends, self.sends + 1
+        if n in self.fail:
+            raise KafkaTimeoutError()
+        self.records.append((topic, json.loads(value)))
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        done.set_result(None)
+        return done
+
+    def terminals(self) -> list[tuple[str, str | None]]:
+        """(kind, code) of every reply that ends the request, and of every end event."""
+        return [(r["kind"], r.get("code")) for topic, r in self.records
+                if r["kind"] in ("done", "error", "event.done", "event.failed",
+                                 "event.aborted")]
+
+
+class _BrokenEngine:
+    """Stand-in engine: yields ``tokens`` deltas, then fails with a non-engine error (a
+    bug in an adapter, or a library raising something the adapter does not map)."""
+
+    name = "broken"
+
+    def __init__(self, tokens: int) -> None:
+        self.tokens = tokens
+        self.aborted: list[str] = []
+
+    async def start(self) -> None: ...
+    async def close(self) -> None: ...
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
+        for _ in range(self.tokens):
+            await asyncio.sleep(0)
+            yield TokenDelta("ab", 1)
+        raise RuntimeError("adapter bug")
+
+    def capacity(self) -> EngineCapacity:
+        return EngineCapacity(100, 100, 0, 0, 16, 0, 0, 4)
+
+
+class _FineEngine(_BrokenEngine):
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
+        yield TokenDelta("ab", 2, finish_reason="stop", prompt_tokens=7, completion_tokens=2)
+
+
+def _assignment(timeout_s: float = 600.0) -> Assignment:
+    now = time.time()
+    request = make_request(request_id="r1", tenant="acme", model="m", max_tokens=8,
+                           timeout_s=timeout_s, created_at=now)
+    admitted = make_admitted(request=request, priority="low", lane="short", prompt_tokens=7,
+                             reply_topic=REPLIES, admitted_at=now)
+    return make_assignment(admitted=admitted, worker_id="w", partition=0, attempt=1,
+                           kv_tokens=16, deadline=now + timeout_s, assigned_at=now)
+
+
+async def _run(engine: Any, producer: _Producer) -> Outcome:
+    run = RequestRun(_assignment(), engine, Publisher(producer, 5.0),
+                     RunConfig(worker_id="w", model="m", events_topic=EVENTS, chunk_tokens=1))
+    # The deadline is 600 s away: a run that waits for it fails this bound instead.
+    return await asyncio.wait_for(run.run(), 10.0)
+
+
+async def test_an_engine_failing_mid_stream_ends_the_request_at_once() -> None:
+    producer, engine = _Producer(), _BrokenEngine(tokens=2)
+    outcome = await _run(engine, producer)
+    assert (outcome.kind, outcome.terminal, outcome.acked) == ("failed", "worker_lost", True)
+    assert producer.terminals() == [("error", "worker_lost"), ("event.failed", "worker_lost")]
+    [error] = [r for _, r in producer.records if r["kind"] == "error"]
+    assert "RuntimeError: adapter bug" in error["message"]
+    chunks = [r for _, r in producer.records if r["kind"] == "chunk"]
+    assert sum(c["tokens"] for c in chunks) == 2  # what streamed before the failure stays
+    assert engine.aborted == ["r1#1"]  # the engine is told to free the request's KV
+
+
+async def test_an_engine_failing_before_any_token_ends_the_request_at_once() -> None:
+    producer = _Producer()
+    outcome = await _run(_BrokenEngine(tokens=0), producer)
+    assert outcome.terminal == "worker_lost"
+    assert producer.terminals() == [("error", "worker_lost"), ("event.failed", "worker_lost")]
+
+
+async def test_a_failed_started_event_still_ends_the_request_with_one_reply() -> None:
+    producer = _Producer(fail=frozenset({0}))  # send 0 is event.started
+    outcome = await _run(_FineEngine(tokens=0), producer)
+    assert (outcome.kind, outcome.terminal) == ("failed", "worker_lost")
+    assert producer.terminals() == [("error", "worker_lost"), ("event.failed", "worker_lost")]
+    assert outcome.acked  # its answer reached the broker: the offset may be committed
+
+
+async def test_the_normal_path_for_comparison() -> None:
+    producer = _Producer()
+    outcome = await _run(_FineEngine(tokens=0), producer)
+    assert (outcome.kind, outcome.terminal, outcome.acked) == ("done", "done", True)
+    assert producer.terminals() == [("done", None), ("event.done", None)]

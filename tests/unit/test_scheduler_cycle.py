@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import pytest
 
+from schemas.common import Lane, Pool
 from services.scheduler import (
     BASELINE_PROFILES,
     DEFAULT_PROFILE,
@@ -25,6 +26,7 @@ from services.scheduler import (
 from tests.builders import NOW, make_queue, make_request, make_snapshot, make_worker, seeded
 
 PIPELINE = build_pipeline(DEFAULT_PROFILE)
+STRICT = build_pipeline({"spill": {}})  # pools never lend
 
 
 def run(
@@ -104,6 +106,7 @@ def test_ineligible_workers_never_get_work(worker: WorkerState, why: str) -> Non
     [
         ([make_worker(model="other")], make_request(), "unknown_model"),
         ([make_worker(model_version="v1")], make_request(model_version="v2"), "unknown_model"),
+        # no pool for its lane, and it may not borrow another (no spill rule): never
         ([make_worker(pool="short")], make_request(lane="long"), "too_large"),
         ([make_worker(kv_total_tokens=10_000)], make_request(kv_tokens=9_600), "too_large"),
         # only a draining worker serves the route: wait for its replacement
@@ -131,7 +134,7 @@ def test_reject_only_what_no_live_worker_could_ever_take(
     workers: list[WorkerState], request_: QueuedRequest, outcome: str
 ) -> None:
     queue = make_queue()
-    decisions = run(workers, request_, queue=queue)
+    decisions = run(workers, request_, queue=queue, pipeline=STRICT)
     assert kinds(decisions) == {request_.request_id: outcome}
     assert (request_.request_id in queue) is (outcome == "defer")
 
@@ -422,7 +425,34 @@ def test_borrowed_long_requests_are_bounded_per_short_worker() -> None:
 
 
 def test_an_empty_spill_table_keeps_pools_strict() -> None:
-    strict = build_pipeline({"spill": {}})
     full = make_worker("sw", pool="short", running=256)
     long_w = make_worker("lw", pool="long")
-    assert placed(run([full, long_w], make_request("s"), pipeline=strict)) == []
+    assert placed(run([full, long_w], make_request("s"), pipeline=STRICT)) == []
+
+
+@pytest.mark.parametrize(("lane", "pool"), [("short", "long"), ("long", "short")])
+def test_no_pool_of_its_own_but_one_it_may_borrow_is_a_wait_not_a_refusal(
+    lane: Lane, pool: Pool
+) -> None:
+    # Only the other lane's pool is live, and busy for now (no slot), or the other lane
+    # has work of its own, or the head has not waited long enough to borrow: it waits.
+    busy = make_worker("o", pool=pool, running=256)
+    request = make_request("r", lane=lane, kv_tokens=1_024)
+    queue = make_queue()
+    decisions = run([busy], request, queue=queue)
+    assert kinds(decisions) == {"r": "defer"} and "r" in queue
+    assert "waits to borrow" in next(d.reason for d in decisions if isinstance(d, Defer))
+    # Once the worker has a slot (and a long head has waited spill.long.after_s), it
+    # borrows it.
+    later = NOW + 10.0
+    idle = make_worker("o", pool=pool, heartbeat_ts=later)
+    assert placed(run([idle], queue=queue, now=later)) == [("r", "o")]
+
+
+def test_too_large_for_every_pool_it_may_use_is_refused() -> None:
+    # Its own pool's KV is too small; the pool it may borrow is larger but still too small.
+    workers = [make_worker("s", pool="short", kv_total_tokens=2_000),
+               make_worker("l", pool="long", kv_total_tokens=4_000)]
+    assert kinds(run(workers, make_request("r", kv_tokens=5_000))) == {"r": "too_large"}
+    # One it fits only by borrowing is not refused: it borrows (nothing long is pending).
+    assert placed(run(workers, make_request("r", kv_tokens=3_000))) == [("r", "l")]

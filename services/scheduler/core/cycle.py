@@ -18,7 +18,8 @@ Order of work:
    a class) and gets a ``Defer``; other classes go on (backfill). When no live worker
    could *ever* take it — model or version not served by any fresh worker, no pool for
    its lane, or larger than the usable KV of every fresh worker that takes new work — it
-   is rejected (``unknown_model`` / ``too_large``). With no fresh worker at all the fleet
+   is rejected (``unknown_model`` / ``too_large``); for a lane that may spill (step 5)
+   the other lane's pool counts too. With no fresh worker at all the fleet
    counts as saturated, and a route served only by draining workers waits for their
    replacements: both defer.
 4. Holds bound backfill. Once a blocked head has waited its class's aging bound
@@ -119,6 +120,10 @@ def _drop_stale_holds(snapshot: Snapshot, pending: PendingQueue, ledger: Ledger)
             or not snapshot.is_fresh(worker)
         ):
             ledger.unhold(request_id)
+
+
+def _other(lane: Lane) -> Lane:
+    return "long" if lane == "short" else "short"
 
 
 def _borrowed(pool: Lane, admits: Callable[[WorkerState], bool]) -> Callable[[WorkerState], bool]:
@@ -248,7 +253,7 @@ class _Cycle:
         rule = self.pipeline.spill.get(lane)
         if rule is None or self.now - request.enqueued_at < rule.after_s:
             return None
-        other: Lane = "long" if lane == "short" else "short"
+        other = _other(lane)
         for klass in self.pending.class_keys():
             if klass[0] == other and klass[2] == model:
                 return None  # the other lane has work of its own: lend nothing
@@ -369,6 +374,13 @@ class _Cycle:
         fleet = capacity(self.snapshot, route, self.ledger)
         if not fleet.any_live:
             return Defer(request_id, "no fresh worker in the fleet: saturated")
+        lane_served, accepting, max_usable = fleet.lane_served, fleet.accepting, fleet.max_usable
+        if request.lane in self.pipeline.spill:  # it may borrow the other lane's pool (step 5)
+            other = capacity(self.snapshot, (route[0], route[1], _other(request.lane)),
+                             self.ledger)
+            lane_served = lane_served or other.lane_served
+            accepting += other.accepting
+            max_usable = max(max_usable, other.max_usable)
         never = None
         if not fleet.version_served:
             what = (
@@ -377,18 +389,21 @@ class _Cycle:
                 else f"{request.model} version {request.model_version}"
             )
             never = Reject(request_id, "unknown_model", f"no live worker serves {what}")
-        elif not fleet.lane_served:
+        elif not lane_served:
             never = Reject(request_id, "too_large", f"no live worker takes the {route[2]} lane")
-        elif fleet.accepting == 0:
+        elif accepting == 0:
             return Defer(request_id, "only draining workers serve this route")
-        elif fleet.max_usable < kv:
+        elif max_usable < kv:
             never = Reject(
-                request_id, "too_large", f"needs {kv} KV tokens, largest usable {fleet.max_usable}"
+                request_id, "too_large", f"needs {kv} KV tokens, largest usable {max_usable}"
             )
         if never is not None:
             self.pending.remove(request_id)
             self.ledger.unhold(request_id)
             return never
+        if not fleet.lane_served:
+            reason = (f"no live worker of the {request.lane} pool; waits to borrow the "
+                      f"{_other(request.lane)} pool")
         if self.now - request.enqueued_at >= self.pending.aging_bound_s(request.priority):
             before = self.ledger.hold_of(request_id)
             held = self._hold(request, index)

@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from services.scheduler import ConfigError, Ledger, PlacementContext, Snapshot, build_pipeline
+from services.scheduler import (
+    DEFAULT_PROFILE,
+    ConfigError,
+    Ledger,
+    Placement,
+    PlacementContext,
+    Snapshot,
+    build_pipeline,
+    schedule,
+)
 from services.scheduler.policies.filters.class_reserve import ClassReserve, factory
-from tests.builders import NOW, make_request, make_worker
+from tests.builders import NOW, make_queue, make_request, make_worker, seeded
 
 
 def accepts(running: int, free: int, priority: str = "normal", kv: int = 1_000,
@@ -39,6 +48,35 @@ def accepts(running: int, free: int, priority: str = "normal", kv: int = 1_000,
 def test_the_reserve(running: int, free: int, priority: str, kv: int, max_num_seqs: int,
                      accepted: bool) -> None:
     assert accepts(running, free, priority, kv, max_num_seqs) is accepted
+
+
+@pytest.mark.parametrize(("waited_s", "accepted"), [(59.0, False), (60.0, True)])
+def test_a_request_aged_into_the_high_class_may_take_the_reserve(
+    waited_s: float, accepted: bool
+) -> None:
+    # A low request reaches the high class after its aging bound (2 × 30 s): the reserve
+    # is the high class's, so it is that request's too (as the engine ranks it: priority 0).
+    worker = make_worker(kv_total_tokens=10_000, kv_free_tokens=9_000, running=56,
+                         max_num_seqs=64)  # 56 + 1 + 8 > 64: only the reserve is left
+    request = make_request("old", priority="low", kv_tokens=1_000, enqueued_at=NOW - waited_s)
+    queue = make_queue()
+    ctx = PlacementContext(Snapshot.of([worker], NOW), Ledger(kv_safety_margin=0.0), NOW,
+                           queue.engine_priority)
+    assert ctx.class_rank(request) == (0 if accepted else 1)
+    assert ClassReserve(seqs=8, kv_fraction=0.05).accepts(worker, request, ctx) is accepted
+
+
+def test_through_the_cycle_an_aged_request_does_not_block_a_fresh_high_one() -> None:
+    # Only the reserve is left on the one worker; the low request has waited 10 minutes,
+    # so it goes first (aged far past the fresh high one) and takes the reserve; before,
+    # it was refused, held the worker, and kept the high one out too.
+    worker = make_worker("w", max_num_seqs=16, running=12)
+    queue = make_queue(make_request("old-low", priority="low", enqueued_at=NOW - 600),
+                       make_request("new-high", priority="high", enqueued_at=NOW))
+    decisions = schedule(Snapshot.of([worker], NOW), queue, Ledger(),
+                         build_pipeline(DEFAULT_PROFILE), NOW, seeded())
+    assert [d.request.request_id for d in decisions if isinstance(d, Placement)] == [
+        "old-low", "new-high"]
 
 
 def test_it_is_in_the_default_profile_and_configurable() -> None:

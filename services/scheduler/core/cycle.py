@@ -177,7 +177,7 @@ class _Cycle:
         self.now = now
         self.rng = rng
         self.decisions = decisions
-        self.ctx = PlacementContext(snapshot, ledger, now)
+        self.ctx = PlacementContext(snapshot, ledger, now, pending.engine_priority)
         self.refusal = ""
         self.hold_refused = False
         self.spill_bound = 0  # > 0 while placing a spill with a per-worker bound

@@ -24,9 +24,10 @@ load comes from the :class:`PlacementContext` (the frozen snapshot and the ledge
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Literal, Protocol, runtime_checkable
 
+from schemas.common import priority_rank
 from services.scheduler.core.index import max_tokens_per_s
 from services.scheduler.core.ledger import Ledger
 from services.scheduler.core.types import QueuedRequest, Snapshot, WorkerState
@@ -43,13 +44,28 @@ Params = Mapping[str, object]
 class PlacementContext:
     """What plugins may read during one ``schedule()`` call."""
 
-    __slots__ = ("_max_tps", "ledger", "now", "snapshot")
+    __slots__ = ("_aged", "_max_tps", "ledger", "now", "snapshot")
 
-    def __init__(self, snapshot: Snapshot, ledger: Ledger, now: float) -> None:
+    def __init__(
+        self,
+        snapshot: Snapshot,
+        ledger: Ledger,
+        now: float,
+        aged: Callable[[QueuedRequest, float], int] | None = None,
+    ) -> None:
         self.snapshot = snapshot
         self.ledger = ledger
         self.now = now
+        self._aged = aged
         self._max_tps: float | None = None
+
+    def class_rank(self, request: QueuedRequest) -> int:
+        """The class ``request`` has aged into by ``now`` (0 high, 1 normal, 2 low): the
+        pending queue's ``engine_priority`` when the cycle passes it (``aged``), else the
+        request's own class."""
+        if self._aged is None:
+            return priority_rank(request.priority)
+        return self._aged(request, self.now)
 
     @property
     def max_tokens_per_s(self) -> float:

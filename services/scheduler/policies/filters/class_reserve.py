@@ -1,10 +1,11 @@
 """Filter ``class-reserve``: the last sequence slots and KV of a worker are for the high class.
 
-Formula: a ``high`` request is always accepted, and so is any request on a worker with
-nothing in flight (a reserve must not idle a worker, nor starve a request too big for the
-rest). Any other is accepted ⇔ the worker keeps, after it, ``kept`` sequence slots and
-``kv_fraction`` of its usable KV free: ``in_flight + 1 + kept ≤ max_num_seqs`` with
-``kept = min(seqs, ⌊max_num_seqs / 4⌋)``, and
+Formula: a request of the ``high`` class — its own, or the one it has aged into
+(``ctx.class_rank``: the pending queue's aging) — is always accepted, and so is any
+request on a worker with nothing in flight (a reserve must not idle a worker, nor starve a
+request too big for the rest). Any other is accepted ⇔ the worker keeps, after it,
+``kept`` sequence slots and ``kv_fraction`` of its usable KV free:
+``in_flight + 1 + kept ≤ max_num_seqs`` with ``kept = min(seqs, ⌊max_num_seqs / 4⌋)``, and
 ``request.kv_tokens + ⌊kv_fraction × ledger.usable_kv(worker)⌋ ≤ ledger.free_kv(worker)``.
 
 Why: a high-priority request that arrives at a full fleet waits for the next finish on its
@@ -14,7 +15,7 @@ default 10 % high share the reserve is mostly in use anyway. Aging still applies
 request promoted to the high class by waiting may take the reserve too.
 
 Reads: the ledger's in-flight count, free and usable KV; ``worker.max_num_seqs``;
-``request.priority``. Stage ``room`` (asked per candidate).
+the request's aged class. Stage ``room`` (asked per candidate).
 
 Config (optional; defaults shown)::
 
@@ -44,7 +45,7 @@ class ClassReserve:
         self.kv_fraction = kv_fraction
 
     def accepts(self, worker: WorkerState, request: QueuedRequest, ctx: PlacementContext) -> bool:
-        if request.priority == "high":
+        if ctx.class_rank(request) == 0:  # high, or aged into it
             return True
         ledger = ctx.ledger
         in_flight = ledger.in_flight(worker)

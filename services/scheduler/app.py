@@ -389,7 +389,7 @@ class Scheduler:
         (A faust signal receiver: ``args[0]`` is the set of revoked partitions.)"""
         revoked: set[Any] = set(args[0]) if args else set()
         mine = {tp for tp in revoked if tp.topic in self._topic_keys}
-        dropped = self.state.drop_sources(mine)
+        dropped = self.state.drop_sources(mine, self.clock())
         self.acks.forget(mine)
         self._paused -= mine
         if dropped:

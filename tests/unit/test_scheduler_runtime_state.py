@@ -6,6 +6,7 @@ events, ticks) and checks the records it would produce and the acks it would rel
 
 from __future__ import annotations
 
+import logging
 import random
 from typing import Any
 
@@ -296,6 +297,44 @@ def test_revoked_partitions_take_their_pending_requests_but_not_requeues() -> No
     state = ready_state()
     state.on_request(admitted("a"), ("tp-a", 0), T)
     state.on_request(admitted("b"), ("tp-b", 0), T)
-    assert state.drop_sources({"tp-a"}) == 1
+    assert state.drop_sources({"tp-a"}, T) == 1
     assert "a" not in state.pending and "b" in state.pending
     assert len(state.pending) == state.tracked() == 1
+
+
+def test_a_cancel_not_yet_answered_leaves_with_its_revoked_partition_unanswered() -> None:
+    # Cancelled while pending; its partition is revoked before the next cycle answers it.
+    state = ready_state()  # no worker: the request stays pending
+    state.on_request(admitted("r1"), ("tp", 0), T)
+    assert state.on_cancel(cancel("r1"), T)
+    assert state.drop_sources({"tp"}, T) == 1
+    # The record goes back to the partition's new owner: no answer from here (one owner,
+    # one terminal), and the next cycle has nothing left to trip over.
+    result = state.tick(T + 1)
+    assert replies(result.effects) == [] and events(result.effects) == []
+    assert state.tracked() == 0 and len(state.pending) == 0
+    # If the partition comes back here, the redelivered record is answered cancelled.
+    state.observe_heartbeat(beat("w0", 0))
+    effects = state.on_request(admitted("r1"), ("tp", 0), T + 2)
+    assert [r.code for r in replies(effects)] == ["cancelled"]
+    assert tickets(effects) == [("tp", 0)]
+    assert assignments(state.tick(T + 2).effects) == []
+
+
+def test_a_cancel_not_yet_answered_of_a_request_placed_elsewhere_is_the_workers(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Another replica placed r1 (it read the record first); here it was just cancelled.
+    here, there = ready_state(("w0", 0)), ready_state(("w0", 0))
+    here.on_request(admitted("r1"), ("tp", 0), T)
+    there.on_request(admitted("r1"), ("tp", 0), T)
+    [(_, placed)] = assignments(there.tick(T).effects)
+    assert here.on_cancel(cancel("r1"), T)
+    effects = here.observe_assignment(placed)
+    assert tickets(effects) == [("tp", 0)]  # its record is done here
+    # The worker answers the cancel (it remembers cancels); nothing more from here, and
+    # the cycle does not trip over the request it no longer tracks.
+    with caplog.at_level(logging.ERROR):
+        result = here.tick(T + 1)
+    assert replies(result.effects) == [] and events(result.effects) == []
+    assert here.tracked() == 0 and caplog.records == []

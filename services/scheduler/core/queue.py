@@ -216,6 +216,14 @@ class PendingQueue:
         self._cancelled.append(request)
         return True
 
+    def withdraw_cancelled(self, request_id: str) -> bool:
+        """Forget a cancel not yet reported (its owner hands the request to another):
+        ``schedule()`` will not report it. False when no such cancel is waiting."""
+        kept = [r for r in self._cancelled if r.request_id != request_id]
+        found = len(kept) < len(self._cancelled)
+        self._cancelled = kept
+        return found
+
     def take_cancelled(self) -> list[QueuedRequest]:
         """Requests cancelled since the last call, oldest first."""
         taken, self._cancelled = self._cancelled, []

@@ -256,8 +256,11 @@ class SchedulerState:
         effects: list[Effect] = []
         tracked = self._tracked.get(record.request_id)
         if tracked is not None and tracked.queued.attempt <= record.attempt:
-            # Placed elsewhere meanwhile: it leaves our queue, its records are done.
+            # Placed elsewhere meanwhile: it leaves our queue, its records are done. A cancel
+            # of it waiting here for the next cycle is the worker's to answer now (workers
+            # remember cancels): answering here too would make two terminals.
             self.pending.remove(record.request_id)
+            self.pending.withdraw_cancelled(record.request_id)
             self._untrack(record.request_id)
             effects.append(Effect(tickets=tuple(tracked.tickets)))
         if self.restored:
@@ -337,10 +340,15 @@ class SchedulerState:
             self.cancels.add(cancel.request_id, cancel.tenant, cancel.issued_at, now)
         return False
 
-    def drop_sources(self, revoked: set[Hashable]) -> int:
+    def drop_sources(self, revoked: set[Hashable], now: float) -> int:
         """Partitions were revoked: their pending requests go to the new owner (they were
         not acked). Requeues stay: nothing on Kafka would bring them back. Returns how many
-        requests left the queue."""
+        requests left the queue.
+
+        A request cancelled here but not yet answered (the next cycle would have) goes too,
+        unanswered: its record comes back to the new owner, and one terminal must come from
+        one owner. The cancel is remembered here (for when the partition comes back), and
+        every worker remembers it too, so whoever places it next gets ``cancelled``."""
         dropped = 0
         for request_id, tracked in list(self._tracked.items()):
             kept = [t for t in tracked.tickets if t[0] not in revoked]
@@ -348,6 +356,8 @@ class SchedulerState:
                 continue
             tracked.tickets = kept
             if tracked.origin == "record" and not kept:
+                if self.pending.withdraw_cancelled(request_id):
+                    self.cancels.add(request_id, tracked.admitted.request.tenant, now, now)
                 self.pending.remove(request_id)
                 self._untrack(request_id)
                 dropped += 1

@@ -297,12 +297,17 @@ class _Call:
 
     def streaming(self, first: Reply) -> StreamingResponse:
         # The background task runs once the response is over, however it ended: it cancels
-        # the request when the client left before the body even started.
+        # the request when the client left before the body's generator could (during a
+        # write, or before the body started). Async, so it runs on the event loop: a plain
+        # function would run in a worker thread, where no task can be started.
         return StreamingResponse(
             self._events(first), media_type="text/event-stream",
             headers={**_SSE_HEADERS, **self.headers},
-            background=BackgroundTask(self.finish, "client disconnected"),
+            background=BackgroundTask(self._abandoned),
         )
+
+    async def _abandoned(self) -> None:
+        self.finish("client disconnected")
 
     async def _events(self, first: Reply) -> AsyncIterator[bytes]:
         """SSE bytes; a disconnect (cancelled here) or the deadline cancels the request."""

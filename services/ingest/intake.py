@@ -43,7 +43,7 @@ import logging
 import re
 from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Final, Literal, Protocol
 
 from opentelemetry.trace import Span, SpanKind
 from pydantic import Field
@@ -84,6 +84,8 @@ from services.ingest.tenants import Tenancy
 from services.ingest.topics import INSTANCE_REPLIES, IngestTopics
 
 _log = logging.getLogger(__name__)
+#: How far a client's ``created_at`` may be ahead of ingest's clock (clock skew).
+MAX_CLOCK_AHEAD_S: Final = 300.0
 _ID_RE = re.compile(ID_PATTERN)
 _TENANT_RE = re.compile(TENANT_PATTERN)
 
@@ -193,12 +195,24 @@ class IntakeHandler:
             span.set_attribute(tracing.LLMQ_OUTCOME, "moved")
             await self._publish(self._topics.intake, tenant_key, bytes(record.value), headers)
             return
-        if req.request_id in self._reservations:
-            _log.info("request %s is already admitted and in flight; duplicate ignored",
-                      req.request_id)
-            span.set_attribute(tracing.LLMQ_OUTCOME, "duplicate")
-            return
         now = self._clock()
+        held = self._reservations.get(req.request_id)
+        if held is not None:
+            if _same_caller(held, req, self._topics.prefix):
+                _log.info("request %s is already admitted and in flight; duplicate ignored",
+                          req.request_id)
+                span.set_attribute(tracing.LLMQ_OUTCOME, "duplicate")
+                return
+            # Another tenant's, or another caller's (another reply topic): everything
+            # downstream is keyed by request_id, so this one cannot run. Its one answer:
+            span.set_attribute(tracing.LLMQ_OUTCOME, "invalid")
+            _count_refusal("invalid")
+            await self._send(_fallback_target(req, self._topics.prefix), _error(
+                req.request_id, "invalid",
+                f"request_id {req.request_id!r} is in flight for another request or reply "
+                "topic; request ids must be unique: send it with a new one", now,
+            ))
+            return
         try:
             decision = self._decide(req, now)
             self._record(req, decision)
@@ -231,6 +245,14 @@ class IntakeHandler:
             reason = f"reply_to {req.reply_to!r} is not authorized for tenant {req.tenant!r}"
             return _Decision(reply_topic(prefix, req.tenant),
                              _error(req.request_id, "invalid", reason, now))
+        ahead = req.created_at - now
+        if ahead > MAX_CLOCK_AHEAD_S:
+            # Scheduler and worker bound the request by created_at + timeout_s.
+            return _Decision(target, _error(
+                req.request_id, "invalid",
+                f"created_at is {ahead:.0f} s ahead of ingest's clock (at most "
+                f"{MAX_CLOCK_AHEAD_S:.0f} s allowed): check the client's clock", now,
+            ))
         policy = self._tenancy.policy_for(req.tenant)
         if policy is None:
             return _Decision(target, _error(req.request_id, "invalid",
@@ -252,11 +274,14 @@ class IntakeHandler:
             prompt_tokens=result.prompt_tokens, reply_topic=target, admitted_at=now,
         )
         # Deadline from our clock, not the client's created_at: a client must not be able
-        # to make its reservation expire at once and so escape the concurrency cap.
+        # to make its reservation expire at once and so escape the concurrency cap. (A
+        # created_at ahead of our clock is bounded in _decide; the request's own deadline
+        # downstream is created_at + timeout_s, so the reservation outlives it.)
         reservation = {
             "tenant": req.tenant,
+            "reply_topic": target,
             "reserved": result.reserved_tokens,
-            "deadline": now + req.timeout_s + self._grace,
+            "deadline": max(now, req.created_at) + req.timeout_s + self._grace,
         }
         return _Decision(request_topic(self._topics.prefix, result.priority, result.lane),
                          message, result.new_state, reservation)
@@ -401,6 +426,16 @@ def _error(
 ) -> Error:
     return Error(request_id=request_id, attempt=0, code=code, message=message[:4096],
                  retry_after_s=retry_after_s, ts=now)
+
+
+def _same_caller(held: Mapping[str, Any], req: InferenceRequest, prefix: str) -> bool:
+    """Whether ``req`` is a redelivery of the in-flight request ``held`` (its reservation):
+    same tenant, same reply topic (a reservation written before the reply topic was kept
+    matches on the tenant alone)."""
+    if held.get("tenant") != req.tenant:
+        return False
+    topic = held.get("reply_topic")
+    return topic is None or topic == _fallback_target(req, prefix)
 
 
 def _fallback_target(req: InferenceRequest, prefix: str) -> str:

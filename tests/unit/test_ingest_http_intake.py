@@ -102,6 +102,7 @@ async def test_admitted_request_is_stored_and_published() -> None:
     state = TenantState.from_dict(h.buckets["default"])
     assert state.in_flight == 1
     assert h.reservations["r1"] == {"tenant": "default", "reserved": 20,
+                                    "reply_topic": "llmq.replies.ingest-a",
                                     "deadline": NOW + 60.0 + 30.0}
 
 
@@ -147,6 +148,43 @@ async def test_duplicate_of_a_request_in_flight_is_ignored() -> None:
     await h.submit(request())
     await h.submit(request())
     assert len(h.sent) == 1
+
+
+@pytest.mark.parametrize("other", [
+    {"tenant": "team-b"},  # another tenant chose the same id
+    {"reply_to": "llmq.replies.ingest-b"},  # a retry through another ingest instance
+])
+async def test_the_id_of_a_request_in_flight_used_by_another_caller_is_refused(
+    other: dict[str, Any],
+) -> None:
+    h = Harness(load_tenancy(None))
+    await h.submit(request("job-1", tenant="team-a", reply_to=None))
+    tenant = other.get("tenant", "team-a")
+    await h.submit(request("job-1", **{"tenant": tenant, **other}))
+    # The first is admitted; the second gets one terminal answer, on its own reply topic.
+    assert h.sent[0][0] == "llmq.requests.normal.short"
+    [(topic, _, value)] = h.sent[1:]
+    refusal = decode(value, REPLY_ADAPTER)
+    assert isinstance(refusal, Error) and (refusal.request_id, refusal.code) == (
+        "job-1", "invalid")
+    assert "request ids must be unique" in refusal.message
+    assert topic == other.get("reply_to", "llmq.replies.team-b")
+    assert h.reservations["job-1"]["tenant"] == "team-a"  # the first one's is untouched
+
+
+async def test_a_created_at_far_ahead_of_ingests_clock_is_refused() -> None:
+    h = Harness(load_tenancy(None))
+    await h.submit(request("r1", created_at=NOW + 10 * 86_400))
+    [refusal] = h.replies()
+    assert refusal.code == "invalid" and "check the client's clock" in refusal.message
+    assert "r1" not in h.reservations
+
+
+async def test_a_reservation_outlives_its_requests_deadline() -> None:
+    # Within the allowed skew, created_at ahead of ingest's clock moves the deadline.
+    h = Harness(load_tenancy(None))
+    await h.submit(request("r1", created_at=NOW + 200.0, timeout_s=60.0))
+    assert h.reservations["r1"]["deadline"] == NOW + 200.0 + 60.0 + 30.0
 
 
 async def test_undecodable_request_is_refused_when_someone_waits_then_raised() -> None:

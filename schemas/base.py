@@ -14,7 +14,7 @@ from typing import Annotated, Any, Final, Self
 
 from pydantic import BaseModel, ConfigDict, Field, Strict
 
-from schemas.common import SCHEMA_VERSION
+from schemas.common import MAX_TOKENS, SCHEMA_VERSION
 
 # --- limits ----------------------------------------------------------------------------------
 
@@ -25,8 +25,6 @@ MAX_MESSAGES: Final = 256
 #: Stop sequences per request, and characters per stop sequence.
 MAX_STOP: Final = 8
 MAX_STOP_CHARS: Final = 256
-#: Upper bound on max_tokens and on any token count a message reports.
-MAX_TOKENS: Final = 1 << 20
 #: Characters of generated text in one token chunk.
 MAX_CHUNK_CHARS: Final = 1 << 16
 #: Characters of a human-readable message or reason.

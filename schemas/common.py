@@ -20,6 +20,10 @@ LANES: Final[tuple[Lane, ...]] = ("short", "long")
 Pool = Literal["short", "long", "any"]
 POOLS: Final[tuple[Pool, ...]] = ("short", "long", "any")
 
+#: Upper bound on max_tokens and on any token count a message reports (here, not in
+#: schemas.base, so the pure cores can check it without importing pydantic).
+MAX_TOKENS: Final = 1 << 20
+
 ErrorCode = Literal[
     "rate_limited",
     "too_large",

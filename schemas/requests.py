@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 from schemas.base import (
     LAX,
@@ -22,7 +23,6 @@ from schemas.base import (
     MAX_PROMPT_CHARS,
     MAX_STOP,
     MAX_STOP_CHARS,
-    MAX_TOKENS,
     PREFIX_HASH_PATTERN,
     Attempt,
     Count,
@@ -39,7 +39,7 @@ from schemas.base import (
     WireMessage,
     WorkerId,
 )
-from schemas.common import Lane, Priority
+from schemas.common import MAX_TOKENS, Lane, Priority
 
 Role = Literal["system", "user", "assistant", "tool"]
 
@@ -164,8 +164,11 @@ class InferenceRequest(WireMessage):
             raise ValueError("exactly one of prompt or messages is required")
         if messages is not None:
             total = sum(len(m.content) for m in messages)
-            if total > MAX_PROMPT_CHARS:
-                raise ValueError(f"messages hold {total} characters, more than {MAX_PROMPT_CHARS}")
+            if total > MAX_PROMPT_CHARS:  # "too_long": refused as too_large (413), not invalid
+                raise PydanticCustomError(
+                    "too_long", "messages hold {total} characters, more than {limit}",
+                    {"total": total, "limit": MAX_PROMPT_CHARS},
+                )
         return messages
 
     @property

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from schemas.common import HTTP_STATUS, ErrorCode, Lane, Priority
+from schemas.common import HTTP_STATUS, MAX_TOKENS, ErrorCode, Lane, Priority
 from services.ingest.core import (
     AdmissionRequest,
     Admit,
@@ -250,3 +250,17 @@ def test_cluster_view_keyed_by_served_name_is_found_too() -> None:
 def test_policy_of_another_tenant_is_a_caller_bug() -> None:
     with pytest.raises(ValueError, match="policy of"):
         decide(make_request(tenant="other"))
+
+
+def test_a_prompt_over_the_wires_token_bound_is_too_large_not_an_error() -> None:
+    # A model not in the registry, on workers with an enormous KV and no max_model_len:
+    # nothing else bounds it, and the admitted message could not carry the count.
+    OPEN = make_policy(rpm=60.0, tpm=1e10, token_burst=1e10)
+    huge = make_cluster(make_capacity("custom/x", max_usable_kv_tokens=1 << 24))
+    over = make_request(model="custom/x", prompt_tokens=MAX_TOKENS + 1, max_tokens=1)
+    result = admit(over, OPEN, make_state(OPEN, NOW), huge, NOW, config=CONFIG)
+    assert isinstance(result, Reject) and result.code == "too_large"
+    assert str(MAX_TOKENS) in result.reason
+    at = make_request(model="custom/x", prompt_tokens=MAX_TOKENS, max_tokens=1)
+    assert isinstance(admit(at, OPEN, make_state(OPEN, NOW), huge, NOW,
+                            config=CONFIG), Admit)

@@ -43,10 +43,10 @@ def test_every_code_has_a_status() -> None:
 
 @pytest.mark.parametrize(
     ("seconds", "header"),
-    [(0.0, "0"), (0.2, "1"), (1.0, "1"), (1.0000000001, "1"), (1.5, "2"), (59.999, "60"),
-     (60.0, "60"), (300.25, "301")],
+    [(0.0, "1"), (1e-11, "1"), (0.2, "1"), (1.0, "1"), (1.0000000001, "1"), (1.5, "2"),
+     (59.999, "60"), (60.0, "60"), (300.25, "301")],
 )
-def test_retry_after_rounds_up_to_whole_seconds(seconds: float, header: str) -> None:
+def test_retry_after_rounds_up_to_whole_seconds_at_least_one(seconds: float, header: str) -> None:
     assert retry_after_header(seconds) == header
 
 

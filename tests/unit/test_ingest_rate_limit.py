@@ -159,6 +159,9 @@ def test_policy_from_mapping() -> None:
         ({"max_concurrency": 0}, "tenants.acme.max_concurrency"),
         ({"max_concurrency": 1.5}, "tenants.acme.max_concurrency"),
         ({"request_burst": 0.5}, "tenants.acme.request_burst"),
+        # one request per two minutes with the default burst (= rpm): a bucket of 0.5
+        # requests never holds one, so every request would be refused forever
+        ({"rpm": 0.5}, "tenants.acme.rpm"),
         ({"token_burst": -1}, "tenants.acme.token_burst"),
         ({"max_priority": "urgent"}, "tenants.acme.max_priority"),
         ({"may_set_lane": "yes"}, "tenants.acme.may_set_lane"),
@@ -187,3 +190,12 @@ def test_policy_from_mapping_requires_rates_and_concurrency(missing: str) -> Non
 def test_negative_tokens_is_a_caller_bug() -> None:
     with pytest.raises(ValueError, match="tokens"):
         try_consume(make_state(POLICY), POLICY, -1, 0.0)
+
+
+def test_a_slow_tier_works_with_a_burst_of_one() -> None:
+    slow = make_policy(rpm=0.5, request_burst=1.0)
+    state = TenantState.full(slow, 0.0)
+    state, refused = try_consume(state, slow, 10, 0.0)
+    assert refused is None
+    _, refused = try_consume(state, slow, 10, 0.0)
+    assert refused is not None and refused.retry_after_s == pytest.approx(120.0)

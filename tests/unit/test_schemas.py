@@ -317,7 +317,7 @@ BAD_INPUT: list[tuple[str, bytes | None, Any, str, str | None]] = [
      "messages.1.content", "string_too_long"),
     ("chat-total-too-long",
      _mutated(_REQ, {"messages.0.content": "x" * MAX_PROMPT_CHARS, "messages.1.content": "y"}),
-     InferenceRequest, "messages", "value_error"),
+     InferenceRequest, "messages", "too_long"),
     ("too-many-messages",
      _mutated(_REQ, {"messages": [{"role": "user", "content": "x"}] * (MAX_MESSAGES + 1)}),
      InferenceRequest, "messages", "too_long"),

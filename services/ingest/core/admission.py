@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal
 
-from schemas.common import PRIORITIES, ErrorCode, Lane, Priority, priority_rank
+from schemas.common import MAX_TOKENS, PRIORITIES, ErrorCode, Lane, Priority, priority_rank
 from services.ingest.core.classify import classify_lane
 from services.ingest.core.config import AdmissionConfig
 from services.ingest.core.models import ModelShape
@@ -164,7 +164,9 @@ def admit(
     total = request.prompt_tokens + request.max_tokens
     block_size = config.default_block_size if shape is None else shape.block_size
     kv_tokens = kv_tokens_for(request.prompt_tokens, request.max_tokens, block_size)
-    too_large = _too_large(total, kv_tokens, shape, capacity if live else None)
+    too_large = _too_large(
+        request.prompt_tokens, total, kv_tokens, shape, capacity if live else None
+    )
     if too_large is not None:
         return too_large
     new_state, throttle = try_consume(tenant_state, tenant_policy, total, now)
@@ -206,8 +208,12 @@ def _allowed(policy: TenantPolicy, name: str, shape: ModelShape | None) -> bool:
 
 
 def _too_large(
-    total: int, kv_tokens: int, shape: ModelShape | None, capacity: ModelCapacity | None
+    prompt_tokens: int, total: int, kv_tokens: int, shape: ModelShape | None,
+    capacity: ModelCapacity | None,
 ) -> Reject | None:
+    if prompt_tokens > MAX_TOKENS:  # the wire's bound on any token count (schemas.base)
+        reason = f"the prompt counts {prompt_tokens} tokens, more than {MAX_TOKENS} allowed"
+        return Reject("too_large", reason, None, "max_model_len")
     limit = _context_limit(shape, capacity)
     if limit is not None and total > limit:
         reason = f"prompt + max_tokens = {total} exceeds the model's context of {limit}"

@@ -62,6 +62,9 @@ class TenantPolicy:
             self.request_burst, f"{where}.request_burst"
         ) < 1.0:
             raise ConfigError(f"{where}.request_burst", "must be >= 1 or no request ever passes")
+        if self.request_burst is None and self.rpm < 1.0:
+            raise ConfigError(f"{where}.rpm", f"{self.rpm} < 1 makes a request bucket that "
+                              "never holds one request: set request_burst = 1 (or more)")
         if self.token_burst is not None:
             s.positive_float(self.token_burst, f"{where}.token_burst")
         s.priority(self.max_priority, f"{where}.max_priority")

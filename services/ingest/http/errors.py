@@ -72,8 +72,10 @@ class ApiError(Exception):
 
 
 def retry_after_header(seconds: float) -> str:
-    """Whole seconds, rounded up; float noise below a microsecond does not add a second."""
-    return str(max(0, math.ceil(round(seconds, 6))))
+    """Whole seconds, rounded up, at least 1 (a refusal that asks for a wait must not invite
+    an immediate retry: the figures behind it refresh about once a second); float noise
+    below a microsecond does not add a second."""
+    return str(max(1, math.ceil(round(seconds, 6))))
 
 
 def from_reply(error: Error) -> ApiError:

@@ -1,5 +1,6 @@
-"""A streaming client that goes away while a write is in progress still gets its request
-cancelled (one ``CancelRequest`` on the control topic), and the app returns cleanly.
+"""A request its client abandons, or whose send fails midway, is cancelled (one
+``CancelRequest`` on the control topic) — a streaming client that goes away while a write
+is in progress too, and the app returns cleanly.
 
 Over a real socket (tests/integration/test_ingest_api.py) the client usually leaves while
 the body's generator waits for a reply, and the generator's cleanup cancels. Here the ASGI
@@ -17,6 +18,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from aiokafka.errors import KafkaTimeoutError
 
 from schemas.codec import decode
 from schemas.control import CancelRequest
@@ -25,11 +27,12 @@ from schemas.requests import InferenceRequest
 from services.common.replies import ReplyRouter
 from services.ingest.cluster import ClusterTracker, Freshness
 from services.ingest.http import HttpDeps, create_api
+from services.ingest.http.errors import ApiError
 from services.ingest.http.gateway import Gateway
 from services.ingest.http.openai import ApiDefaults
 from services.ingest.tenants import load_tenancy
 from services.ingest.topics import IngestTopics
-from tests.builders_schemas import make_heartbeat
+from tests.builders_schemas import make_heartbeat, make_prompt_request
 
 TOPICS = IngestTopics.of("llmq", "llmq-ingest", "a")
 
@@ -99,3 +102,58 @@ async def test_a_client_leaving_during_a_write_cancels_its_request(during: str) 
     assert [(c.reason, c.issued_by) for c in producer.cancels] == [
         ("client disconnected", "ingest")]
     assert router.open_requests == 0  # its reply stream is closed
+
+
+class _FailingProducer:
+    """Stand-in whose intake send fails (``error``) or never finishes (None)."""
+
+    def __init__(self, error: BaseException | None) -> None:
+        self.error = error
+        self.cancels: list[CancelRequest] = []
+
+    async def send_and_wait(self, topic: str, value: bytes, key: bytes | None = None,
+                            headers: Any = None) -> None:
+        if topic == TOPICS.control:
+            self.cancels.append(decode(value, CancelRequest))
+            return
+        if self.error is not None:
+            raise self.error
+        await asyncio.Event().wait()  # hangs until cancelled
+
+
+def _gateway(producer: _FailingProducer) -> Gateway:
+    gateway = Gateway("127.0.0.1:9", TOPICS, instance_id="a")
+    gateway._router = ReplyRouter("127.0.0.1:9", TOPICS.reply)
+    gateway._producer = producer
+    return gateway
+
+
+async def _cancels(producer: _FailingProducer) -> list[str]:
+    for _ in range(100):
+        if producer.cancels:
+            break
+        await asyncio.sleep(0.01)
+    return [c.request_id for c in producer.cancels]
+
+
+async def test_a_send_that_fails_midway_is_cancelled_in_case_it_landed() -> None:
+    # A timed-out send may still land: the client is told to retry, so the first copy
+    # must not run (for nobody, or twice with the retry).
+    producer = _FailingProducer(KafkaTimeoutError())
+    gateway = _gateway(producer)
+    with pytest.raises(ApiError) as refused:
+        await gateway.submit(make_prompt_request(request_id="r1"))
+    assert refused.value.status == 503
+    assert await _cancels(producer) == ["r1"]
+    assert gateway._router is not None and gateway._router.open_requests == 0
+
+
+async def test_a_client_leaving_while_its_request_is_sent_cancels_it() -> None:
+    producer = _FailingProducer(None)
+    gateway = _gateway(producer)
+    sending = asyncio.create_task(gateway.submit(make_prompt_request(request_id="r2")))
+    await asyncio.sleep(0.05)
+    sending.cancel()  # the HTTP client went away
+    with pytest.raises(asyncio.CancelledError):
+        await sending
+    assert await _cancels(producer) == ["r2"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 from aiokafka.errors import KafkaError
@@ -100,13 +101,20 @@ class Gateway:
                 _SEND_TIMEOUT_S,
             )
         except (KafkaError, TimeoutError) as exc:
-            self.close(request.request_id)
             _log.warning("could not queue %s: %r", request.request_id, exc)
+            self._unsure(request, "ingest could not confirm it was queued; the client retries")
             raise unavailable("could not queue the request on Kafka; retry") from None
         except BaseException:
-            self.close(request.request_id)
+            self._unsure(request, "the client left while it was being queued")
             raise
         return stream
+
+    def _unsure(self, request: InferenceRequest, reason: str) -> None:
+        """Stop waiting for a request whose send failed or was abandoned midway. The
+        record may be on Kafka all the same (a timed-out send can still land): cancel it,
+        so it does not run for nobody, or twice if the client retries with a new id."""
+        self.close(request.request_id)
+        self.cancel_soon(request.request_id, request.tenant, reason, time.time())
 
     def close(self, request_id: str) -> None:
         """Stop waiting for ``request_id``'s replies."""

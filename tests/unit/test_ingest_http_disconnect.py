@@ -157,3 +157,14 @@ async def test_a_client_leaving_while_its_request_is_sent_cancels_it() -> None:
     with pytest.raises(asyncio.CancelledError):
         await sending
     assert await _cancels(producer) == ["r2"]
+
+
+async def test_a_failed_send_of_a_client_chosen_id_is_not_cancelled() -> None:
+    # The client (x-request-id) retries with the same id: a cancel would hit the retry.
+    producer = _FailingProducer(KafkaTimeoutError())
+    gateway = _gateway(producer)
+    with pytest.raises(ApiError):
+        await gateway.submit(make_prompt_request(request_id="mine"), client_id=True)
+    await asyncio.sleep(0.05)
+    assert producer.cancels == []
+    assert gateway._router is not None and gateway._router.open_requests == 0

@@ -81,10 +81,12 @@ class Gateway:
             self._producer = None
 
     async def submit(
-        self, request: InferenceRequest, headers: Headers | None = None
+        self, request: InferenceRequest, headers: Headers | None = None, *,
+        client_id: bool = False,
     ) -> ReplyStream:
         """Queue ``request`` on intake (with ``headers``: its trace context); its replies
-        arrive on the returned stream."""
+        arrive on the returned stream. ``client_id``: the client chose the request id, so
+        its retry after a failed send reuses it (see :meth:`_unsure`)."""
         if self._router is None or self._producer is None:
             raise unavailable("ingest is not connected to Kafka yet")
         try:
@@ -102,7 +104,12 @@ class Gateway:
             )
         except (KafkaError, TimeoutError) as exc:
             _log.warning("could not queue %s: %r", request.request_id, exc)
-            self._unsure(request, "ingest could not confirm it was queued; the client retries")
+            if client_id:
+                # The retry reuses the id: a cancel would hit it. If this copy landed, intake
+                # drops the retry as a redelivery and its replies reach the retry's stream.
+                self.close(request.request_id)
+            else:
+                self._unsure(request, "ingest could not confirm it was queued; retried")
             raise unavailable("could not queue the request on Kafka; retry") from None
         except BaseException:
             self._unsure(request, "the client left while it was being queued")
@@ -112,7 +119,8 @@ class Gateway:
     def _unsure(self, request: InferenceRequest, reason: str) -> None:
         """Stop waiting for a request whose send failed or was abandoned midway. The
         record may be on Kafka all the same (a timed-out send can still land): cancel it,
-        so it does not run for nobody, or twice if the client retries with a new id."""
+        so it does not run for nobody, or twice when the client retries (with a new id:
+        ingest chose this one)."""
         self.close(request.request_id)
         self.cancel_soon(request.request_id, request.tenant, reason, time.time())
 

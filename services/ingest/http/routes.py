@@ -200,7 +200,8 @@ async def _complete(deps: HttpDeps, request: Request, kind: Kind) -> Response:
             tracing.LLMQ_PRIORITY: req.priority,
         }))
         stream = await deps.gateway.submit(
-            req, tracing.inject(ctx=trace.set_span_in_context(span))
+            req, tracing.inject(ctx=trace.set_span_in_context(span)),
+            client_id=bool(request.headers.get("x-request-id")),
         )
     except BaseException as exc:
         # Refused before it was queued (401, 400, 409, 503): the span ends here.

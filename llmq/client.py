@@ -70,6 +70,9 @@ class RequestHandle:
                 else:
                     self.result = msg
         except TimeoutError:
+            # Given up: stop routing its replies here (a retry may reuse the id), and ask
+            # llmq to drop it. (Leaving the loop early keeps the stream: iterate again.)
+            self.client._router_close(self.request_id)
             await self.cancel("client timeout")
             raise TimeoutError(
                 f"no terminal reply for {self.request_id} within {self.timeout_s:.0f} s"

@@ -25,13 +25,58 @@ def _emit(data: dict[str, Any], as_json: bool, text: str) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=True) if as_json else text)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def operator_error(exc: BaseException, settings: Settings | None) -> str | None:
+    """What to tell an operator about an error they can fix (None: a bug, keep the
+    traceback): Kafka not answering, an unreachable HTTP service, a bad setting or input."""
+    from aiokafka.errors import KafkaError
+    from httpx import TransportError
+    from pydantic import ValidationError
+
+    from services.common.settings import describe_invalid
+
+    if isinstance(exc, KafkaError):
+        where = settings.bootstrap if settings is not None else "the configured bootstrap"
+        return (f"Kafka at {where} did not answer ({exc or type(exc).__name__}). Start the "
+                "local broker with `llmq dev kafka up` (or `make up`), or point "
+                "LLMQ_KAFKA_BOOTSTRAP at yours.")
+    if isinstance(exc, TransportError):
+        try:
+            url = str(exc.request.url)
+        except RuntimeError:  # raised before a request was made
+            url = "the service"
+        return f"could not reach {url} ({type(exc).__name__}: {exc}); is `llmq up` running?"
+    if isinstance(exc, ValidationError):
+        if exc.title == Settings.__name__:
+            return f"invalid setting: {describe_invalid(exc)}"
+        return f"invalid input: {exc}"
+    if isinstance(exc, ValueError):
+        return f"invalid input: {exc}"
+    return None
+
+
+class _Cli(click.Group):
+    """The root group: errors an operator can fix end in one line and exit 1, not a
+    traceback (LLMQ_DEBUG=1 keeps the traceback)."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise
+        except Exception as exc:
+            message = operator_error(exc, ctx.obj if isinstance(ctx.obj, Settings) else None)
+            if message is None or os.environ.get("LLMQ_DEBUG"):
+                raise
+            raise click.ClickException(message) from exc
+
+
+@click.group(cls=_Cli, context_settings={"help_option_names": ["-h", "--help"]})
 @click.pass_context
 def main(ctx: click.Context) -> None:
     """llmq — queue governance for LLM inference fleets, on Kafka.
 
     Settings come from LLMQ_* environment variables (e.g. LLMQ_KAFKA_PORT=9092,
-    LLMQ_TOPIC_PREFIX=llmq, LLMQ_HOME=.llmq).
+    LLMQ_TOPIC_PREFIX=llmq, LLMQ_HOME=.llmq). LLMQ_DEBUG=1 shows tracebacks.
     """
     ctx.obj = Settings()
 
@@ -193,6 +238,7 @@ _register_commands()
 @click.option("--model", default="llama-3.1-8b", show_default=True)
 @click.option("--chat", is_flag=True, help="Send PROMPT as one user chat message.")
 @click.option("--timeout", "timeout_s", default=120.0, show_default=True,
+              type=click.FloatRange(0, 86_400, min_open=True),
               help="Seconds to wait for the end of the reply.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object at the end.")
 @click.pass_obj
@@ -252,8 +298,9 @@ async def _submit(settings: Settings, prompt: str, max_tokens: int, priority: st
 
 # -- demo ----------------------------------------------------------------------------------
 @main.command("demo")
-@click.option("--requests", "n", default=200, show_default=True, type=click.IntRange(1))
-@click.option("--rate", default=10.0, show_default=True, help="Arrivals per second.")
+@click.option("--requests", "n", default=200, show_default=True, type=click.IntRange(2))
+@click.option("--rate", default=10.0, show_default=True, help="Arrivals per second.",
+              type=click.FloatRange(0, min_open=True))
 @click.option("--trace", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               default=None, help="Trace file (default: the Azure conversation trace).")
 @click.option("--url", default="http://127.0.0.1:8080", show_default=True,
@@ -261,7 +308,8 @@ async def _submit(settings: Settings, prompt: str, max_tokens: int, priority: st
 @click.option("--model", default="llama-3.1-8b", show_default=True)
 @click.option("--max-prompt", default=4000, show_default=True, help="Clip prompt tokens.")
 @click.option("--max-output", default=400, show_default=True, help="Clip output tokens.")
-@click.option("--timeout", "timeout_s", default=120.0, show_default=True)
+@click.option("--timeout", "timeout_s", default=120.0, show_default=True,
+              type=click.FloatRange(0, 86_400, min_open=True), help="Per-request timeout (s).")
 @click.option("--seed", default=1, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @click.pass_obj

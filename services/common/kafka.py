@@ -123,7 +123,7 @@ async def broker_answers(bootstrap: str, timeout_s: float = 3.0) -> bool:
     try:
         await asyncio.wait_for(admin.start(), timeout_s)
         await asyncio.wait_for(admin.list_topics(), timeout_s)
-    except (KafkaError, OSError, TimeoutError):
+    except (KafkaError, OSError, TimeoutError, ValueError):  # ValueError: a bad address
         return False
     finally:
         await admin.close()

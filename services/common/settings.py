@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 #: The project checkout this package was installed from (editable install) — the home of
@@ -57,6 +57,18 @@ class Settings(BaseSettings):
         "follows the root's decision.",
     )
 
+    @field_validator("kafka_bootstrap")
+    @classmethod
+    def _host_ports(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        for server in value.split(","):
+            host, sep, port = server.strip().rpartition(":")
+            if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+                raise ValueError(f"{server.strip()!r} is not host:port (e.g. 127.0.0.1:9092; "
+                                 "several: comma-separated)")
+        return value
+
     @property
     def bootstrap(self) -> str:
         """The bootstrap servers clients connect to."""
@@ -69,3 +81,13 @@ class Settings(BaseSettings):
     @property
     def cache_dir(self) -> Path:
         return self.home / "cache"
+
+
+def describe_invalid(exc: ValidationError, prefix: str = "LLMQ_") -> str:
+    """One line per bad setting, named by its environment variable."""
+    lines = []
+    for error in exc.errors():
+        name = prefix + "_".join(str(p) for p in error["loc"]).upper()
+        value = error.get("input")
+        lines.append(f"{name}={value!r}: {error['msg']}")
+    return "; ".join(lines)

@@ -7,6 +7,7 @@ import socket
 import pytest
 from click.testing import CliRunner
 
+from services.cli import main, operator_error
 from services.common.settings import Settings
 from services.ops.cli import drain, status
 
@@ -42,3 +43,39 @@ def test_help_names_the_options() -> None:
     out = CliRunner().invoke(drain, ["--help"]).output
     for option in ("--wait / --no-wait", "--timeout", "--reason", "--json"):
         assert option in out
+
+
+# -- the root group: an error the operator can fix is one line, not a traceback ---------
+@pytest.mark.parametrize(("env", "named"), [
+    ({"LLMQ_KAFKA_PORT": "abc"}, "LLMQ_KAFKA_PORT='abc'"),
+    ({"LLMQ_KAFKA_BOOTSTRAP": "localhost:abc"}, "'localhost:abc' is not host:port"),
+])
+def test_a_bad_setting_is_named_by_its_variable(env: dict[str, str], named: str) -> None:
+    result = CliRunner().invoke(main, ["status"], env=env)
+    assert result.exit_code == 1
+    assert "invalid setting" in result.output and named in result.output
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args", [["submit", "hi", "--timeout", "5"], ["dev", "topics"]])
+def test_kafka_down_says_how_to_start_it(args: list[str]) -> None:
+    result = CliRunner().invoke(
+        main, args, env={"LLMQ_KAFKA_BOOTSTRAP": f"127.0.0.1:{_closed_port()}"})
+    assert result.exit_code == 1, result.output
+    assert "did not answer" in result.output and "llmq dev kafka up" in result.output
+
+
+def test_bad_input_is_refused_before_anything_runs() -> None:
+    runner = CliRunner()
+    assert runner.invoke(main, ["demo", "--requests", "1"]).exit_code == 2
+    assert runner.invoke(main, ["demo", "--rate", "0"]).exit_code == 2
+    assert runner.invoke(main, ["submit", "hi", "--timeout", "0"]).exit_code == 2
+    refused = runner.invoke(main, ["submit", "hi", "--tenant", "bad tenant"],
+                            env={"LLMQ_KAFKA_BOOTSTRAP": f"127.0.0.1:{_closed_port()}"})
+    assert refused.exit_code == 1 and "invalid input: invalid tenant" in refused.output
+
+
+def test_a_bug_keeps_its_traceback() -> None:
+    assert operator_error(KeyError("x"), None) is None
+    assert operator_error(ValueError("bad"), None) == "invalid input: bad"

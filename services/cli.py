@@ -51,6 +51,8 @@ def operator_error(exc: BaseException, settings: Settings | None) -> str | None:
         return f"invalid input: {exc}"
     if isinstance(exc, ValueError):
         return f"invalid input: {exc}"
+    if isinstance(exc, FileNotFoundError | PermissionError | IsADirectoryError):
+        return f"{exc.strerror}: {exc.filename}"
     return None
 
 

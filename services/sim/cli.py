@@ -9,6 +9,7 @@ happen here; the work is :func:`services.sim.bench.run_bench` and, with ``--matr
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+from click.core import ParameterSource
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -84,6 +86,11 @@ def policies(
         llmq bench policies --synthetic --requests 200000 --workers 1000 --policies llmq
         llmq bench policies --matrix --markdown matrix.md
     """
+    _check_combination(click.get_current_context(), matrix, synthetic, plot, markdown)
+    for path, hint in ((json_out, "--json"), (plot, "--plot"), (markdown, "--markdown")):
+        if path is not None and not os.access(path.parent, os.W_OK):
+            # Found out now, not after minutes of simulation.
+            raise click.BadParameter(f"cannot write to {path.parent}/", param_hint=hint)
     names = tuple(p.strip() for p in policy_list.split(",") if p.strip())
     unknown = [p for p in names if p not in POLICIES]
     if unknown or not names:
@@ -114,6 +121,29 @@ def policies(
         plot_cdfs({name: run.cdf for name, run in runs.items()}, plot, title=_title(doc))
     if not quiet:
         render_tables(doc, _stdout())
+
+
+def _check_combination(
+    ctx: click.Context, matrix: bool, synthetic: bool, plot: Path | None, markdown: Path | None
+) -> None:
+    """Refuse options the chosen mode would silently ignore."""
+    if not matrix:
+        if markdown is not None:
+            raise click.UsageError("--markdown writes the --matrix table; add --matrix")
+        return
+    fixed = ["--synthetic"] if synthetic else []
+    fixed += ["--plot"] if plot is not None else []
+    fixed += [
+        f"--{name}" for name in ("trace", "load", "policies")
+        if ctx.get_parameter_source(
+            "policy_list" if name == "policies" else name
+        ) is ParameterSource.COMMANDLINE
+    ]
+    if fixed:
+        raise click.UsageError(
+            f"--matrix runs the fixed grid (the conv and code traces × loads 0.6, 0.85, 0.95, "
+            f"all four policies, no plot): drop {', '.join(fixed)}"
+        )
 
 
 def _run_matrix(

@@ -15,8 +15,9 @@ Per request (times in seconds from its arrival):
 Percentiles interpolate linearly between closest ranks (numpy's default method) over
 completed requests. The
 ``*_with_rejections`` variants count every rejected request as if it had taken the whole
-request timeout (``timeout_s``): the latency of a client that gives up. ``rejection_rate``
-is shown beside them.
+request timeout (``timeout_s``) — the latency of a client that gives up — or as long as
+the slowest completed request if that is longer (a failure never counts as faster than a
+success). ``rejection_rate`` is shown beside them.
 
 Throughput: ``completed_tokens_per_s`` = Σ (prompt + output) tokens of the requests of a
 lane completed by the last arrival ÷ (last arrival − first arrival) — sustained throughput
@@ -81,7 +82,10 @@ def _latencies(jobs: Sequence[Job]) -> dict[str, list[float]]:
 def _with_rejections(
     values: list[float], rejected: int, timeout_s: float, q: float
 ) -> float | None:
-    return _pct(values + [timeout_s] * rejected, q)
+    # A rejection is a failure: never faster than any success (a timeout shorter than the
+    # slowest completion must not make shedding look good).
+    failed = max(timeout_s, max(values, default=0.0))
+    return _pct(values + [failed] * rejected, q)
 
 
 def lane_summary(jobs: Sequence[Job], timeout_s: float, window: tuple[float, float]) -> Summary:

@@ -90,8 +90,14 @@ def lane_work(
     """W(L): engines kept busy by each lane on average (0 for an empty lane)."""
     span = jobs[-1].arrival_s - jobs[0].arrival_s if jobs else 0.0
     work: dict[Lane, float] = {}
+    bs, limit = profile.block_size, profile.max_seq_tokens()
+
+    def runs(j: Job) -> bool:  # the rest are refused too_large: they add no work
+        reserved = -(-(j.prompt + j.max_tokens) // bs) * bs
+        return j.prompt + j.output <= limit and reserved <= usable_kv
+
     for lane in ("short", "long"):
-        members = [j for j in jobs if j.lane == lane]
+        members = [j for j in jobs if j.lane == lane and runs(j)]
         if not members or span <= 0:
             work[lane] = 0.0
             continue

@@ -241,7 +241,13 @@ class Simulator:
         if version != w.version:
             return
         self._wakes += 1
-        self._record(w.engine.advance(self.now + _EPS_S), w)
+        until = self.now + _EPS_S
+        if to_ns(until) <= to_ns(self.now):
+            raise SimulationError(
+                f"t={self.now:.0f} s is past the clock's nanosecond resolution: the simulated "
+                "span is too long (raise --load, or use fewer requests)"
+            )
+        self._record(w.engine.advance(until), w)
         self._dirty[w.index] = None
 
     def _record(self, events: list[SeqEvent], w: SimWorker) -> None:
@@ -299,7 +305,9 @@ class Simulator:
             completed=self.completed,
             rejected=self.rejected,
             in_flight=in_flight,
-            end_s=self.now,
+            # The last request's end, not the clock: that may stop at a later heartbeat.
+            end_s=max((j.finished_s for j in self.jobs if j.finished_s is not None),
+                      default=self.now),
             events=self._events,
             wakes=self._wakes,
             engine_steps=sum(w.engine.steps for w in self.workers),

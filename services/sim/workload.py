@@ -34,6 +34,7 @@ Load
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import random
@@ -131,27 +132,29 @@ def _finish(path: Path, rows: list[tuple[int, int, int]]) -> list[TraceRequest]:
 
 
 def load_csv_trace(path: Path, *, time_unit: TimeUnit = "s") -> list[TraceRequest]:
-    """Azure-format CSV (``TIMESTAMP,ContextTokens,GeneratedTokens``; extra columns ok)."""
-    with path.open(encoding="utf-8", newline="") as fh:
-        header = fh.readline().strip().lstrip("\ufeff").split(",")
+    """Azure-format CSV (``TIMESTAMP,ContextTokens,GeneratedTokens``; extra columns in any
+    order ok; cells may be quoted and padded with spaces; a byte-order mark is skipped)."""
+    with path.open(encoding="utf-8-sig", newline="") as fh:
+        reader = csv.reader(fh)
+        header = [cell.strip() for cell in next(reader, [])]
         missing = [c for c in CSV_COLUMNS if c not in header]
         if missing:
             raise _fail(path, 1, missing[0], f"header lacks it (found {header})")
         ts_i, ctx_i, gen_i = (header.index(c) for c in CSV_COLUMNS)
         rows: list[tuple[int, int, int]] = []
-        for line_no, line in enumerate(fh, start=2):
-            if not line.strip():
+        for cells in reader:
+            line_no = reader.line_num
+            if not any(cell.strip() for cell in cells):
                 continue
-            cells = line.rstrip("\r\n").split(",")
             if len(cells) != len(header):
                 raise TraceFormatError(
                     f"{path}:{line_no}: expected {len(header)} cells, got {len(cells)}"
                 )
             rows.append(
                 (
-                    _timestamp_ns(path, line_no, cells[ts_i], time_unit),
-                    _tokens(path, line_no, CSV_COLUMNS[1], cells[ctx_i]),
-                    _tokens(path, line_no, CSV_COLUMNS[2], cells[gen_i]),
+                    _timestamp_ns(path, line_no, cells[ts_i].strip(), time_unit),
+                    _tokens(path, line_no, CSV_COLUMNS[1], cells[ctx_i].strip()),
+                    _tokens(path, line_no, CSV_COLUMNS[2], cells[gen_i].strip()),
                 )
             )
     return _finish(path, rows)
@@ -282,6 +285,13 @@ def fleet_capacity_rps(
     μ measured on a random sample of ``sample_size`` requests (with replacement)."""
     if engines < 1 or not requests:
         raise ValueError("need at least one engine and one request")
+    limit = profile.max_seq_tokens()
+    runnable = [r for r in requests if r.prompt_tokens + r.output_tokens <= limit]
+    if not runnable:
+        raise ValueError(f"no request fits one engine: every prompt + output exceeds the "
+                         f"{limit - 1}-token KV pool of profile {profile.name!r}")
+    if len(runnable) < len(requests):
+        requests = runnable  # the rest can never run (every policy refuses them too_large)
     sample = [rng.choice(requests) for _ in range(sample_size)]
     lengths = [(r.prompt_tokens, r.output_tokens) for r in sample]
     n = max(sample_size, 4 * profile.max_num_seqs)

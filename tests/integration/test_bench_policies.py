@@ -98,3 +98,52 @@ def test_the_llmq_cli_registers_the_command() -> None:
     result = CliRunner().invoke(main, ["bench", "policies", "--help"])
     assert result.exit_code == 0, result.output
     assert "--synthetic" in result.output
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--matrix", "--plot", "p.png"], "drop --plot"),
+    (["--matrix", "--load", "0.5"], "drop --load"),
+    (["--matrix", "--synthetic"], "drop --synthetic"),
+    (["--synthetic", "--markdown", "m.md"], "add --matrix"),
+])
+def test_options_the_mode_would_ignore_are_refused(args: list[str], says: str) -> None:
+    result = CliRunner().invoke(policies, args)
+    assert result.exit_code == 2 and says in result.output
+
+
+def test_an_unwritable_output_is_refused_before_the_run(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-dir" / "out.json"
+    result = CliRunner().invoke(policies, ["--synthetic", "--json", str(missing)])
+    assert result.exit_code == 2 and "cannot write to" in result.output
+
+
+def test_a_bad_trace_is_one_line_not_a_traceback(tmp_path: Path) -> None:
+    from services.cli import main
+
+    empty = tmp_path / "empty.csv"
+    empty.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n")
+    result = CliRunner().invoke(main, ["bench", "policies", "--trace", str(empty), "-q"])
+    assert result.exit_code == 1
+    assert result.output.strip() == f"Error: invalid input: {empty}: no requests"
+
+
+def test_a_request_no_engine_can_hold_is_refused_not_a_crash(tmp_path: Path) -> None:
+    # A 1,024-token KV pool; one request of 2,031 tokens among small ones: every policy
+    # refuses it too_large, the capacity measurement skips it.
+    profiles = tmp_path / "tiny.toml"
+    profiles.write_text(
+        "[profiles.tiny]\nbeta0_us = 5752.7\nbeta1_us_per_prefill_token = 17.25\n"
+        "beta2_us_per_decode_token = 6.0\nnum_blocks = 64\nblock_size = 16\n"
+        "max_num_seqs = 16\nmax_num_batched_tokens = 2048\nkv_bytes_per_token = 131072\n"
+        'source = "test"\n')
+    trace = tmp_path / "big1.csv"
+    rows = [f"{i * 0.1:.1f},{2000 if i == 3 else 40},{31 if i == 3 else 8}" for i in range(40)]
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(rows) + "\n")
+    out = tmp_path / "out.json"
+    result = CliRunner().invoke(policies, [
+        "--trace", str(trace), "--profiles-file", str(profiles), "--profile", "tiny",
+        "--workers", "2", "--quiet", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    assert len(doc["policies"]) == 4
+    assert all(p["rejections"] == {"too_large": 1} for p in doc["policies"].values())

@@ -175,3 +175,13 @@ def test_targets_and_markdown_table() -> None:
     assert row.startswith("| conv | 0.85 | 4.00 | 40.00 |")
     assert "0.10 ✓" in row and "0.960 ✓" in row and "10.0 ≤ 80.0 s ✓" in row
     assert "3 / 0 / 5" in row and not math.isnan(t["rejection_rate"])
+
+
+def test_a_rejection_never_counts_as_faster_than_a_success() -> None:
+    # Completed requests take 1–10 s; the timeout is 0.5 s. Shedding must not look good.
+    jobs = [done(i, float(i), service=1.0 + i) for i in range(10)]
+    alone = lane_summary(jobs, timeout_s=0.5, window=(0.0, 10.0))
+    shed = lane_summary([*jobs, *(rejected(10 + i, 10.0) for i in range(3))], timeout_s=0.5,
+                        window=(0.0, 10.0))
+    assert shed["e2e_p99_with_rejections_s"] >= alone["e2e_p99_s"]
+    assert shed["e2e_p99_with_rejections_s"] == pytest.approx(10.0)  # the slowest success

@@ -272,3 +272,18 @@ def test_profile_of_the_shipped_fleet_is_used_by_name() -> None:
     jobs, stats, _ = run("llmq", workload(50, rate_rps=10.0), profile, pools=["short", "long"])
     assert stats.completed == 50 and stats.kv_preemptions == 0
     assert {j.worker for j in jobs if j.lane == "short"} <= {0}
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_the_run_ends_with_its_last_request_not_a_later_heartbeat(name: str) -> None:
+    jobs, stats, sim = run(name, workload(100, rate_rps=40.0))
+    assert stats.end_s == max(j.finished_s for j in jobs if j.finished_s is not None)
+    assert stats.end_s <= sim.now
+
+
+@pytest.mark.timeout(30)
+def test_a_span_past_the_clocks_resolution_is_an_error_not_a_hang() -> None:
+    # At 2e7 s a nanosecond is below a double's resolution: a wake would repeat forever.
+    requests = [TraceRequest(0, 0.0, 100, 10), TraceRequest(1, 2e7, 100, 10)]
+    with pytest.raises(SimulationError, match="nanosecond resolution"):
+        run("fifo-rr", requests)

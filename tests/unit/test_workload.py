@@ -225,3 +225,15 @@ def test_synthetic_rate_burstiness_and_lengths(cv: float) -> None:
     assert synthetic(50, random.Random(5), rate_rps=10.0, cv=cv) == synthetic(
         50, random.Random(5), rate_rps=10.0, cv=cv
     )
+
+
+@pytest.mark.parametrize("text", [
+    "TIMESTAMP, ContextTokens, GeneratedTokens\n0.0, 10, 5\n1.0, 20, 6\n",
+    '"TIMESTAMP","ContextTokens","GeneratedTokens"\n"0.0","10","5"\n"1.0","20","6"\n',
+    "\ufeffGeneratedTokens,Extra,TIMESTAMP,ContextTokens\r\n5,x,0.0,10\r\n6,y,1.0,20\r\n",
+])
+def test_csv_cells_may_be_quoted_padded_and_reordered(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "t.csv"
+    path.write_text(text, encoding="utf-8")
+    got = [(r.arrival_s, r.prompt_tokens, r.output_tokens) for r in load_trace(path)]
+    assert got == [(0.0, 10, 5), (1.0, 20, 6)]

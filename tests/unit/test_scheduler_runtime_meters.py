@@ -30,3 +30,12 @@ def test_recent_cancels_refuse_stale_commands_and_stay_bounded() -> None:
     assert len(cancels) == 2 and not cancels.matches("a", "t", 50.0)
     cancels.prune(100.0)
     assert len(cancels) == 0
+
+
+def test_a_cancel_naming_another_tenant_does_not_erase_the_right_one() -> None:
+    cancels = RecentCancels(memory_s=600.0)
+    cancels.add("r1", "acme", 100.0, 100.0)
+    cancels.add("r1", "mallory", 101.0, 101.0)  # ignored where it matters, and harmless
+    assert cancels.matches("r1", "acme", 102.0)
+    cancels.discard("r1", "acme")
+    assert not cancels.matches("r1", "acme", 102.0)

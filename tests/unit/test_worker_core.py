@@ -309,3 +309,11 @@ def test_core_imports_no_infrastructure() -> None:
                           timeout=60, check=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_a_cancel_naming_another_tenant_does_not_erase_the_right_one() -> None:
+    cancels = RecentCancels(ttl_s=60.0)
+    cancels.add("r1", "acme", 100.0)
+    cancels.add("r1", "mallory", 101.0)
+    assert cancels.matches("r1", "acme", 102.0) and cancels.matches("r1", "mallory", 102.0)
+    assert not cancels.matches("r1", "acme", 160.0)  # its own ttl, from its own add

@@ -11,12 +11,13 @@ from collections import OrderedDict
 
 
 class RecentCancels:
-    """request_id -> (tenant, expires_at), bounded; oldest forgotten first."""
+    """(request_id, tenant) -> expires_at, bounded; oldest forgotten first. Keyed by both,
+    so a cancel naming the wrong tenant (ignored) cannot overwrite the right one."""
 
     def __init__(self, memory_s: float = 600.0, capacity: int = 100_000) -> None:
         self.memory_s = memory_s
         self._capacity = max(1, capacity)
-        self._items: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._items: OrderedDict[tuple[str, str], float] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._items)
@@ -26,25 +27,27 @@ class RecentCancels:
         expires_at = issued_at + self.memory_s
         if expires_at <= now:
             return False
-        self._items[request_id] = (tenant, expires_at)
-        self._items.move_to_end(request_id)
+        key = (request_id, tenant)
+        self._items[key] = expires_at
+        self._items.move_to_end(key)
         while len(self._items) > self._capacity:
             self._items.popitem(last=False)
         return True
 
     def matches(self, request_id: str, tenant: str, now: float) -> bool:
         """True if ``request_id`` of ``tenant`` was cancelled and the cancel still holds."""
-        item = self._items.get(request_id)
-        if item is None:
+        key = (request_id, tenant)
+        expires_at = self._items.get(key)
+        if expires_at is None:
             return False
-        if item[1] <= now:
-            del self._items[request_id]
+        if expires_at <= now:
+            del self._items[key]
             return False
-        return item[0] == tenant
+        return True
 
-    def discard(self, request_id: str) -> None:
-        self._items.pop(request_id, None)
+    def discard(self, request_id: str, tenant: str) -> None:
+        self._items.pop((request_id, tenant), None)
 
     def prune(self, now: float) -> None:
-        for request_id in [r for r, (_, exp) in self._items.items() if exp <= now]:
-            del self._items[request_id]
+        for key in [k for k, exp in self._items.items() if exp <= now]:
+            del self._items[key]

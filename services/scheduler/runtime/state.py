@@ -316,7 +316,7 @@ class SchedulerState:
             tracked.tickets.append(ticket)  # a duplicate record of a pending request
             return []
         if self.cancels.matches(request_id, admitted.request.tenant, now):
-            self.cancels.discard(request_id)
+            self.cancels.discard(request_id, admitted.request.tenant)
             return [self._end(admitted, 1, "cancelled", "cancelled before it was queued",
                               self.config.scheduler_id, now, (ticket,), trace=trace)]
         block = self.fleet.block_size(admitted.request.model) or self.config.default_block_size
@@ -534,7 +534,7 @@ class SchedulerState:
         # The lost attempt's placement is the parent of what happens to the request next.
         trace = self._active_trace.pop(request.request_id, ())
         if self.cancels.matches(request.request_id, request.tenant, now):
-            self.cancels.discard(request.request_id)
+            self.cancels.discard(request.request_id, request.tenant)
             return [self._end(record.admitted, request.attempt, "cancelled",
                               "cancelled while its worker was lost", self.config.scheduler_id,
                               now, (), reply_attempt=request.attempt, trace=trace)]

@@ -64,35 +64,36 @@ class AttemptLedger:
 
 
 class RecentCancels:
-    """Cancels of the last ``ttl_s`` seconds (at most ``capacity``), by request_id."""
+    """Cancels of the last ``ttl_s`` seconds (at most ``capacity``), by (request_id,
+    tenant): a cancel naming the wrong tenant cannot overwrite the right one."""
 
     def __init__(self, ttl_s: float = 60.0, capacity: int = 100_000) -> None:
         if ttl_s <= 0 or capacity < 1:
             raise ValueError("ttl_s must be > 0 and capacity >= 1")
         self.ttl_s = ttl_s
         self.capacity = capacity
-        self._by_id: OrderedDict[str, tuple[str, float]] = OrderedDict()  # id -> (tenant, t)
+        self._seen: OrderedDict[tuple[str, str], float] = OrderedDict()  # -> time added
 
     def __len__(self) -> int:
-        return len(self._by_id)
+        return len(self._seen)
 
     def add(self, request_id: str, tenant: str, now: float) -> None:
-        self._by_id.pop(request_id, None)
-        self._by_id[request_id] = (tenant, now)
+        key = (request_id, tenant)
+        self._seen.pop(key, None)
+        self._seen[key] = now
         self._expire(now)
-        while len(self._by_id) > self.capacity:
-            self._by_id.popitem(last=False)
+        while len(self._seen) > self.capacity:
+            self._seen.popitem(last=False)
 
     def matches(self, request_id: str, tenant: str, now: float) -> bool:
         """True when ``request_id`` of ``tenant`` was cancelled within the last ``ttl_s``."""
         self._expire(now)
-        entry = self._by_id.get(request_id)
-        return entry is not None and entry[0] == tenant
+        return (request_id, tenant) in self._seen
 
     def _expire(self, now: float) -> None:
         # Entries are in arrival order, so the oldest are at the front.
-        while self._by_id:
-            _, (_, t) = next(iter(self._by_id.items()))
+        while self._seen:
+            t = next(iter(self._seen.values()))
             if now - t < self.ttl_s:
                 break
-            self._by_id.popitem(last=False)
+            self._seen.popitem(last=False)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -51,10 +51,19 @@ class FleetTracker:
         #: Heartbeats observed since start, and records that did not decode.
         self.heartbeats_seen = 0
         self.bad_records = 0
+        self._listeners: list[Callable[[WorkerHeartbeat], object]] = []
+
+    def subscribe(self, listener: Callable[[WorkerHeartbeat], object]) -> None:
+        """Call ``listener`` with every heartbeat observed from now on, older ones too: the
+        tracker keeps only each worker's newest, and a follower may need the one before
+        (a drained process's last beat, read in the same poll as its successor's first)."""
+        self._listeners.append(listener)
 
     def observe_heartbeat(self, hb: WorkerHeartbeat) -> bool:
         """Keep ``hb`` if it is the newest of its worker; returns whether it was kept."""
         self.heartbeats_seen += 1
+        for listener in self._listeners:
+            listener(hb)
         old = self._beats.get(hb.worker_id)
         if old is not None and (hb.started_at, hb.seq) < (old.started_at, old.seq):
             return False

@@ -141,6 +141,7 @@ async def _follow(
     worker_id = progress.worker_id
     deadline = time.monotonic() + timeout_s
     last: DrainUpdate | None = None
+    tracker.subscribe(progress.observe)  # every beat of it, not only the newest per poll
     while True:
         now = clock()
         update = progress.update(now)
@@ -174,8 +175,5 @@ async def _follow(
             # Keep following: a broker hiccup is not the worker's fault; the deadline bounds it.
             await asyncio.sleep(0.2)
             continue
-        rec = tracker.record(worker_id)
-        if rec is not None:
-            progress.observe(rec.heartbeat)
         if tracker.tombstoned(worker_id):
             progress.observe_tombstone()

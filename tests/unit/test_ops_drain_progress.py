@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Any
 
 import pytest
 
 from schemas.workers import WorkerHeartbeat
 from services.health.core import HealthPolicy
+from services.health.fleet import FleetTracker
+from services.ops.drain import _follow
 from services.ops.drain_progress import DrainProgress
 from tests.fakes.heartbeat_worker import heartbeat
 
@@ -77,3 +81,32 @@ def test_update_reports_in_flight_work() -> None:
     assert (update.phase, update.running, update.waiting, update.age_s) == (
         "draining", 2, 1, 0.5)
     assert "draining; 2 running, 1 waiting" in update.describe()
+
+
+async def test_following_sees_the_last_beat_even_when_its_successor_shares_the_poll() -> None:
+    # The drained process's last beat (draining, nothing in flight) and its restarted
+    # successor's first beat arrive in one poll; the tracker keeps only the newest, but
+    # the follower sees both, so the drain is clean, not lost.
+    now = time.time()
+    first = heartbeat("w1", started_at=now - 600, seq=10, ts=now - 0.5, running=3, waiting=0)
+    tracker = FleetTracker()
+    tracker.observe_heartbeat(first)
+
+    class Feed:  # stand-in for the heartbeats topic: one poll, both records
+        polls = 0
+
+        async def poll(self, timeout_ms: int = 200) -> int:
+            self.polls += 1
+            if self.polls == 1:
+                tracker.observe_heartbeat(heartbeat(
+                    "w1", started_at=now - 600, seq=11, ts=now, draining=True, running=0,
+                    waiting=0))
+                tracker.observe_heartbeat(heartbeat(
+                    "w1", started_at=now + 0.1, seq=0, ts=now + 0.2, running=0, waiting=0))
+                return 2
+            await asyncio.sleep(0.01)
+            return 0
+
+    result = await _follow(Feed(), tracker, DrainProgress(first, HealthPolicy()),  # type: ignore[arg-type]
+                           time.monotonic(), 5.0, None, time.time)
+    assert (result.outcome, result.ok) == ("drained", True)

@@ -268,10 +268,12 @@ def _actions(
     fresh_registration = have is None or have.registration != want.registration
     if fresh_registration:
         actions.append(Register(want.registration))
-    # Maintenance is a separate check in Consul that survives a re-registration, so an
-    # instance of unknown state gets an explicit "off" too.
+    # Maintenance is a separate check in Consul. A registration that replaces the
+    # service's checks (replace-existing-checks) drops it, so it is set again after every
+    # registration; an instance of unknown state gets an explicit "off" too.
     have_maintenance = None if have is None else have.maintenance
-    if want.maintenance != have_maintenance or (have is None and present):
+    if (want.maintenance != have_maintenance or (have is None and present)
+            or (fresh_registration and want.maintenance is not None)):
         actions.append(SetMaintenance(service_id, want.maintenance))
     check_changed = have is None or fresh_registration or have.check != want.check
     if check_changed or (want.check == "passing" and have is not None and have.beat != want.beat):

@@ -50,11 +50,10 @@ class InMemoryRegistry:
 
     def register(self, reg: ServiceRegistration) -> None:
         self._call("register", reg.service_id)
-        old = self.instances.get(reg.service_id)
-        # Consul keeps maintenance (its own check) across a re-registration.
-        self.instances[reg.service_id] = FakeInstance(
-            reg, maintenance=None if old is None else old.maintenance
-        )
+        # A registration with replace-existing-checks may drop the maintenance check (its
+        # own check in Consul): the fake takes the stricter reading, so the reconciler
+        # must set maintenance again after every registration.
+        self.instances[reg.service_id] = FakeInstance(reg)
 
     def set_check(self, service_id: str, status: CheckStatus, note: str) -> None:
         self._call(f"check:{status}", service_id)

@@ -128,6 +128,7 @@ UP_NEXT_BEAT = want(rec(0.0, seq=11))
 STALE = want(rec(10.0))
 DRAINING = want(rec(0.0, draining=True, seq=11))
 OTHER_POOL = want(rec(0.0, pool="long"))
+DRAINING_OTHER_POOL = want(rec(0.0, draining=True, seq=11, pool="long"))
 
 
 def kinds(actions: tuple[Any, ...]) -> list[str]:
@@ -172,6 +173,10 @@ def kinds(actions: tuple[Any, ...]) -> list[str]:
         ({"w1": UP}, {"w1": UNKNOWN}, ["register", "maint:off", "check:passing"]),
         # tags changed (pool): re-register and re-pass
         ({"w1": OTHER_POOL}, {"w1": UP}, ["register", "check:passing"]),
+        # re-registered while in maintenance: a registration that replaces the checks
+        # may drop the maintenance check, so it is set again
+        ({"w1": DRAINING_OTHER_POOL}, {"w1": DRAINING},
+         ["register", "maint:on", "check:passing"]),
         # nothing anywhere: nothing to do
         ({}, {}, []),
     ],

@@ -456,3 +456,23 @@ def test_too_large_for_every_pool_it_may_use_is_refused() -> None:
     assert kinds(run(workers, make_request("r", kv_tokens=5_000))) == {"r": "too_large"}
     # One it fits only by borrowing is not refused: it borrows (nothing long is pending).
     assert placed(run(workers, make_request("r", kv_tokens=3_000))) == [("r", "l")]
+
+
+def test_a_hold_on_a_worker_that_can_no_longer_take_it_is_let_go() -> None:
+    # "big" holds b; then b shrinks (a smaller KV on its next heartbeat) below big's size,
+    # and the only other worker that could take it is held for a request ahead of it.
+    ledger, queue = Ledger(), make_queue()
+    a, b = make_worker("a", kv_total_tokens=10_000), make_worker("b", kv_total_tokens=10_000)
+    ledger.reserve(a, make_request("on-a", kv_tokens=6_000))
+    ledger.reserve(b, make_request("on-b", kv_tokens=3_000))
+    run([a, b], make_request("big", kv_tokens=8_000, enqueued_at=NOW - 31),
+        ledger=ledger, queue=queue)
+    assert ledger.hold_of("big") == "b"
+    ahead = make_request("ahead", priority="high", kv_tokens=8_000, enqueued_at=NOW - 40)
+    small_b = make_worker("b", kv_total_tokens=5_000)
+    run([a, small_b], ahead, ledger=ledger, queue=queue)
+    assert ledger.hold_of("ahead") == "a"
+    assert ledger.hold_of("big") is None and ledger.holder("b") is None
+    # b takes other work again
+    assert placed(run([a, small_b], make_request("small", priority="low", kv_tokens=500),
+                      ledger=ledger, queue=queue)) == [("small", "b")]

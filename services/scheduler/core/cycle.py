@@ -445,6 +445,8 @@ class _Cycle:
                 if self._may_hold(worker, mine, kv) and ledger.free_kv(worker) > best_free:
                     target, best_free = worker, ledger.free_kv(worker)
         if target is None:
+            if current is not None:  # its worker can no longer take it: free that worker
+                ledger.unhold(request.request_id)
             return None
         ledger.hold(target.worker_id, request.request_id)
         return target.worker_id

@@ -207,3 +207,24 @@ async def test_waiting_requests_start_by_priority_unless_fcfs(policy: str, want:
     finally:
         await engine.close()
     assert finished == want
+
+
+async def test_a_failed_driver_fails_running_and_new_requests_at_once() -> None:
+    # A bug in the core (stood in for by a step that raises) must not leave anyone waiting:
+    # what runs fails worker_lost, and so does anything submitted afterwards.
+    engine = await started(time_scale=0.01)
+    try:
+        def broken_step(start: float) -> object:
+            raise RuntimeError("core bug")
+
+        engine._core.step = broken_step  # type: ignore[method-assign,assignment]
+        with pytest.raises(EngineError) as running:
+            await asyncio.wait_for(collect(engine.generate(make_req("a"))), 5)
+        assert running.value.code == "worker_lost"
+        assert engine._driver is not None
+        await asyncio.wait_for(asyncio.gather(engine._driver, return_exceptions=True), 5)
+        with pytest.raises(EngineError) as later:
+            await asyncio.wait_for(collect(engine.generate(make_req("b"))), 5)
+        assert later.value.code == "worker_lost" and "not running" in later.value.message
+    finally:
+        await engine.close()

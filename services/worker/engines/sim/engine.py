@@ -22,7 +22,6 @@ Every sequence generates exactly ``max_tokens`` tokens (``finish_reason = "lengt
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import random
@@ -101,8 +100,8 @@ class SimEngine:
     async def close(self) -> None:
         if self._driver is not None:
             self._driver.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._driver
+            # A driver that failed has logged its error and failed its streams already.
+            await asyncio.gather(self._driver, return_exceptions=True)
             self._driver = None
         for stream in list(self._streams.values()):
             self._end(stream, EngineAborted("engine closed"))
@@ -149,8 +148,8 @@ class SimEngine:
         return elapsed / self.time_scale if self.time_scale > 0 else elapsed
 
     def _admit(self, request: GenerateRequest) -> _Stream:
-        if self._driver is None:
-            raise EngineError("worker_lost", "sim engine is not started")
+        if self._driver is None or self._driver.done():  # never started, or failed
+            raise EngineError("worker_lost", "sim engine is not running")
         if request.request_id in self._streams:
             raise EngineError("invalid", f"request {request.request_id} is already running")
         prompt = max(1, request.prompt_tokens)

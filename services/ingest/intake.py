@@ -410,9 +410,16 @@ def authorized_reply_topic(req: InferenceRequest, prefix: str) -> str | None:
     own = reply_topic(prefix, req.tenant)
     if req.reply_to is None or req.reply_to == own:
         return own
-    if req.reply_to.startswith(reply_topic(prefix, INSTANCE_REPLIES)):
-        return req.reply_to
-    return None
+    return req.reply_to if _instance_reply_topic(req.reply_to, prefix) else None
+
+
+def _instance_reply_topic(name: str, prefix: str) -> bool:
+    """``name`` is ``<prefix>.replies.ingest-<id>`` with an id the topic catalog takes (a
+    name the scheduler and workers could not create or find would stall their sends)."""
+    replies = reply_topic(prefix, INSTANCE_REPLIES)
+    if not name.startswith(replies):
+        return False
+    return _TENANT_RE.fullmatch(name.removeprefix(f"{prefix}.replies.")) is not None
 
 
 def rejection(request_id: str, reject: Reject, now: float) -> Error:
@@ -455,7 +462,7 @@ def _salvage_target(raw: Any, prefix: str) -> tuple[str, str] | None:
     request_id, tenant, reply_to = data.get("request_id"), data.get("tenant"), data.get("reply_to")
     if not isinstance(request_id, str) or not _ID_RE.fullmatch(request_id):
         return None
-    if isinstance(reply_to, str) and reply_to.startswith(reply_topic(prefix, INSTANCE_REPLIES)):
+    if isinstance(reply_to, str) and _instance_reply_topic(reply_to, prefix):
         return request_id, reply_to
     if isinstance(tenant, str) and _TENANT_RE.fullmatch(tenant):
         return request_id, reply_topic(prefix, tenant)

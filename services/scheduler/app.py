@@ -25,7 +25,8 @@ What runs (one process, one event loop):
    cancels go to the state; drains need nothing here (the worker's heartbeat says
    ``draining`` and the core's not-draining filter does the rest).
 4. **dispatch loop**: every ``dispatch_interval_s`` and whenever woken (an arrival, a
-   release, a cancel, a reader batch): worker loss, one ``schedule()`` call, effects into
+   release, a cancel, a reader batch): worker loss (on faust's leader only: every replica
+   reads every assignment, one acts on a loss), one ``schedule()`` call, effects into
    the outbox, one batched flush, acks, pause/resume of request topics, and every
    ``status_interval_s`` a ``QueueStatus`` per model.
 
@@ -278,7 +279,9 @@ class Scheduler:
                 await asyncio.sleep(0.5)
 
     async def _cycle(self, now: float) -> None:
-        result = self.state.tick(now)
+        # One replica handles worker loss: faust's leader (the leader-assignor partition's
+        # owner; a single replica is always it once assigned).
+        result = self.state.tick(now, handle_losses=self.app.is_leader())
         m = self.metrics
         m.tick(result)
         for worker_id in result.lost_workers:

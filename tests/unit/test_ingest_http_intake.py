@@ -209,6 +209,22 @@ async def test_unauthorized_reply_to_and_unknown_tenant_are_invalid() -> None:
     assert [t for t, _, _ in h.sent] == ["llmq.replies.acme", "llmq.replies.stranger"]
 
 
+@pytest.mark.parametrize("reply_to", [
+    "llmq.replies.ingest-a.b",  # a dot: not a name the topic catalog takes
+    "llmq.replies.ingest-" + "x" * 80,  # longer than the catalog allows
+])
+async def test_an_instance_reply_topic_no_service_could_create_is_invalid(
+    reply_to: str,
+) -> None:
+    # Scheduler and workers could never send to it (their sends would stall the
+    # partition): refused at the door, the answer on the tenant's own topic.
+    h = Harness(load_tenancy(None))
+    await h.submit(request("r1", "acme", reply_to=reply_to))
+    [refusal] = h.replies()
+    assert refusal.code == "invalid" and "not authorized" in refusal.message
+    assert [t for t, _, _ in h.sent] == ["llmq.replies.acme"]
+
+
 class BrokenTracker(ClusterTracker):
     def view(self, now: float) -> ClusterView:
         raise RuntimeError("view broke")

@@ -207,6 +207,34 @@ def test_worker_loss_requeues_unstreamed_work_and_fails_streamed() -> None:
     assert state.tick(T + 5.1).lost_workers == []  # declared once
 
 
+def test_only_the_replica_that_handles_losses_acts_on_one() -> None:
+    # Two replicas read the same assignments and events; w0 dies holding one request that
+    # streamed and one that did not. One requeue and one worker_lost in all, not two.
+    leader, other = ready_state(("w0", 0)), ready_state(("w0", 0))
+    leader.on_request(admitted("quiet"), ("tp", 0), T)
+    leader.on_request(admitted("chatty"), ("tp", 1), T)
+    placed = [a for _, a in assignments(leader.tick(T).effects)]
+    for state in (leader, other):
+        for a in placed:
+            state.observe_assignment(a)
+        chatty = next(a for a in placed if a.request_id == "chatty")
+        state.observe_event(started(chatty, "w0"))
+        state.observe_event(EventFirstToken(request_id="chatty", tenant="acme", attempt=1,
+                                            worker_id="w0", ts=T + 1, ttft_s=0.1))
+        state.observe_heartbeat(beat("w1", 1, ts=T + 5))
+    acted = leader.tick(T + 5, handle_losses=True)
+    idle = other.tick(T + 5, handle_losses=False)
+    assert acted.lost_workers == ["w0"] and acted.requeued == 1
+    assert (idle.lost_workers, idle.requeued, idle.effects) == ([], 0, [])
+    # The other replica learns the outcome from the leader's output: its bookings on w0
+    # go, and the requeued attempt is booked where it went.
+    for _, a in assignments(acted.effects):
+        other.observe_assignment(a)
+    for event in events(acted.effects):
+        other.observe_event(event)
+    assert other.reserved_kv("w0") == 0 and other.reserved_kv("w1") > 0
+
+
 def test_queue_deadline_ends_with_queue_timeout_from_the_scheduler() -> None:
     state = ready_state()
     state.on_request(admitted("late", timeout_s=2.0), ("tp", 0), T)

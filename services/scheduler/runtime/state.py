@@ -365,10 +365,17 @@ class SchedulerState:
 
     # -- the dispatch cycle -----------------------------------------------------------
 
-    def tick(self, now: float) -> TickResult:
-        """Worker loss, then one ``schedule()`` call; everything it decided as effects."""
+    def tick(self, now: float, *, handle_losses: bool = True) -> TickResult:
+        """Worker loss, then one ``schedule()`` call; everything it decided as effects.
+
+        ``handle_losses``: this replica acts on lost workers. Every replica reads every
+        assignment, so every one would requeue or fail the same lost work: only one (the
+        app's leader) may. The others learn the outcome from what it produces (the next
+        attempt's assignment or the terminal event), which releases their bookings.
+        """
         effects: list[Effect] = []
-        lost = [w for w in self.log.workers() if not self.fleet.is_alive(w, now)]
+        lost = [w for w in self.log.workers() if not self.fleet.is_alive(w, now)] \
+            if handle_losses else []
         requeued = 0
         for worker_id in lost:
             fates, count = self._lose_worker(worker_id, now)

@@ -37,6 +37,7 @@ T = TypeVar("T")
 MAX_RECORD_BYTES: Final = 8 << 20
 #: Error messages are cut here: pydantic quotes the offending discriminator, which the
 #: sender controls.
+_MAX_PART_CHARS: Final = 64
 _MAX_ERROR_CHARS: Final = 300
 #: pydantic error types that mean "too big" rather than "malformed" (413 rather than 400).
 _TOO_LARGE_TYPES: Final = frozenset({"string_too_long", "too_long", "record_too_large"})
@@ -141,7 +142,17 @@ def _field_error(err: ErrorDetails, tagged: bool) -> FieldError:
         loc = loc[1:]
     if err["type"] in ("union_tag_invalid", "union_tag_not_found"):
         loc = ["kind"]
-    return FieldError(".".join(str(part) for part in loc), err["type"], _cut(err["msg"]))
+    return FieldError(".".join(_part(p) for p in loc), err["type"], _cut(err["msg"]))
+
+
+def _part(part: object) -> str:
+    """One step of a field path, printable and short: an unknown key is the sender's
+    choice (a 5 MiB key would make a 10 MiB dead letter; a newline, a forged log line)."""
+    text = str(part)
+    short = text[:_MAX_PART_CHARS]
+    if not short.isprintable():
+        short = ascii(short)[1:-1]
+    return short + ("..." if len(text) > _MAX_PART_CHARS else "")
 
 
 def _cut(text: str) -> str:

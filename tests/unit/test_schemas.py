@@ -438,6 +438,18 @@ def test_deadletter_headers() -> None:
     assert dict(deadletter_headers("poison", "t", 0, 0))[DEADLETTER_FIELD_HEADER] == b""
 
 
+@pytest.mark.parametrize(("key", "field"), [
+    ("x" * 5_000_000, "x" * 64 + "..."),  # the sender's key: a short field, a small letter
+    ("a\nERROR forged line", "a\\nERROR forged line"),  # no forged log lines
+])
+def test_an_unknown_key_is_named_short_and_printable(key: str, field: str) -> None:
+    with pytest.raises(SchemaError) as caught:
+        decode(_mutated(_REQ, {key: 1}), InferenceRequest)
+    assert caught.value.field == field
+    headers = deadletter_headers(caught.value, "llmq.intake", 0, 1)
+    assert sum(len(v) for _, v in headers) < 1_000
+
+
 # --- properties -----------------------------------------------------------------------------
 
 _text = st.text(st.characters(codec="utf-8"), max_size=200)

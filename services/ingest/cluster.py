@@ -105,7 +105,8 @@ class ClusterTracker:
         return ClusterView.of(capacities)
 
     def _live(self, hb: WorkerHeartbeat, now: float) -> bool:
-        fresh = now - hb.ts <= self._freshness.heartbeat_staleness * hb.interval_s
+        # Either side of now: a heartbeat from a clock far ahead is not fresh.
+        fresh = abs(now - hb.ts) <= self._freshness.heartbeat_staleness * hb.interval_s
         return fresh and not hb.draining and hb.kv_total_tokens > 0
 
     def _canonical(self, model: str) -> str:

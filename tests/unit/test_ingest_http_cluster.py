@@ -36,6 +36,7 @@ def test_fresh_workers_count_and_stale_draining_or_empty_ones_do_not() -> None:
     t.observe_heartbeat(beat("a", kv_total_tokens=1000, kv_free_tokens=10))
     t.observe_heartbeat(beat("b", kv_total_tokens=5000, kv_free_tokens=0))
     t.observe_heartbeat(beat("stale", ts=NOW - 3.5, kv_total_tokens=9000, kv_free_tokens=0))
+    t.observe_heartbeat(beat("ahead", ts=NOW + 3600, kv_total_tokens=9000, kv_free_tokens=0))
     t.observe_heartbeat(beat("draining", draining=True, kv_total_tokens=9000, kv_free_tokens=0))
     t.observe_heartbeat(beat("nokv", kv_total_tokens=0, kv_free_tokens=0, kv_total_bytes=0,
                              kv_free_bytes=0))
@@ -43,7 +44,7 @@ def test_fresh_workers_count_and_stale_draining_or_empty_ones_do_not() -> None:
     assert capacity.live_workers == 2
     assert capacity.max_usable_kv_tokens == 5000  # whole budget, not what is free
     assert t.served_models(NOW) == [LLAMA]
-    assert t.heartbeats_seen == 5
+    assert t.heartbeats_seen == 6
 
 
 def test_freshness_is_three_intervals() -> None:

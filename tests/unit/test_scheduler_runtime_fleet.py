@@ -32,6 +32,8 @@ def hb(worker_id: str = "w0", **changes: Any) -> WorkerHeartbeat:
         (5.0, 15.5, 3.0, False),
         (0.5, 1.6, 3.0, False),
         (1.0, 1.5, 1.0, False),  # a tighter staleness setting
+        (1.0, -2.0, 3.0, True),  # a worker's clock a little ahead: a small skew is fine
+        (1.0, -3600.0, 3.0, False),  # an hour ahead: not "fresh" for another hour
     ],
 )
 def test_liveness_is_three_of_the_workers_own_intervals(

@@ -120,7 +120,7 @@ class Snapshot:
 
     def is_fresh(self, worker: WorkerState) -> bool:
         """True when the worker's heartbeat is recent enough to trust."""
-        return self.now - worker.heartbeat_ts <= self.stale_after_s
+        return abs(self.now - worker.heartbeat_ts) <= self.stale_after_s  # a clock ahead too
 
 
 @dataclass(frozen=True, slots=True)

@@ -87,7 +87,9 @@ class FleetView:
         return max(sizes) if sizes else None
 
     def _fresh(self, hb: WorkerHeartbeat, now: float) -> bool:
-        return now - hb.ts <= self.staleness * hb.interval_s
+        # Either side of now: a worker whose clock runs ahead must not stay "fresh" after
+        # it dies (the health service's rule too).
+        return abs(now - hb.ts) <= self.staleness * hb.interval_s
 
 
 def worker_state(hb: WorkerHeartbeat) -> WorkerState:

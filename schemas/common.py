@@ -24,6 +24,11 @@ POOLS: Final[tuple[Pool, ...]] = ("short", "long", "any")
 #: schemas.base, so the pure cores can check it without importing pydantic).
 MAX_TOKENS: Final = 1 << 20
 
+#: A topic prefix: dot-separated words of [A-Za-z0-9_-], the first starting alphanumeric
+#: (``llmq``, ``team-a.llmq``); the settings and the topic catalog check the same rule.
+TOPIC_PREFIX_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9_-]*(\.[A-Za-z0-9_-]+)*$"
+TOPIC_PREFIX_MAX: Final = 64
+
 ErrorCode = Literal[
     "rate_limited",
     "too_large",

@@ -20,7 +20,14 @@ from typing import Any, Final, Literal
 from pydantic import TypeAdapter
 
 from schemas.base import TENANT_PATTERN, WireMessage
-from schemas.common import LANES, PRIORITIES, Lane, Priority
+from schemas.common import (
+    LANES,
+    PRIORITIES,
+    TOPIC_PREFIX_MAX,
+    TOPIC_PREFIX_PATTERN,
+    Lane,
+    Priority,
+)
 from schemas.control import CancelRequest, DrainWorker
 from schemas.messages import (
     ASSIGNMENT_ADAPTER,
@@ -59,7 +66,7 @@ DEADLETTER_REASON_HEADER: Final = "llmq-dlq-reason"
 DEADLETTER_FIELD_HEADER: Final = "llmq-dlq-field"
 DEADLETTER_SOURCE_HEADER: Final = "llmq-dlq-source"  # "topic/partition/offset"
 
-_PREFIX_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*(\.[A-Za-z0-9_-]+)*$")
+_PREFIX_RE: Final = re.compile(TOPIC_PREFIX_PATTERN)
 _TENANT_RE: Final = re.compile(TENANT_PATTERN)
 
 
@@ -90,7 +97,7 @@ class TopicSpec:
 
 
 def _check_prefix(prefix: str) -> None:
-    if not _PREFIX_RE.fullmatch(prefix) or len(prefix) > 100:
+    if not _PREFIX_RE.fullmatch(prefix) or len(prefix) > TOPIC_PREFIX_MAX:
         raise ValueError(f"invalid topic prefix {prefix!r}")
 
 

@@ -11,6 +11,8 @@ from pathlib import Path
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from schemas.common import TOPIC_PREFIX_MAX, TOPIC_PREFIX_PATTERN
+
 #: The project checkout this package was installed from (editable install) — the home of
 #: the git-ignored ``.llmq/`` folder that holds the broker cache and data by default.
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -41,7 +43,8 @@ class Settings(BaseSettings):
     )
     kafka_heap_mb: int = Field(default=512, ge=128, le=8192, description="Broker JVM heap.")
     topic_prefix: str = Field(
-        default="llmq", pattern=r"^[A-Za-z0-9._-]{1,64}$", description="Prefix of every topic."
+        default="llmq", pattern=TOPIC_PREFIX_PATTERN, max_length=TOPIC_PREFIX_MAX,
+        description="Prefix of every topic: dot-separated words of [A-Za-z0-9_-].",
     )
     assignment_partitions: int = Field(
         default=16, ge=1, le=1024, description="Partitions of <prefix>.assignments = worker slots."

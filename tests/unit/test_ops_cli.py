@@ -49,6 +49,9 @@ def test_help_names_the_options() -> None:
 @pytest.mark.parametrize(("env", "named"), [
     ({"LLMQ_KAFKA_PORT": "abc"}, "LLMQ_KAFKA_PORT='abc'"),
     ({"LLMQ_KAFKA_BOOTSTRAP": "localhost:abc"}, "'localhost:abc' is not host:port"),
+    # the topic catalog's rule: a prefix it would refuse is refused here, named
+    ({"LLMQ_TOPIC_PREFIX": "llmq."}, "LLMQ_TOPIC_PREFIX='llmq.'"),
+    ({"LLMQ_TOPIC_PREFIX": "a..b"}, "LLMQ_TOPIC_PREFIX='a..b'"),
 ])
 def test_a_bad_setting_is_named_by_its_variable(env: dict[str, str], named: str) -> None:
     result = CliRunner().invoke(main, ["status"], env=env)

@@ -97,7 +97,8 @@ REJECTIONS: Final = Counter(
     registry=REGISTRY,
 )
 ADMITTED_TOKENS: Final = Counter(
-    "llmq_admitted_tokens_total", "Tokens (prompt + max_tokens) admitted, by tenant.",
+    "llmq_admitted_tokens_total",
+    "Tokens (prompt + max_tokens) admitted, by tenant (tenants not in the tenants file: other).",
     ["tenant"], registry=REGISTRY,
 )
 TTFT: Final = Histogram(

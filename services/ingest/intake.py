@@ -296,7 +296,9 @@ class IntakeHandler:
         if isinstance(message, Error):
             _count_refusal(message.code)
         else:
-            ADMITTED_TOKENS.labels(tenant=req.tenant).inc(message.prompt_tokens + req.max_tokens)
+            ADMITTED_TOKENS.labels(tenant=self._tenancy.metric_label(req.tenant)).inc(
+                message.prompt_tokens + req.max_tokens
+            )
 
     async def _refuse_undecodable(self, raw: Any, exc: SchemaError) -> None:
         """Send ``invalid``/``too_large`` if the raw JSON says who is waiting; never raises."""

@@ -104,6 +104,12 @@ class Tenancy:
         tenant = self.keys.get(hash_api_key(key.strip()))
         return tenant if tenant is not None else AuthFailure("invalid API key")
 
+    def metric_label(self, tenant: str) -> str:
+        """The tenant as a metric label: listed tenants and ``default`` by name, any other
+        (open mode admits every name a Kafka client sends) as ``other``, so the series
+        stay bounded."""
+        return tenant if tenant in self.config.tenants or tenant == DEFAULT_TENANT else "other"
+
     def policy_for(self, tenant: str) -> TenantPolicy | None:
         """The tenant's policy; None for a tenant the file does not list (keyed mode)."""
         policy = self.config.tenants.get(tenant)

@@ -32,7 +32,7 @@ from services.health.lag import SlotLag, TopicFigures
 from services.health.metrics import HealthMetrics
 from services.ingest.cluster import ClusterTracker, Freshness
 from services.ingest.intake import IntakeHandler
-from services.ingest.tenants import hash_api_key, parse_tenants
+from services.ingest.tenants import hash_api_key, load_tenancy, parse_tenants
 from services.ingest.topics import IngestTopics
 from services.scheduler import DEFAULT_PROFILE, QueueConfig, build_pipeline
 from services.scheduler.runtime.metrics import SchedulerMetrics
@@ -428,3 +428,9 @@ def test_each_service_endpoint_shows_only_its_families(
     assert shown in names and hidden not in names
     assert names <= m.family_names(service)
     assert "llmq_requests" in m.family_names(service) or service == "health"
+
+
+def test_the_tenant_label_is_bounded_in_open_mode() -> None:
+    tenancy = load_tenancy(None)  # open mode: any tenant name a Kafka client sends
+    assert tenancy.metric_label("default") == "default"
+    assert {tenancy.metric_label(f"t{i}") for i in range(300)} == {"other"}

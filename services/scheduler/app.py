@@ -223,6 +223,17 @@ class Scheduler:
         await self._producer.start()
         await self.reader.start()
         self._main_task = asyncio.create_task(self._main(), name="scheduler-dispatch")
+        self._main_task.add_done_callback(self._main_ended)
+
+    def _main_ended(self, task: asyncio.Task[None]) -> None:
+        """The dispatch task only ends by cancellation (stop); anything else is a crash of
+        the whole process (so a supervisor restarts it), not a scheduler that silently
+        stops scheduling while its agents wait for ``ready``."""
+        exc = None if task.cancelled() else task.exception()
+        if exc is None:
+            return
+        _log.error("scheduler: the dispatch task failed", exc_info=exc)
+        asyncio.ensure_future(self.app.crash(exc))  # noqa: RUF006  # the app ends with it
 
     async def stop(self) -> None:
         if self._main_task is not None:
@@ -267,6 +278,9 @@ class Scheduler:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.wake.wait(), cfg.dispatch_interval_s)
             self.wake.clear()
+            if not self.reader.running:
+                # The fleet view and the ledger would freeze: every worker would look lost.
+                raise RuntimeError("the heartbeats/assignments/events reader stopped")
             try:
                 now = self.clock()
                 if now >= next_status:

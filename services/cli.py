@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +20,10 @@ from services.common.settings import Settings
 
 if TYPE_CHECKING:
     from services.stack import StackConfig
+
+
+#: How long a detached `llmq up` watches its children before reporting them started.
+_DETACH_SETTLE_S = 3.0
 
 
 def _emit(data: dict[str, Any], as_json: bool, text: str) -> None:
@@ -257,8 +262,6 @@ def submit(settings: Settings, prompt: str, max_tokens: int, priority: str, lane
 async def _submit(settings: Settings, prompt: str, max_tokens: int, priority: str,
                   lane: str | None, tenant: str, model: str, chat: bool, timeout_s: float,
                   *, stream_out: bool) -> dict[str, Any]:
-    import time
-
     from llmq.client import LlmqClient
     from schemas.replies import Done
 
@@ -404,6 +407,15 @@ def up(ctx: click.Context, detach: bool, short_workers: int, long_workers: int,
                 click.echo("jaeger stopped")
             if started_kafka and not keep_kafka:
                 ctx.invoke(kafka_down)
+        elif started_jaeger:  # detached: `llmq down` stops the Jaeger this command started
+            _jaeger_marker(settings).parent.mkdir(parents=True, exist_ok=True)
+            _jaeger_marker(settings).touch()
+
+
+def _jaeger_marker(settings: Settings) -> Path:
+    from services.stack import stack_dir
+
+    return stack_dir(settings) / "jaeger.started"
 
 
 def _start_jaeger(settings: Settings) -> bool:
@@ -453,6 +465,15 @@ def _up(ctx: click.Context, settings: Settings, detach: bool, cfg: StackConfig,
     if detach:
         stack.start(log_dir=stack_dir(settings))
         path = write_services_file(settings, stack)
+        time.sleep(_DETACH_SETTLE_S)  # a child that fails at once (a port taken, a bad setting)
+        dead = stack.failed()
+        if dead:
+            stack.stop(grace_s=10.0)
+            path.unlink(missing_ok=True)
+            name, code = dead[0]
+            raise click.ClickException(
+                f"{name} exited with status {code} right after start; see "
+                f"{path.parent / (name + '.log')} (everything started was stopped)")
         click.echo(f"started in the background; logs and pids in {path.parent}; "
                    "stop with: llmq down")
         return
@@ -473,6 +494,11 @@ def down(ctx: click.Context, keep_kafka: bool) -> None:
     settings: Settings = ctx.obj
     stopped = stop_detached(settings)
     click.echo(f"stopped {len(stopped)} services" + (": " + ", ".join(stopped) if stopped else ""))
+    marker = _jaeger_marker(settings)
+    if marker.exists():  # started by a detached `llmq up --jaeger`
+        _jaeger_of(settings).down()
+        marker.unlink(missing_ok=True)
+        click.echo("jaeger stopped")
     if not keep_kafka and not settings.kafka_bootstrap:
         ctx.invoke(kafka_down)
 

@@ -108,7 +108,16 @@ class Stack:
         self._threads: list[threading.Thread] = []
 
     def start(self, log_dir: Path | None = None) -> None:
-        """Start every child; with ``log_dir`` they are detached and log to files there."""
+        """Start every child; with ``log_dir`` they are detached and log to files there.
+        If starting one fails (or Ctrl-C lands meanwhile), those already started are
+        stopped before the error goes on: nothing is left running that nobody knows of."""
+        try:
+            self._start(log_dir)
+        except BaseException:
+            self.stop(grace_s=5.0)
+            raise
+
+    def _start(self, log_dir: Path | None) -> None:
         tty = sys.stdout.isatty()
         for i, spec in enumerate(self.specs):
             env = {**os.environ, **self.env, **dict(spec.env), "PYTHONUNBUFFERED": "1"}
@@ -144,19 +153,40 @@ class Stack:
         return [(s.name, p.returncode) for s, p in self.procs if p.poll() is not None]
 
     def stop(self, grace_s: float = 20.0) -> None:
-        """SIGTERM in reverse start order (workers drain first), SIGKILL after ``grace_s``."""
-        for _, proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for _, proc in reversed(self.procs):
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        """The workers first (SIGTERM: they drain, and ingest is still there to stream what
+        they finish), then the other services; each stage SIGKILLed after ``grace_s``.
+        A second Ctrl-C meanwhile does not cut this short (the grace bounds it)."""
+        interrupt = signal.getsignal(signal.SIGINT)
+        in_main = threading.current_thread() is threading.main_thread()
+        if in_main:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            workers = [p for s, p in self.procs if s.name.startswith("worker-")]
+            others = [p for s, p in reversed(self.procs) if not s.name.startswith("worker-")]
+            for stage in (workers, others):
+                _terminate(stage, grace_s)
+        finally:
+            if in_main:
+                signal.signal(signal.SIGINT, interrupt)
         for thread in self._threads:
             thread.join(timeout=2.0)
+        for _, proc in self.procs:
+            if proc.stdout is not None:
+                proc.stdout.close()
+
+
+def _terminate(procs: Sequence[subprocess.Popen[bytes]], grace_s: float) -> None:
+    """SIGTERM each, wait until ``grace_s`` is up, then SIGKILL what is left."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def settings_env(settings: Settings) -> dict[str, str]:
@@ -180,12 +210,15 @@ def run_foreground(stack: Stack, on_started: Callable[[], object] | None = None)
     def _on_signal(signum: int, _frame: object) -> None:
         stopping.set()
 
-    previous = signal.signal(signal.SIGTERM, _on_signal)
-    stack.start()
-    if on_started is not None:
-        on_started()
+    # SIGHUP (the terminal closed, ssh dropped) and SIGQUIT stop the stack like SIGTERM:
+    # the children run in their own sessions, so nothing else would ever stop them.
+    handled = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+    previous = {sig: signal.signal(sig, _on_signal) for sig in handled}
     status = 0
     try:
+        stack.start()
+        if on_started is not None:
+            on_started()
         while not stopping.is_set():
             dead = stack.failed()
             if dead:
@@ -200,7 +233,8 @@ def run_foreground(stack: Stack, on_started: Callable[[], object] | None = None)
     finally:
         print("llmq up: stopping…", file=sys.stderr)
         stack.stop()
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return status
 
 

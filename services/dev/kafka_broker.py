@@ -190,21 +190,28 @@ class KafkaBroker:
     def up(self, timeout_s: float = 90.0) -> BrokerStatus:
         """Start the broker in the background unless it runs; wait until it answers."""
         proc = None if self._pid() is not None else self._start()
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            # Right after the fork the child may not have exec'd java yet, so a process we
-            # started is judged by poll(), one found running by its pid file.
-            exited = proc.poll() is not None if proc is not None else self._pid() is None
-            if exited:
-                raise BrokerError(f"the broker exited during start; see {self.log_file}")
-            if asyncio.run(broker_answers(self.cfg.bootstrap, 2.0)):
-                if proc is not None:  # freshly started: let it create __consumer_offsets
-                    asyncio.run(wait_for_group_coordinator(self.cfg.bootstrap, 60.0))
-                return self.status()
-            time.sleep(0.3)
-        raise BrokerError(
-            f"the broker did not answer within {timeout_s:.0f} s; see {self.log_file}"
-        )
+        try:
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                # Right after the fork the child may not have exec'd java yet, so a process
+                # we started is judged by poll(), one found running by its pid file.
+                exited = proc.poll() is not None if proc is not None else self._pid() is None
+                if exited:
+                    raise BrokerError(f"the broker exited during start; see {self.log_file}")
+                if asyncio.run(broker_answers(self.cfg.bootstrap, 2.0)):
+                    if proc is not None:  # freshly started: let it create __consumer_offsets
+                        asyncio.run(wait_for_group_coordinator(self.cfg.bootstrap, 60.0))
+                    return self.status()
+                time.sleep(0.3)
+            raise BrokerError(
+                f"the broker did not answer within {timeout_s:.0f} s; see {self.log_file}"
+            )
+        except BaseException:
+            if proc is not None:  # ours and not working: do not leave it running
+                process.stop(proc.pid, 10.0, proc)
+                self._proc = None
+                self.pid_file.unlink(missing_ok=True)
+            raise
 
     def _start(self) -> subprocess.Popen[bytes]:
         for port in (self.cfg.port, self.cfg.controller_port):

@@ -82,10 +82,9 @@ class FleetTracker:
             self._drains[cmd.worker_id] = DrainRequest(cmd.reason, cmd.issued_at)
 
     def observe_status(self, status: QueueStatus) -> None:
-        key = (status.model, status.scheduler_id)
-        old = self._statuses.get(key)
-        if old is None or status.ts >= old.ts:
-            self._statuses[key] = status
+        # The last one read: statuses of a model share a key, so the log orders them (by
+        # its own stamp, one from a clock far ahead would shadow every later one).
+        self._statuses[(status.model, status.scheduler_id)] = status
 
     def record(self, worker_id: str) -> WorkerRecord | None:
         """What is known of one worker; None when no heartbeat of it was ever read."""

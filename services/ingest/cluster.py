@@ -70,10 +70,9 @@ class ClusterTracker:
         self._workers.pop(worker_id, None)
 
     def observe_status(self, status: QueueStatus) -> None:
-        key = (self._canonical(status.model), status.scheduler_id)
-        old = self._statuses.get(key)
-        if old is None or status.ts >= old.ts:
-            self._statuses[key] = status
+        # The last one read: statuses of a model share a key, so the log orders them (by
+        # its own stamp, one from a clock far ahead would shadow every later one).
+        self._statuses[(self._canonical(status.model), status.scheduler_id)] = status
 
     def live_workers(self, now: float) -> list[WorkerHeartbeat]:
         """Fresh, not draining, with a KV budget."""
@@ -90,7 +89,7 @@ class ClusterTracker:
             workers[self._canonical(hb.model)].append(hb)
         queued: dict[str, tuple[int, float, int]] = {}  # model -> (tokens, drain, running)
         for (model, _), st in self._statuses.items():
-            if now - st.ts <= self._freshness.status_stale_s:
+            if abs(now - st.ts) <= self._freshness.status_stale_s:
                 tokens, drain, running = queued.get(model, (0, 0.0, 0))
                 queued[model] = (tokens + st.pending_tokens, drain + st.drain_tokens_per_s,
                                  running + st.running_tokens)

@@ -135,7 +135,7 @@ def queue_row(qs: QueueStatus, now: float, stale_s: float = STATUS_STALE_S) -> d
         "live_workers": qs.live_workers,
         "max_usable_kv_tokens": qs.max_usable_kv_tokens,
         "age_s": round(now - qs.ts, 3),
-        "fresh": now - qs.ts <= stale_s,
+        "fresh": abs(now - qs.ts) <= stale_s,  # a clock far ahead is not "fresh" either
     }
 
 

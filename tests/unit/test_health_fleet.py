@@ -49,6 +49,6 @@ def test_newest_drain_and_status() -> None:
     rec = t.record("w1")
     assert rec is not None and rec.drain is not None and rec.drain.reason == "b"
     t.observe_status(qs("m2", "s1", 5.0))
-    t.observe_status(qs("m1", "s1", 5.0, pending=3))
-    t.observe_status(qs("m1", "s1", 4.0, pending=9))  # older: ignored
+    t.observe_status(qs("m1", "s1", 3_605.0, pending=9))  # stamped by a clock an hour ahead
+    t.observe_status(qs("m1", "s1", 5.0, pending=3))  # read later: the scheduler's latest
     assert [(q.model, q.pending_requests) for q in t.queue_statuses()] == [("m1", 3), ("m2", 1)]

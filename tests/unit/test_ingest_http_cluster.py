@@ -69,9 +69,14 @@ def test_queue_status_is_summed_over_fresh_schedulers() -> None:
     t.observe_status(status(LLAMA, "s1", 1000, 50.0, NOW - 1))
     t.observe_status(status("llama-3.1-8b", "s2", 500, 25.0, NOW - 2))
     t.observe_status(status("llama-3.1-8b", "s3", 9999, 1.0, NOW - 60))  # stale
-    t.observe_status(status("llama-3.1-8b", "s1", 1, 1.0, NOW - 30))  # older than s1's newest
+    t.observe_status(status("llama-3.1-8b", "s4", 7777, 1.0, NOW + 3600))  # a clock far ahead
     capacity = t.view(NOW).models["llama-3.1-8b"]
     assert (capacity.queued_tokens, capacity.drain_tokens_per_s) == (1500, 75.0)
+    # The last status read from a scheduler is its latest (the log orders them), whatever
+    # its stamp says: s4 back on time replaces its far-ahead one.
+    t.observe_status(status("llama-3.1-8b", "s4", 100, 5.0, NOW))
+    capacity = t.view(NOW).models["llama-3.1-8b"]
+    assert (capacity.queued_tokens, capacity.drain_tokens_per_s) == (1600, 80.0)
 
 
 def test_kv_headroom_is_the_live_budget_minus_what_running_requests_reserve() -> None:

@@ -1,0 +1,84 @@
+"""The local stack's process handling (services.stack.Stack) on real child processes (small
+Python scripts), no Kafka: a failed start leaves nothing running, and stop() lets the
+workers drain before the services that stream their answers go."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from services.stack import ServiceSpec, Stack, run_foreground
+
+#: A child that notes when it got SIGTERM, then takes ``delay`` s to exit (a drain).
+_CHILD = """
+import signal, sys, time
+log, delay = sys.argv[1], float(sys.argv[2])
+def down(*_):
+    with open(log, "a") as f:
+        f.write(f"{sys.argv[3]} {time.monotonic()}\\n")
+    time.sleep(delay)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, down)
+open(sys.argv[4], "w").close()  # ready: the handler is set
+while True:
+    time.sleep(0.05)
+"""
+
+
+def _spec(tmp: Path, name: str, delay: float = 0.0) -> ServiceSpec:
+    return ServiceSpec(name, (sys.executable, "-c", _CHILD, str(tmp / "terms.log"), str(delay),
+                              name, str(tmp / f"{name}.ready")))
+
+
+def _wait_ready(tmp: Path, *names: str) -> None:
+    deadline = time.monotonic() + 30
+    while not all((tmp / f"{n}.ready").exists() for n in names):
+        assert time.monotonic() < deadline, "children did not start"
+        time.sleep(0.02)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_a_start_that_fails_half_way_stops_what_it_started(tmp_path: Path) -> None:
+    stack = Stack([_spec(tmp_path, "ingest"),
+                   ServiceSpec("broken", (str(tmp_path / "no-such-program"),))], {})
+    with pytest.raises(FileNotFoundError):
+        stack.start()
+    [(_, first)] = stack.procs
+    assert first.poll() is not None  # stopped, not left running in its own session
+
+
+def test_workers_are_stopped_and_drained_before_the_other_services(tmp_path: Path) -> None:
+    stack = Stack([_spec(tmp_path, "ingest"), _spec(tmp_path, "scheduler"),
+                   _spec(tmp_path, "worker-0", delay=1.0)], {})
+    stack.start()
+    _wait_ready(tmp_path, "ingest", "scheduler", "worker-0")
+    stack.stop(grace_s=10.0)
+    terms = dict(line.split() for line in (tmp_path / "terms.log").read_text().splitlines())
+    # ingest and the scheduler got SIGTERM only once the worker had drained (1 s).
+    assert float(terms["ingest"]) - float(terms["worker-0"]) >= 0.9
+    assert float(terms["scheduler"]) - float(terms["worker-0"]) >= 0.9
+    assert all(p.poll() is not None for _, p in stack.procs)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM])
+def test_a_hangup_stops_the_stack_like_sigterm(tmp_path: Path, sig: int) -> None:
+    stack = Stack([_spec(tmp_path, "ingest"), _spec(tmp_path, "worker-0")], {})
+
+    def started() -> None:
+        _wait_ready(tmp_path, "ingest", "worker-0")
+        os.kill(os.getpid(), sig)  # as the terminal closing would
+
+    assert run_foreground(stack, on_started=started) == 0
+    assert not any(_alive(p.pid) and p.poll() is None for _, p in stack.procs)

@@ -128,4 +128,19 @@ def test_provisioning_points_at_the_dashboard() -> None:
     sources = yaml.safe_load((GRAFANA / "datasources" / "prometheus.yml").read_text("utf-8"))
     (source,) = sources["datasources"]
     assert (source["type"], source["url"], source["isDefault"]) == (
-        "prometheus", "http://prometheus:9090", True)
+        "prometheus", "http://127.0.0.1:9090", True)
+
+
+def test_compose_listens_on_loopback_only_and_can_reach_the_services() -> None:
+    """Published ports are on 127.0.0.1; Prometheus and Grafana, on the host's network to
+    reach services bound to its loopback, listen on 127.0.0.1 too."""
+    compose = yaml.safe_load((GRAFANA.parent / "compose.yml").read_text(encoding="utf-8"))
+    for name, service in compose["services"].items():
+        for port in service.get("ports", []):
+            assert str(port).startswith("127.0.0.1:"), (name, port)
+    prometheus, grafana = compose["services"]["prometheus"], compose["services"]["grafana"]
+    assert prometheus["network_mode"] == grafana["network_mode"] == "host"
+    assert "--web.listen-address=127.0.0.1:9090" in prometheus["command"]
+    assert grafana["environment"]["GF_SERVER_HTTP_ADDR"] == "127.0.0.1"
+    targets = (GRAFANA.parent / "prometheus" / "prometheus.yml").read_text(encoding="utf-8")
+    assert "host.docker.internal" not in targets

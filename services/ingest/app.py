@@ -13,8 +13,9 @@ Settlement design (``llmq.events`` is keyed by request_id, the tenant state by t
    deadline). Faust writes a table change to the changelog partition of the record being
    handled, so a reservation keyed by request_id still lives on its tenant's partition;
    both tables are rebuilt from their changelogs at start (limits survive a restart);
-3. timer ``ingest-expire`` scans the reservations for ones past their deadline (requests
-   that end without a terminal event: queue timeouts, cancels while pending) and sends
+3. timer ``ingest-expire`` scans the reservations for ones past their deadline (a safety
+   net: every path ends a request with a terminal event, but one lost with a crashed
+   scheduler or worker would otherwise hold its tenant's slot for ever) and sends
    ``expired`` settle records through the same topic, so that only the agent writes.
 
 Records are consumed raw (``value_serializer="raw"``) and decoded by the handler inside a

@@ -13,12 +13,13 @@ No Faust here, so tests drive it with dicts for tables and a list for the produc
   events as settle records keyed by tenant — the re-key that puts settlement on the
   partition owning the tenant's state.
 - :meth:`IntakeHandler.expired`: settle records for reservations past their request's
-  deadline plus a grace, for requests whose terminal event never comes (the scheduler's
-  queue timeouts and cancels end a request without one).
+  deadline plus a grace, for requests whose terminal event never comes (every ending
+  sends one — the scheduler's queue timeouts and cancels included — but one can be lost
+  with a process that crashed before sending it).
 
 State, all keyed so it lives on the tenant's partition: ``buckets[tenant]`` =
-``TenantState.to_dict()``; ``reservations[request_id]`` = ``{"tenant", "reserved",
-"deadline"}``. Both are written only while handling a record of that tenant's partition,
+``TenantState.to_dict()``; ``reservations[request_id]`` = ``{"tenant", "reply_topic",
+"reserved", "deadline"}``. Both are written only while handling a record of that tenant's partition,
 so a Faust changelog puts them where the tenant's records are.
 
 Observability: each intake record is handled inside an ``llmq.admission`` span, the child

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import random
+from collections import Counter
 
-from services.scheduler import Ledger, Picker, PlacementContext
+from services.scheduler import Ledger, Picker, Placement, PlacementContext, build_pipeline, schedule
 from services.scheduler.policies.pickers import least_requests, max_score, random_pick, round_robin
-from tests.builders import NOW, make_request, make_snapshot, make_worker
+from services.scheduler.policies.profile import REQUIRED_FILTERS
+from tests.builders import NOW, make_queue, make_request, make_snapshot, make_worker
 
 A, B, C = make_worker("a"), make_worker("b", running=3), make_worker("c", running=1)
 
@@ -68,3 +71,30 @@ def test_baselines_ignore_scores_and_max_score_does_not() -> None:
     ]:
         picker = module.factory({})
         assert isinstance(picker, Picker) and picker.uses_scores is uses
+
+
+def test_round_robin_keeps_one_cursor_per_route() -> None:
+    # Short and long requests take turns; with a fleet-wide cursor the long pool's worker
+    # (z0, sorting after the short ones) sent every short request back to s0.
+    workers = [make_worker(f"s{i}", pool="short", partition=i) for i in range(3)]
+    workers.append(make_worker("z0", pool="long", partition=3))
+    snapshot = make_snapshot(workers)
+    pipeline = build_pipeline({"filters": list(REQUIRED_FILTERS), "scorers": {},
+                               "picker": "round-robin", "candidates": 0})
+    ledger, rng = Ledger(), random.Random(1)
+    used: Counter[str] = Counter()
+    for i in range(12):
+        lane = "short" if i % 2 == 0 else "long"
+        queue = make_queue(make_request(f"r{i}", lane=lane, enqueued_at=NOW + i))
+        for d in schedule(snapshot, queue, ledger, pipeline, NOW + i, rng):
+            if isinstance(d, Placement) and lane == "short":
+                used[d.worker_id] += 1
+    assert used == Counter({"s0": 2, "s1": 2, "s2": 2})
+
+
+def test_max_score_ignores_a_nan_score() -> None:
+    picker = max_score.factory({})
+    assert picker.pick([(math.nan, A), (0.5, B)], random.Random(1), ctx()) is B
+    everyone = {picker.pick([(math.nan, A), (math.nan, B)], random.Random(s), ctx()).worker_id
+                for s in range(20)}
+    assert everyone == {"a", "b"}  # none finite: every candidate ties

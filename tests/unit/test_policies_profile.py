@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -21,6 +22,7 @@ from services.scheduler import (
     WorkerState,
     build_pipeline,
 )
+from services.scheduler.policies.profile import SpillRule
 
 FILTERS = list(REQUIRED_FILTERS)
 
@@ -131,3 +133,19 @@ def test_only_the_core_capacity_filters_may_claim_the_index_stage(
     with pytest.raises(ConfigError) as caught:
         build_pipeline({"filters": [*FILTERS, "pretender"]})
     assert caught.value.setting == "filters[6]"
+
+
+def test_a_profile_built_by_hand_is_checked_like_one_from_a_file() -> None:
+    with pytest.raises(ConfigError, match="filters"):
+        build_pipeline(Profile(filters=("model-match",)))  # the capacity filters dropped
+    with pytest.raises(ConfigError, match=r"scorers\.kv-headroom"):
+        build_pipeline(Profile(scorers=(("kv-headroom", math.nan),)))
+    with pytest.raises(ConfigError, match="candidates"):
+        build_pipeline(Profile(candidates=-5))
+    with pytest.raises(ConfigError, match=r"spill\.long"):
+        build_pipeline(Profile(spill={"long": SpillRule(after_s=-1.0)}))
+
+
+def test_weights_whose_sum_overflows_are_refused() -> None:
+    with pytest.raises(ConfigError, match="scorers"):
+        build_pipeline({"scorers": {"kv-headroom": 1e308, "queue-depth": 1e308}})

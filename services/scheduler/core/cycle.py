@@ -364,6 +364,7 @@ class _Cycle:
         else:
             totals = [0.0] * len(candidates)
         scored: list[Scored] = list(zip(totals, candidates, strict=True))
+        ctx.route = (request.model, request.model_version, request.lane)
         return pipeline.picker.pick(scored, self.rng, ctx)
 
     def _blocked(

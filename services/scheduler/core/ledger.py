@@ -154,7 +154,10 @@ class Ledger:
             raise ConfigError("ledger.kv_safety_margin", "must be in [0, 1)")
         self.kv_safety_margin = kv_safety_margin
         self.affinity = AffinityMap(affinity_capacity)
+        #: Where the last reservation went, fleet-wide and per route (model, version, lane):
+        #: the round-robin picker's cursors.
         self.last_worker_id: str | None = None
+        self._last_on: dict[tuple[str, str | None, str], str] = {}
         self._keep = 1.0 - kv_safety_margin
         self._books: dict[str, _Book] = {}
         self._credits: dict[str, _Credit] = {}
@@ -174,6 +177,11 @@ class Ledger:
     def reserved_kv(self, worker_id: str) -> int:
         book = self._books.get(worker_id)
         return 0 if book is None else book.reserved
+
+    def last_worker_on(self, route: tuple[str, str | None, str]) -> str | None:
+        """The worker of the last reservation of a request of ``route`` (model, version,
+        lane); None before the first."""
+        return self._last_on.get(route)
 
     def free_kv(self, worker: WorkerState) -> int:
         """KV free for a new placement: min(ledger, heartbeat) view, never negative."""
@@ -248,6 +256,7 @@ class Ledger:
         book.unstarted_n += 1
         self._where[key] = worker_id
         self.last_worker_id = worker_id
+        self._last_on[(request.model, request.model_version, request.lane)] = worker_id
         if request.prefix_hash is not None:
             self.affinity.record(request.prefix_hash, worker_id)
         self.unhold(request.request_id)

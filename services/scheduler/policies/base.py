@@ -44,7 +44,7 @@ Params = Mapping[str, object]
 class PlacementContext:
     """What plugins may read during one ``schedule()`` call."""
 
-    __slots__ = ("_aged", "_max_tps", "ledger", "now", "snapshot")
+    __slots__ = ("_aged", "_max_tps", "ledger", "now", "route", "snapshot")
 
     def __init__(
         self,
@@ -58,6 +58,9 @@ class PlacementContext:
         self.now = now
         self._aged = aged
         self._max_tps: float | None = None
+        #: The (model, version, lane) of the request being placed, set by the cycle before
+        #: its picker runs (None outside a cycle: pickers then use fleet-wide state).
+        self.route: tuple[str, str | None, str] | None = None
 
     def class_rank(self, request: QueuedRequest) -> int:
         """The class ``request`` has aged into by ``now`` (0 high, 1 normal, 2 low): the

@@ -169,7 +169,11 @@ class Pipeline:
 
 def build_pipeline(profile: Mapping[str, object] | Profile = DEFAULT_PROFILE) -> Pipeline:
     """Validate ``profile`` and build its plugins from :data:`REGISTRY`."""
-    prof = profile if isinstance(profile, Profile) else Profile.from_mapping(profile)
+    if isinstance(profile, Profile):
+        Profile.from_mapping(_as_mapping(profile))  # one built by hand: a file's checks
+        prof = profile
+    else:
+        prof = Profile.from_mapping(profile)
     _check_names(prof)
     filters = [_build(name, prof, f"filters[{i}]") for i, name in enumerate(prof.filters)]
     scorers = [(_build(name, prof, f"scorers.{name}"), w) for name, w in prof.scorers]
@@ -179,6 +183,9 @@ def build_pipeline(profile: Mapping[str, object] | Profile = DEFAULT_PROFILE) ->
     if not isinstance(picker, Picker):
         raise ConfigError("picker", f"{prof.picker!r} is not a picker")
     total = sum(w for _, w in checked_scorers)
+    if not math.isfinite(total):
+        raise ConfigError("scorers", "the weights' sum overflows; use smaller weights (only "
+                                     "their ratios matter)")
     if picker.uses_scores and total <= 0:
         raise ConfigError("scorers", f"picker {prof.picker!r} needs a positive total weight")
     return Pipeline(
@@ -194,6 +201,19 @@ def build_pipeline(profile: Mapping[str, object] | Profile = DEFAULT_PROFILE) ->
 
 
 # -- validation helpers -------------------------------------------------------------------
+
+
+def _as_mapping(profile: Profile) -> dict[str, object]:
+    """``profile`` as the mapping :meth:`Profile.from_mapping` reads."""
+    return {
+        "filters": list(profile.filters),
+        "scorers": dict(profile.scorers),
+        "picker": profile.picker,
+        "candidates": profile.candidates,
+        "params": {name: dict(p) for name, p in profile.params.items()},
+        "spill": {lane: {"after_s": r.after_s, "max_per_worker": r.max_per_worker}
+                  for lane, r in profile.spill.items()},
+    }
 
 
 def _name(value: object, setting: str) -> str:
@@ -248,9 +268,8 @@ def _spill(value: object) -> dict[Lane, SpillRule]:
         setting = f"spill.{lane}"
         if lane not in LANES:
             raise ConfigError(setting, f"unknown lane {lane!r} (known: {list(LANES)})")
-        if isinstance(rule, SpillRule):
-            out[lane] = rule
-            continue
+        if isinstance(rule, SpillRule):  # checked like a table
+            rule = {"after_s": rule.after_s, "max_per_worker": rule.max_per_worker}
         if not isinstance(rule, Mapping):
             raise ConfigError(setting, f"must be a table, got {rule!r}")
         unknown = sorted(set(rule) - {"after_s", "max_per_worker"})

@@ -14,6 +14,7 @@ Config::
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 
@@ -32,9 +33,13 @@ class MaxScore:
     def pick(
         self, candidates: Sequence[Scored], rng: random.Random, ctx: PlacementContext
     ) -> WorkerState:
-        best = max(score for score, _ in candidates)
-        floor = best - self.tie_epsilon
-        tied = [worker for score, worker in candidates if score >= floor]
+        # A NaN score (a custom scorer's 0/0) would make max() NaN and tie nobody: only
+        # finite scores compete, and with none every candidate ties.
+        finite = [(score, w) for score, w in candidates if math.isfinite(score)]
+        if not finite:
+            return rng.choice([w for _, w in candidates])
+        floor = max(score for score, _ in finite) - self.tie_epsilon
+        tied = [worker for score, worker in finite if score >= floor]
         return tied[0] if len(tied) == 1 else rng.choice(tied)
 
 

@@ -1,11 +1,15 @@
 """Picker ``round-robin`` (baseline): the next worker after the last one placed on.
 
-Formula: among the candidates, the smallest ``worker_id`` greater than the ledger's
-``last_worker_id``; wrap around to the smallest ``worker_id`` when none is greater. Over a
-stable fleet this visits every feasible worker in turn. Ignores scores.
+Formula: among the candidates, the smallest ``worker_id`` greater than the worker of the
+last placement on the request's route (model, version, lane); wrap around to the smallest
+``worker_id`` when none is greater. Over a stable fleet this visits every feasible worker of
+the route in turn. One cursor per route: with a fleet-wide cursor, lanes (or models) taking
+turns would each find the other's last worker and keep wrapping to their own first one.
+Ignores scores.
 
-Reads: ``worker.worker_id``; ``ledger.last_worker_id`` (the cursor lives in the ledger, so
-the picker stays stateless).
+Reads: ``worker.worker_id``; ``ledger.last_worker_on(ctx.route)`` (the cursors live in the
+ledger, so the picker stays stateless; without a route, the fleet-wide
+``ledger.last_worker_id``).
 
 Config (use ``candidates = 0`` so every feasible worker is a candidate)::
 
@@ -30,7 +34,9 @@ class RoundRobin:
     def pick(
         self, candidates: Sequence[Scored], rng: random.Random, ctx: PlacementContext
     ) -> WorkerState:
-        last = ctx.ledger.last_worker_id or ""
+        ledger = ctx.ledger
+        last = (ledger.last_worker_id if ctx.route is None
+                else ledger.last_worker_on(ctx.route)) or ""
         after = [w for _, w in candidates if w.worker_id > last]
         pool = after if after else [w for _, w in candidates]
         return min(pool, key=lambda w: w.worker_id)

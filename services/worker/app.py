@@ -67,6 +67,7 @@ from services.worker.engines.base import Engine
 from services.worker.gpu import NvmlProbe
 from services.worker.kafka_io import ControlMessage, ControlReader, Publisher, WorkerTopics
 from services.worker.metrics import WorkerMetrics
+from services.worker.replay import already_ended, replayed_attempts
 from services.worker.runner import RequestRun, RunConfig
 from services.worker.settings import WorkerSettings
 from services.worker.slot import (
@@ -129,6 +130,8 @@ class Worker:
         self.ledger = AttemptLedger(ws.dedupe_capacity)
         self.cancels = RecentCancels(ws.cancel_memory_s)
         self.tracker = OffsetTracker()
+        self._resume: tuple[int | None, set[int]] = (None, set())
+        self._ended_elsewhere: set[tuple[str, int]] = set()
         self.rate = RateMeter()
         self.draining = False
         self.runs: dict[str, RequestRun] = {}  # request_id -> its current run
@@ -189,6 +192,7 @@ class Worker:
         self._control = ControlReader(bootstrap, self.topics.control, self._on_control)
         await self._control.start()
         await self._join_slot(bootstrap)
+        await self._find_ended_elsewhere(bootstrap)
         if self.ws.metrics_port is not None:
             self.metrics.serve(self.ws.metrics_port)
         for coro in (self._control.run(), self._heartbeats(), self._commits(),
@@ -210,9 +214,28 @@ class Worker:
             await admin.close()
         done = decode_done(offset, metadata) if offset is not None else set()
         self.tracker = OffsetTracker(offset, done)
+        self._resume = (offset, done)
         if done:
             _log.info("slot %d: %d request(s) above offset %s finished before the restart; "
                       "skipping them", self.id.slot, len(done), offset)
+
+    async def _find_ended_elsewhere(self, bootstrap: str) -> None:
+        """Uncommitted assignments this slot will read again that the scheduler already
+        ended while the slot was down (``services.worker.replay``): they are dropped."""
+        offset, done = self._resume
+        assert self._guard is not None
+        try:
+            replay = await replayed_attempts(bootstrap, self.tp, offset, done)
+            self._ended_elsewhere = await already_ended(
+                bootstrap, self.topics.events, self.topics.assignments, replay, self._guard)
+        except (KafkaError, TimeoutError, OSError):
+            _log.warning("slot %d: could not check the replayed assignments against the "
+                         "scheduler's log; running them all", self.id.slot, exc_info=True)
+            return
+        if self._ended_elsewhere:
+            _log.info("slot %d: %d of %d replayed assignment(s) were ended by the scheduler "
+                      "while this slot was down; dropping them", self.id.slot,
+                      len(self._ended_elsewhere), len(replay))
 
     async def _join_slot(self, bootstrap: str) -> None:
         self._assignor = slot_assignor(self.id.slot, self.id.worker_id, self.started_at)
@@ -351,6 +374,10 @@ class Worker:
         if a.worker_id != self.id.worker_id:
             _log.warning("slot %d: assignment of %s#%d is for worker %s, not us: dropped",
                          self.id.slot, rid, attempt, a.worker_id)
+            return "finished"
+        if (rid, attempt) in self._ended_elsewhere:
+            _log.info("slot %d: %s#%d already ended (worker_lost or requeued) while this slot "
+                      "was down: dropped", self.id.slot, rid, attempt)
             return "finished"
         verdict = self.ledger.admit(rid, attempt)
         if verdict in ("duplicate", "stale"):

@@ -200,6 +200,11 @@ class FakeScheduler:
         await self._producer.send_and_wait(self.topics.assignments, encode(a),
                                            key=message_key(a), partition=a.partition)
 
+    async def send_event(self, event: Any) -> None:
+        """A lifecycle event, as the scheduler writes one when it ends an attempt itself."""
+        await self._producer.send_and_wait(self.topics.events, encode(event),
+                                           key=message_key(event))
+
     async def send_raw(self, value: bytes, slot: int) -> None:
         await self._producer.send_and_wait(self.topics.assignments, value, key=b"garbage",
                                            partition=slot)

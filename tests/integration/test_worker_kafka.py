@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import socket
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from functools import partial
 from typing import Any
@@ -24,8 +25,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from schemas.replies import Done, Error, TokenChunk
 from schemas.topics import DEADLETTER_REASON_HEADER, DEADLETTER_SOURCE_HEADER
+from schemas.workers import EventFailed
 from services.worker.slot import slot_group
-from tests.fakes.worker_scheduler import FakeScheduler, WorkerProcess
+from tests.fakes.worker_scheduler import TENANT, FakeScheduler, WorkerProcess
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(60)]
 
@@ -347,3 +349,25 @@ async def test_a_killed_worker_restarts_and_redoes_only_unfinished_requests(
     starts = [e for e in scheduler.events_of("open") if e.kind == "event.started"]
     assert len(starts) == 2  # the unfinished one ran again: at-least-once
     assert max(h.started_at for h in scheduler.seen.heartbeats) > max(started_before)
+
+
+async def test_a_restarted_worker_drops_what_the_scheduler_ended_while_it_was_down(
+    scheduler: FakeScheduler, spawn: Callable[..., WorkerProcess]
+) -> None:
+    """The slot holds three uncommitted assignments (its previous process died), and the
+    scheduler (played here) declared that process lost before this one started: it ended
+    "streamed" worker_lost and requeued "moved" as attempt 2 on another slot. Only
+    "pending" runs; the other two must not get a second terminal for attempt 1."""
+    for rid in ("streamed", "moved", "pending"):
+        await scheduler.send(scheduler.assignment(rid, worker_id=WID, slot=SLOT))
+    await scheduler.send_event(EventFailed(
+        request_id="streamed", tenant=TENANT, attempt=1, worker_id=WID, ts=time.time(),
+        code="worker_lost", message="worker lost after streaming"))
+    await scheduler.send(scheduler.assignment("moved", worker_id="elsewhere", slot=0,
+                                              attempt=2))
+    await ready(scheduler, spawn)
+    assert isinstance(await scheduler.terminal("pending"), Done)
+    await asyncio.sleep(1.0)  # what would have come for the other two by now
+    assert scheduler.terminals_of("streamed") == [] and scheduler.terminals_of("moved") == []
+    started = {e.request_id for e in scheduler.seen.events if e.kind == "event.started"}
+    assert started == {"pending"}

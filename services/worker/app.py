@@ -13,7 +13,9 @@ explains the lock). Its tasks:
   begins;
 - **commit**: commits the offset below which every assignment is finished (terminal
   acknowledged, or dropped), with the finished offsets above it in the commit metadata
-  (``core.offsets``): at-least-once, with as little redo after a restart as possible.
+  (``core.offsets``): at-least-once, with as little redo after a restart as possible —
+  and none of what the scheduler already ended while the slot was down
+  (:mod:`services.worker.replay`).
 
 Observability (:class:`~services.worker.metrics.WorkerMetrics`): capacity from each
 heartbeat, tokens, TTFT, end-to-end latency and terminal outcomes per request. Each run is

@@ -79,3 +79,8 @@ def test_api_error_can_be_raised_through_context_managers() -> None:
             raise ApiError(400, "x")
         finally:
             pass
+
+
+def test_a_lost_worker_is_a_503_with_a_retry_after() -> None:
+    lost = from_reply(_error("worker_lost")).response()
+    assert lost.status_code == 503 and lost.headers["retry-after"] == "1"

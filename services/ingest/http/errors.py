@@ -78,10 +78,17 @@ def retry_after_header(seconds: float) -> str:
     return str(max(1, math.ceil(round(seconds, 6))))
 
 
+#: Retry-After for a request whose worker was lost (503): nothing to wait for but a live
+#: worker, and the fleet has others (the scheduler requeues what had not started).
+WORKER_LOST_RETRY_AFTER_S = 1.0
+
+
 def from_reply(error: Error) -> ApiError:
     """The HTTP refusal for a terminal ``Error`` reply."""
-    return ApiError(error.http_status, error.message, error.code,
-                    retry_after_s=error.retry_after_s)
+    retry = error.retry_after_s
+    if retry is None and error.code == "worker_lost":
+        retry = WORKER_LOST_RETRY_AFTER_S
+    return ApiError(error.http_status, error.message, error.code, retry_after_s=retry)
 
 
 def from_schema_error(exc: SchemaError, param: str | None) -> ApiError:

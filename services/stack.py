@@ -10,6 +10,7 @@ pid file per child under ``<home>/stack/`` instead, and ``llmq down`` stops them
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import IO
 
 from services.common.settings import Settings
+from services.dev import process
 
 _COLOURS = ("36", "35", "33", "32", "34", "31", "96", "95")
 
@@ -272,28 +274,22 @@ def stop_detached(settings: Settings, grace_s: float = 20.0) -> list[str]:
         return []
     pids = {name: int(info["pid"]) for name, info in data.items()}
     alive = {n: p for n, p in pids.items() if _is_ours(p, data[n].get("argv", []))}
-    for pid in reversed(list(alive.values())):
-        os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for pid in alive.values():
-        while _exists(pid) and time.monotonic() < deadline:
+    # As Stack.stop: the workers drain first, then the services that stream their answers.
+    workers = [p for n, p in alive.items() if n.startswith("worker-")]
+    others = [p for n, p in reversed(alive.items()) if not n.startswith("worker-")]
+    for stage in (workers, others):
+        for pid in stage:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while any(process.alive(pid) for pid in stage) and time.monotonic() < deadline:
             time.sleep(0.1)
-        if _exists(pid):
-            os.kill(pid, signal.SIGKILL)
+        for pid in stage:
+            if process.alive(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
     path.unlink(missing_ok=True)
     return list(alive)
-
-
-def _exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def _is_ours(pid: int, argv: list[str]) -> bool:

@@ -4,15 +4,18 @@ workers drain before the services that stream their answers go."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from services.stack import ServiceSpec, Stack, run_foreground
+from services.common.settings import Settings
+from services.stack import ServiceSpec, Stack, run_foreground, stack_dir, stop_detached
 
 #: A child that notes when it got SIGTERM, then takes ``delay`` s to exit (a drain).
 _CHILD = """
@@ -82,3 +85,22 @@ def test_a_hangup_stops_the_stack_like_sigterm(tmp_path: Path, sig: int) -> None
 
     assert run_foreground(stack, on_started=started) == 0
     assert not any(_alive(p.pid) and p.poll() is None for _, p in stack.procs)
+
+
+def test_llmq_down_drains_detached_workers_before_the_other_services(tmp_path: Path) -> None:
+    specs = [_spec(tmp_path, "ingest"), _spec(tmp_path, "worker-0", delay=1.0)]
+    procs = {s.name: subprocess.Popen(list(s.argv), start_new_session=True) for s in specs}
+    try:
+        _wait_ready(tmp_path, "ingest", "worker-0")
+        settings = Settings(home=tmp_path / "home")
+        stack_dir(settings).mkdir(parents=True)
+        (stack_dir(settings) / "services.json").write_text(json.dumps(
+            {s.name: {"pid": procs[s.name].pid, "argv": list(s.argv)} for s in specs}))
+        assert sorted(stop_detached(settings, grace_s=10.0)) == ["ingest", "worker-0"]
+        terms = dict(line.split() for line in (tmp_path / "terms.log").read_text().splitlines())
+        assert float(terms["ingest"]) - float(terms["worker-0"]) >= 0.9
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()

@@ -39,11 +39,18 @@ Attempt = tuple[str, int]
 
 
 async def replayed_attempts(
-    bootstrap: str, tp: TopicPartition, start: int | None, skip: Iterable[int]
+    bootstrap: str, tp: TopicPartition, start: int | None, skip: Iterable[int],
+    timeout_s: float = 60.0,
 ) -> list[Attempt]:
     """``(request_id, attempt)`` of the assignments in ``tp`` from ``start`` (None: the
-    beginning) to its current end, except the offsets in ``skip`` (finished already)."""
-    skipped = set(skip)
+    beginning) to its current end, except the offsets in ``skip`` (finished already).
+    TimeoutError if that is not read within ``timeout_s``."""
+    return await asyncio.wait_for(_replayed(bootstrap, tp, start, set(skip)), timeout_s)
+
+
+async def _replayed(
+    bootstrap: str, tp: TopicPartition, start: int | None, skipped: set[int]
+) -> list[Attempt]:
     consumer = make_consumer(bootstrap)
     await consumer.start()
     try:

@@ -152,21 +152,19 @@ class Jaeger:
         """Build if needed, start in the background unless it runs, wait for the API."""
         proc = None if self._pid() is not None else self._start(echo)
         try:
-            deadline = time.monotonic() + timeout_s
-            while time.monotonic() < deadline:
-                exited = proc.poll() is not None if proc is not None else self._pid() is None
-                if exited:
+            with process.stopped_on_failure(proc, self.pid_file, 5.0):
+                outcome = process.wait_ready(proc, lambda: self._pid() is not None,
+                                             lambda: query_answers(1.0), timeout_s, 0.2)
+                if outcome == "exited":
                     raise JaegerError(f"Jaeger exited during start; see {self.log_file}")
-                if query_answers(1.0):
-                    return self.status()
-                time.sleep(0.2)
-            raise JaegerError(f"Jaeger's query API did not answer within {timeout_s:.0f} s; "
-                              f"see {self.log_file}")
+                if outcome == "timeout":
+                    raise JaegerError(f"Jaeger's query API did not answer within "
+                                      f"{timeout_s:.0f} s; see {self.log_file}")
         except BaseException:
-            if proc is not None:  # ours and not working: do not leave it running
-                process.stop(proc.pid, 5.0, _STARTED.pop(proc.pid, None))
-                self.pid_file.unlink(missing_ok=True)
+            if proc is not None:
+                _STARTED.pop(proc.pid, None)  # stopped and reaped above
             raise
+        return self.status()
 
     def _start(self, echo: Echo) -> subprocess.Popen[bytes]:
         binary = self.build(echo)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import subprocess
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -191,27 +190,22 @@ class KafkaBroker:
         """Start the broker in the background unless it runs; wait until it answers."""
         proc = None if self._pid() is not None else self._start()
         try:
-            deadline = time.monotonic() + timeout_s
-            while time.monotonic() < deadline:
-                # Right after the fork the child may not have exec'd java yet, so a process
-                # we started is judged by poll(), one found running by its pid file.
-                exited = proc.poll() is not None if proc is not None else self._pid() is None
-                if exited:
+            with process.stopped_on_failure(proc, self.pid_file, 10.0):
+                outcome = process.wait_ready(
+                    proc, lambda: self._pid() is not None,
+                    lambda: asyncio.run(broker_answers(self.cfg.bootstrap, 2.0)), timeout_s, 0.3)
+                if outcome == "exited":
                     raise BrokerError(f"the broker exited during start; see {self.log_file}")
-                if asyncio.run(broker_answers(self.cfg.bootstrap, 2.0)):
-                    if proc is not None:  # freshly started: let it create __consumer_offsets
-                        asyncio.run(wait_for_group_coordinator(self.cfg.bootstrap, 60.0))
-                    return self.status()
-                time.sleep(0.3)
-            raise BrokerError(
-                f"the broker did not answer within {timeout_s:.0f} s; see {self.log_file}"
-            )
+                if outcome == "timeout":
+                    raise BrokerError(f"the broker did not answer within {timeout_s:.0f} s; "
+                                      f"see {self.log_file}")
+                if proc is not None:  # freshly started: let it create __consumer_offsets
+                    asyncio.run(wait_for_group_coordinator(self.cfg.bootstrap, 60.0))
         except BaseException:
-            if proc is not None:  # ours and not working: do not leave it running
-                process.stop(proc.pid, 10.0, proc)
-                self._proc = None
-                self.pid_file.unlink(missing_ok=True)
+            if proc is not None:
+                self._proc = None  # stopped and reaped above
             raise
+        return self.status()
 
     def _start(self) -> subprocess.Popen[bytes]:
         for port in (self.cfg.port, self.cfg.controller_port):

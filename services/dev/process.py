@@ -14,8 +14,9 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Literal
 
 
 def alive(pid: int) -> bool:
@@ -65,6 +66,39 @@ def start_detached(cmd: Sequence[str], log_file: Path, cwd: Path) -> subprocess.
             start_new_session=True,  # survives the CLI; stopped by `down` through the pid
             cwd=cwd,
         )
+
+
+def wait_ready(
+    started: subprocess.Popen[bytes] | None, running: Callable[[], bool],
+    ready: Callable[[], bool], timeout_s: float, poll_s: float,
+) -> Literal["ready", "exited", "timeout"]:
+    """Poll ``ready`` until it answers. A process this program ``started`` is judged alive
+    by ``poll()`` (right after the fork it may not have exec'd its command line yet); one
+    found running, by ``running`` (its pid file)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        exited = started.poll() is not None if started is not None else not running()
+        if exited:
+            return "exited"
+        if ready():
+            return "ready"
+        time.sleep(poll_s)
+    return "timeout"
+
+
+@contextlib.contextmanager
+def stopped_on_failure(
+    started: subprocess.Popen[bytes] | None, pid_file: Path, timeout_s: float
+) -> Iterator[None]:
+    """If the block fails, stop the process this program ``started`` (None: it found one
+    running, which it leaves alone) and forget its pid file: nothing half-started stays."""
+    try:
+        yield
+    except BaseException:
+        if started is not None:
+            stop(started.pid, timeout_s, started)
+            pid_file.unlink(missing_ok=True)
+        raise
 
 
 def stop(pid: int, timeout_s: float, started: subprocess.Popen[bytes] | None = None) -> None:

@@ -55,3 +55,18 @@ def test_port_taken() -> None:
         port = sock.getsockname()[1]
         assert process.port_taken("127.0.0.1", port)
     assert not process.port_taken("127.0.0.1", port)
+
+
+def test_a_start_that_never_gets_ready_is_stopped(tmp_path: Path) -> None:
+    proc = process.start_detached([sys.executable, "-c", "import time; time.sleep(60)"],
+                                  tmp_path / "child.log", tmp_path)
+    pid_file = tmp_path / "child.pid"
+    pid_file.write_text(f"{proc.pid}\n")
+    try:
+        with process.stopped_on_failure(proc, pid_file, 5.0):
+            outcome = process.wait_ready(proc, lambda: True, lambda: False, 0.3, 0.05)
+            assert outcome == "timeout"
+            raise RuntimeError("did not answer")
+    except RuntimeError:
+        pass
+    assert proc.returncode is not None and not pid_file.exists()

@@ -10,7 +10,6 @@ pid file per child under ``<home>/stack/`` instead, and ``llmq down`` stops them
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -279,15 +278,13 @@ def stop_detached(settings: Settings, grace_s: float = 20.0) -> list[str]:
     others = [p for n, p in reversed(alive.items()) if not n.startswith("worker-")]
     for stage in (workers, others):
         for pid in stage:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
+            process.send(pid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         while any(process.alive(pid) for pid in stage) and time.monotonic() < deadline:
             time.sleep(0.1)
         for pid in stage:
             if process.alive(pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+                process.send(pid, signal.SIGKILL)
     path.unlink(missing_ok=True)
     return list(alive)
 

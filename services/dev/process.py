@@ -104,18 +104,19 @@ def stopped_on_failure(
 def stop(pid: int, timeout_s: float, started: subprocess.Popen[bytes] | None = None) -> None:
     """SIGTERM ``pid``, SIGKILL it after ``timeout_s``; reap ``started`` (its Popen, when
     this process started it) so no zombie is left behind."""
-    _signal(pid, signal.SIGTERM)
+    send(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and alive(pid):
         time.sleep(0.1)
     if alive(pid):
-        _signal(pid, signal.SIGKILL)
+        send(pid, signal.SIGKILL)
         while alive(pid):
             time.sleep(0.1)
     if started is not None:
         started.wait()
 
 
-def _signal(pid: int, sig: signal.Signals) -> None:
+def send(pid: int, sig: signal.Signals) -> None:
+    """``kill(pid, sig)``; a process that already exited is not an error."""
     with contextlib.suppress(ProcessLookupError):  # it exited on its own meanwhile
         os.kill(pid, sig)

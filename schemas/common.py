@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import Final, Literal
 
 #: 2: ``Assignment.engine_priority`` (readers of 1 refuse it; 2 reads 1's messages).
-SCHEMA_VERSION: Final = 2
+#: 3: ``Assignment.worker_started_at`` (readers of 2 refuse it; 3 reads 1's and 2's).
+SCHEMA_VERSION: Final = 3
 
 Priority = Literal["high", "normal", "low"]
 PRIORITIES: Final[tuple[Priority, ...]] = ("high", "normal", "low")

@@ -75,6 +75,7 @@ def example_assignment() -> Assignment:
         deadline=T0 + 30.0,
         assigned_at=T0 + 0.012,
         engine_priority=0,
+        worker_started_at=T0 - 3600.0,
     )
 
 

@@ -228,6 +228,13 @@ class Assignment(WireMessage):
         "priority (vLLM's, lower first): class first, short before long. None: the "
         "admitted class.",
     )
+    worker_started_at: Timestamp | None = Field(
+        default=None,
+        description="started_at of the worker process the placement was made on (from its "
+        "heartbeat). A restarted worker drops assignments stamped for an earlier process: "
+        "the scheduler requeues that work, or ends it worker_lost, once it sees the new "
+        "process's heartbeat. Null: whichever process holds the slot runs it.",
+    )
 
     @property
     def request(self) -> InferenceRequest:

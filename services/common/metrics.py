@@ -70,6 +70,11 @@ REQUEUES: Final = Counter(
 WORKER_LOSSES: Final = Counter(
     "llmq_worker_losses_total", "Workers declared dead (stale heartbeat).", registry=REGISTRY,
 )
+WORKER_RESTARTS: Final = Counter(
+    "llmq_worker_restarts_total",
+    "Workers seen restarted while work placed on their earlier process was active.",
+    registry=REGISTRY,
+)
 RESERVED_KV: Final = Gauge(
     "llmq_reserved_kv_tokens", "KV tokens reserved on a worker by the scheduler.", ["worker"],
     registry=REGISTRY,

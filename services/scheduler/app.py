@@ -300,6 +300,9 @@ class Scheduler:
         m.tick(result)
         for worker_id in result.lost_workers:
             _log.warning("scheduler: worker %s is dead (stale heartbeat)", worker_id)
+        for worker_id in result.restarted_workers:
+            _log.warning("scheduler: worker %s restarted; the work placed on its earlier "
+                         "process is requeued (or ended worker_lost if it streamed)", worker_id)
         self.outbox.submit(result.effects)
         await self._flush()
         await self._apply_pauses()

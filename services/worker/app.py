@@ -14,8 +14,10 @@ explains the lock). Its tasks:
 - **commit**: commits the offset below which every assignment is finished (terminal
   acknowledged, or dropped), with the finished offsets above it in the commit metadata
   (``core.offsets``): at-least-once, with as little redo after a restart as possible —
-  and none of what the scheduler already ended while the slot was down
-  (:mod:`services.worker.replay`).
+  and none of what was placed on an earlier process of this worker: an assignment stamped
+  with another ``worker_started_at`` is dropped (the scheduler requeues or ends that work
+  when it sees this process's heartbeat), and an unstamped one the scheduler already ended
+  while the slot was down is dropped too (:mod:`services.worker.replay`).
 
 Observability (:class:`~services.worker.metrics.WorkerMetrics`): capacity from each
 heartbeat, tokens, TTFT, end-to-end latency and terminal outcomes per request. Each run is
@@ -376,6 +378,11 @@ class Worker:
         if a.worker_id != self.id.worker_id:
             _log.warning("slot %d: assignment of %s#%d is for worker %s, not us: dropped",
                          self.id.slot, rid, attempt, a.worker_id)
+            return "finished"
+        if a.worker_started_at is not None and a.worker_started_at != self.started_at:
+            _log.info("slot %d: %s#%d was placed on an earlier process of this worker "
+                      "(started %.3f): the scheduler requeues or ends it; dropped",
+                      self.id.slot, rid, attempt, a.worker_started_at)
             return "finished"
         if (rid, attempt) in self._ended_elsewhere:
             _log.info("slot %d: %s#%d already ended (worker_lost or requeued) while this slot "

@@ -8,13 +8,20 @@ for one that streamed (a terminal event), a new attempt for one that had not (an
 assignment with a higher attempt). Running them again would give the client a second
 terminal for the same attempt, and use KV the scheduler has given to others.
 
-So, before it consumes, a worker with records to replay reads them (its partition from the
-committed offset to the end), then reads ``llmq.events`` and ``llmq.assignments`` to their
-current end, and returns the replayed ``(request_id, attempt)`` pairs that already ended or
-were superseded; the worker drops those. Only the replayed request ids are kept, so memory
-is bounded by the replay, not by the topics. A worker that restarts before the scheduler
-noticed (its new heartbeat arrives in time) finds nothing and runs them, which is then the
-only run.
+Fencing settles this for every assignment a current scheduler writes: each is stamped with
+the ``started_at`` of the worker process it was placed on, a new process drops those
+stamped for another, and the scheduler, once it sees the new process's heartbeat, requeues
+or ends whatever was placed on the old one (``services.scheduler.core.recovery``) — one
+terminal whatever the timing. What follows is for unstamped assignments (written by a
+scheduler from before the stamp), where only timing separated the two outcomes.
+
+So, before it consumes, a worker with unstamped records to replay reads them (its
+partition from the committed offset to the end), then reads ``llmq.events`` and
+``llmq.assignments`` to their current end, and returns the replayed ``(request_id,
+attempt)`` pairs that already ended or were superseded; the worker drops those. Only the
+replayed request ids are kept, so memory is bounded by the replay, not by the topics. A
+worker that restarts before the scheduler noticed (its new heartbeat arrives in time) finds
+nothing and runs them, which is then the only run.
 """
 
 from __future__ import annotations
@@ -72,7 +79,8 @@ async def _replayed(
                     a = decode(record.value, ASSIGNMENT_ADAPTER)
                 except SchemaError:
                     continue  # the consume loop dead-letters it
-                found.append((a.request_id, a.attempt))
+                if a.worker_started_at is None:  # stamped ones are fenced (module doc)
+                    found.append((a.request_id, a.attempt))
         return found
     finally:
         await consumer.stop()

@@ -185,7 +185,8 @@ class FakeScheduler:
     # ---- playing the scheduler ---------------------------------------------------------
     def assignment(self, request_id: str, *, worker_id: str, slot: int, max_tokens: int = 20,
                    attempt: int = 1, timeout_s: float = 30.0, prompt_tokens: int = 50,
-                   created_at: float | None = None, tenant: str = TENANT) -> Assignment:
+                   created_at: float | None = None, tenant: str = TENANT,
+                   worker_started_at: float | None = None) -> Assignment:
         now = time.time() if created_at is None else created_at
         request = make_prompt_request("hello", request_id=request_id, tenant=tenant,
                                       model=MODEL, max_tokens=max_tokens, timeout_s=timeout_s,
@@ -194,7 +195,8 @@ class FakeScheduler:
                                  prompt_tokens=prompt_tokens, admitted_at=now, lane="short")
         return make_assignment(admitted=admitted, worker_id=worker_id, partition=slot,
                                attempt=attempt, kv_tokens=prompt_tokens + max_tokens,
-                               deadline=now + timeout_s, assigned_at=now)
+                               deadline=now + timeout_s, assigned_at=now,
+                               worker_started_at=worker_started_at)
 
     async def send(self, a: Assignment) -> None:
         await self._producer.send_and_wait(self.topics.assignments, encode(a),

@@ -21,14 +21,16 @@ from pathlib import Path
 
 import httpx
 import pytest
+from aiokafka import TopicPartition
 
 from llmq.client import LlmqClient
 from schemas.codec import decode
-from schemas.messages import STATUS_ADAPTER
+from schemas.messages import REPLY_ADAPTER, STATUS_ADAPTER
 from schemas.replies import Done, Error, TokenChunk
 from schemas.status import QueueStatus
-from schemas.topics import catalog
+from schemas.topics import catalog, reply_spec
 from services.common.kafka import make_consumer
+from services.common.replies import topic_partitions
 from services.common.settings import Settings
 from services.stack import ServiceSpec, Stack, settings_env, stack_services
 from tests.fakes.live_stack import loopback_config, wait_stack_ready
@@ -268,6 +270,58 @@ async def test_scheduler_kill9_loses_no_accepted_request(live: LiveStack) -> Non
         results = [await h.wait() for h in [*handles, *more]]
     ends = [end for _, end in results]
     assert all(isinstance(e, Done) for e in ends), [e for e in ends if not isinstance(e, Done)]
+    await _wait_reservations_zero(live, timeout_s=40)
+
+
+async def _terminals_on_reply_topic(live: LiveStack, request_ids: set[str]) -> dict[str, int]:
+    """Terminal replies (done or error, any attempt) per request id, read from the start of
+    the default tenant's reply topic to its end."""
+    topic = reply_spec(live.prefix, "default").name
+    tps = [TopicPartition(topic, p) for p in await topic_partitions(live.bootstrap, topic)]
+    consumer = make_consumer(live.bootstrap)
+    await consumer.start()
+    try:
+        consumer.assign(tps)
+        ends = await consumer.end_offsets(tps)
+        await consumer.seek_to_beginning(*tps)
+        counts = dict.fromkeys(request_ids, 0)
+        while [tp for tp in tps if await consumer.position(tp) < ends[tp]]:
+            for records in (await consumer.getmany(timeout_ms=500)).values():
+                for record in records:
+                    reply = decode(record.value, REPLY_ADAPTER)
+                    if reply.request_id in counts and isinstance(reply, Done | Error):
+                        counts[reply.request_id] += 1
+        return counts
+    finally:
+        await consumer.stop()
+
+
+async def test_worker_kill9_and_immediate_restart_end_each_request_once(
+    live: LiveStack,
+) -> None:
+    """A worker killed mid-stream and restarted at once (same id, same slot): its
+    uncommitted assignments are read again by the new process, which drops them (stamped
+    for the old process); the scheduler requeues what had not streamed and ends what had
+    with worker_lost. Every request ends, and with exactly one terminal reply."""
+    async with LlmqClient(live.bootstrap, prefix=live.prefix, default_model=MODEL) as client:
+        # Long lane (> 2,000 tokens): the long-pool worker, ~2 s each at 20x.
+        handles = [
+            await client.submit(prompt=f"restart {i}", max_tokens=6_000, timeout_s=120)
+            for i in range(8)
+        ]
+        await asyncio.sleep(1.0)  # streaming by now
+        victim = live.proc("worker-2")
+        victim.send_signal(signal.SIGKILL)
+        await asyncio.to_thread(victim.wait, 10)
+        live.restart("worker-2")
+        results = [await h.wait() for h in handles]
+    ends = {h.request_id: end for h, (_, end) in zip(handles, results, strict=True)}
+    assert all(isinstance(e, Done) or (isinstance(e, Error) and e.code == "worker_lost")
+               for e in ends.values()), ends
+    assert any(isinstance(e, Error) or e.attempt > 1 for e in ends.values())  # it hit work
+    await asyncio.sleep(2.0)  # room for a second terminal, were one coming
+    counts = await _terminals_on_reply_topic(live, set(ends))
+    assert set(counts.values()) == {1}, counts
     await _wait_reservations_zero(live, timeout_s=40)
 
 

@@ -371,3 +371,32 @@ async def test_a_restarted_worker_drops_what_the_scheduler_ended_while_it_was_do
     assert scheduler.terminals_of("streamed") == [] and scheduler.terminals_of("moved") == []
     started = {e.request_id for e in scheduler.seen.events if e.kind == "event.started"}
     assert started == {"pending"}
+
+
+async def test_a_worker_drops_assignments_stamped_for_another_process_of_itself(
+    scheduler: FakeScheduler, spawn: Callable[..., WorkerProcess]
+) -> None:
+    """Fencing: the slot holds two uncommitted assignments stamped for an earlier process
+    of this worker (it died; the scheduler requeues or ends their work when it sees the new
+    process's heartbeat) and one unstamped (an older scheduler's: the replay check finds it
+    not ended, so it runs). After start, one stamped for this process runs, and a late one
+    stamped for the old process (placed on a stale view) is dropped too: no run, no
+    terminal, no event for any of the old process's work, whatever the timing."""
+    old = time.time() - 50.0
+    for rid in ("old-a", "old-b"):
+        await scheduler.send(scheduler.assignment(rid, worker_id=WID, slot=SLOT,
+                                                  worker_started_at=old))
+    await scheduler.send(scheduler.assignment("legacy", worker_id=WID, slot=SLOT))
+    spawn()
+    hb = await scheduler.heartbeat(WID)
+    await scheduler.send(scheduler.assignment("current", worker_id=WID, slot=SLOT,
+                                              worker_started_at=hb.started_at))
+    await scheduler.send(scheduler.assignment("stray", worker_id=WID, slot=SLOT,
+                                              worker_started_at=old))
+    await scheduler.send(scheduler.assignment("marker", worker_id=WID, slot=SLOT,
+                                              worker_started_at=hb.started_at))
+    for rid in ("legacy", "current", "marker"):
+        assert isinstance(await scheduler.terminal(rid), Done)
+    await asyncio.sleep(1.0)  # what would have come for the others by now
+    for rid in ("old-a", "old-b", "stray"):
+        assert scheduler.terminals_of(rid) == [] and scheduler.events_of(rid) == []

@@ -24,3 +24,19 @@ def test_requeue_lost_releases_and_splits_by_streamed() -> None:
     assert ledger.reservations("dead") == () and ledger.reserved_kv("alive") == 1_024
     assert ledger.holder("dead") is None
     assert requeue_lost(ledger, "dead", streamed=set()) == []  # idempotent
+
+
+def test_requeue_lost_of_a_restarted_worker_releases_only_the_named_work() -> None:
+    ledger = Ledger()
+    worker = make_worker("w")
+    for rid in ("old-quiet", "old-talking", "new"):
+        ledger.reserve(worker, make_request(rid, attempt=1))
+    ledger.hold("w", "someone")
+    decisions = requeue_lost(ledger, "w", streamed={"old-talking"},
+                             only=[("old-quiet", 1), ("old-talking", 1), ("unknown", 1)])
+    assert [type(d) for d in decisions] == [Requeue, Reject]
+    assert isinstance(decisions[0], Requeue) and decisions[0].reason == "w restarted"
+    assert decisions[0].request.attempt == 2
+    assert isinstance(decisions[1], Reject) and "restarted" in decisions[1].reason
+    assert [r.request.request_id for r in ledger.reservations("w")] == ["new"]
+    assert ledger.holder("w") == "someone"  # the worker lives on: its hold stays

@@ -235,6 +235,99 @@ def test_only_the_replica_that_handles_losses_acts_on_one() -> None:
     assert other.reserved_kv("w0") == 0 and other.reserved_kv("w1") > 0
 
 
+def _first_token(a: Assignment, worker: str) -> EventFirstToken:
+    return EventFirstToken(request_id=a.request_id, tenant="acme", attempt=a.attempt,
+                           worker_id=worker, ts=T + 1, ttft_s=0.1)
+
+
+def test_assignments_are_stamped_with_the_worker_process_they_were_placed_on() -> None:
+    state = ready_state(("w0", 0))
+    state.on_request(admitted("r1"), ("tp", 0), T)
+    ((_, a),) = assignments(state.tick(T).effects)
+    assert a.worker_started_at == T - 100  # the heartbeat's started_at
+
+
+def test_a_restarted_worker_loses_only_its_earlier_processs_work() -> None:
+    """w0 restarts between two beats (no stale gap): the new process drops the assignments
+    stamped for the old one, so the scheduler must end them itself at once — requeue the
+    quiet one (placed again, on the new process), worker_lost for the one that streamed —
+    and leave what it placed on the new process alone."""
+    state = ready_state(("w0", 0))
+    state.on_request(admitted("quiet"), ("tp", 0), T)
+    state.on_request(admitted("chatty"), ("tp", 1), T)
+    placed = {a.request_id: a for _, a in assignments(state.tick(T).effects)}
+    state.observe_event(started(placed["chatty"], "w0"))
+    state.observe_event(_first_token(placed["chatty"], "w0"))
+    state.observe_heartbeat(beat("w0", 0, ts=T + 1, started_at=T + 0.5, seq=0))
+    state.on_request(admitted("fresh"), ("tp", 2), T + 1)
+    result = state.tick(T + 1)
+    assert result.lost_workers == [] and result.restarted_workers == ["w0"]
+    assert result.requeued == 1
+    again = {a.request_id: a for _, a in assignments(result.effects)}
+    assert (again["quiet"].attempt, again["quiet"].worker_started_at) == (2, T + 0.5)
+    assert again["fresh"].worker_started_at == T + 0.5
+    (error,) = replies(result.effects)
+    assert (error.request_id, error.code, error.attempt) == ("chatty", "worker_lost", 1)
+    assert "restarted" in error.message
+    # Only the two new attempts hold KV now; the next beat of the same process changes
+    # nothing.
+    assert state.reserved_kv("w0") == again["quiet"].kv_tokens + again["fresh"].kv_tokens
+    state.observe_heartbeat(beat("w0", 0, ts=T + 2, started_at=T + 0.5, seq=1))
+    later = state.tick(T + 2)
+    assert (later.restarted_workers, later.requeued, later.effects) == ([], 0, [])
+
+
+def test_a_restarted_scheduler_ends_work_stamped_for_a_replaced_process() -> None:
+    """After a scheduler restart the compacted heartbeats hold only the new process's beat;
+    the log still holds an assignment stamped for the old one. Whatever order the two are
+    read in, the first cycle requeues it."""
+    before = ready_state(("w0", 0))
+    before.on_request(admitted("r1"), ("tp", 0), T)
+    ((_, a),) = assignments(before.tick(T).effects)
+    for heartbeat_first in (True, False):
+        after = new_state()
+        new_beat = beat("w0", 0, ts=T + 3, started_at=T + 2, seq=0)
+        if heartbeat_first:
+            after.observe_heartbeat(new_beat)
+            after.observe_assignment(a)
+        else:
+            after.observe_assignment(a)
+            after.observe_heartbeat(new_beat)
+        after.restore()
+        after.on_request(admitted("r1"), ("tp", 0), T)  # redelivered: acked, skipped
+        result = after.tick(T + 3)
+        assert result.restarted_workers == ["w0"] and result.requeued == 1
+        ((_, again),) = assignments(result.effects)
+        assert (again.request_id, again.attempt, again.worker_started_at) == ("r1", 2, T + 2)
+
+
+def test_an_unstamped_assignment_is_not_fenced() -> None:
+    """Assignments written before the stamp existed (None) are left to the heartbeat rule
+    and the worker's replay check, as before."""
+    state = ready_state(("w0", 0))
+    state.on_request(admitted("r1"), ("tp", 0), T)
+    ((_, a),) = assignments(state.tick(T).effects)
+    other = new_state()
+    other.observe_heartbeat(beat("w0", 0))
+    other.observe_assignment(a.evolve(worker_started_at=None))
+    other.restore()
+    other.observe_heartbeat(beat("w0", 0, ts=T + 1, started_at=T + 0.5, seq=0))
+    result = other.tick(T + 1)
+    assert (result.restarted_workers, result.requeued) == ([], 0)
+    assert other.log.status("r1") == "active"
+
+
+def test_a_replica_that_does_not_handle_losses_acts_on_a_restart_once_it_does() -> None:
+    state = ready_state(("w0", 0))
+    state.on_request(admitted("r1"), ("tp", 0), T)
+    assignments(state.tick(T).effects)
+    state.observe_heartbeat(beat("w0", 0, ts=T + 1, started_at=T + 0.5, seq=0))
+    idle = state.tick(T + 1, handle_losses=False)
+    assert (idle.restarted_workers, idle.requeued) == ([], 0)
+    acted = state.tick(T + 1.5, handle_losses=True)  # it became the leader
+    assert (acted.restarted_workers, acted.requeued) == (["w0"], 1)
+
+
 def test_queue_deadline_ends_with_queue_timeout_from_the_scheduler() -> None:
     state = ready_state()
     state.on_request(admitted("late", timeout_s=2.0), ("tp", 0), T)

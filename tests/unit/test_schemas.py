@@ -161,6 +161,26 @@ def test_a_version_1_assignment_still_decodes() -> None:
     assert (msg.schema_version, msg.engine_priority) == (1, None)
 
 
+def test_a_version_2_assignment_still_decodes_unstamped() -> None:
+    """Schema 3 added ``worker_started_at``; a version-2 assignment (without it) still
+    reads, unstamped: whichever process holds the slot runs it."""
+    raw = json.loads((SAMPLES / "assignment.json").read_bytes())
+    del raw["worker_started_at"]
+    raw["schema_version"] = 2
+    msg = decode(json.dumps(raw).encode(), ANY_ADAPTER)
+    assert isinstance(msg, Assignment)
+    assert (msg.schema_version, msg.worker_started_at) == (2, None)
+
+
+def test_worker_started_at_round_trips_exactly() -> None:
+    """The worker compares the stamp with its own start time for equality, so the float
+    must survive encode/decode bit for bit."""
+    for started in (1764412345.123456, 1764412345.1234567, 0.1 + 0.2, 1e9 / 3):
+        a = example_assignment().evolve(worker_started_at=started)
+        back = decode(encode(a), ANY_ADAPTER)
+        assert isinstance(back, Assignment) and back.worker_started_at == started
+
+
 # --- model rules (STYLE.md §7) --------------------------------------------------------------
 
 

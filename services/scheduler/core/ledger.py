@@ -347,6 +347,16 @@ class Ledger:
         self.affinity.forget_worker(worker_id)
         return held
 
+    def drop(self, keys: Collection[ReservationKey]) -> list[Reservation]:
+        """Release the reservations ``keys`` (unknown ones are skipped); returns them."""
+        dropped = []
+        for key in keys:
+            worker_id = self._where.get(key)
+            if worker_id is not None:
+                dropped.append(self._books[worker_id].entries[key])
+                self.release(*key)
+        return dropped
+
     def lane_count(self, worker_id: str, lane: str) -> int:
         """Reservations of ``lane`` on ``worker_id`` (bounds cross-pool spill, see cycle)."""
         book = self._books.get(worker_id)

@@ -5,6 +5,10 @@ requests that streamed no token are requeued at attempt + 1 with their original 
 and ``enqueued_at`` (so they keep their place in line); those that streamed tokens end with
 ``worker_lost`` — the client saw partial output, so only the client may retry. Either way
 the worker's reservations are released and its hold and affinity entries forgotten.
+
+A worker that restarted (a heartbeat from a newer process on the same id) is alive, but the
+work placed on its earlier process is as lost as a dead worker's: the new process drops
+those assignments (``Assignment.worker_started_at``). Only that work gets the fates above.
 """
 
 from __future__ import annotations
@@ -13,27 +17,38 @@ from collections.abc import Collection
 from dataclasses import replace
 
 from services.scheduler.core.ledger import Ledger
-from services.scheduler.core.types import Reject, Requeue
+from services.scheduler.core.types import Reject, Requeue, ReservationKey
 
 
 def requeue_lost(
-    ledger: Ledger, worker_id: str, streamed: Collection[str]
+    ledger: Ledger,
+    worker_id: str,
+    streamed: Collection[str],
+    only: Collection[ReservationKey] | None = None,
 ) -> list[Requeue | Reject]:
     """Release ``worker_id``'s reservations and decide each request's fate.
 
     ``streamed`` holds the request ids for which at least one token reached the reply
     topic. The caller pushes each ``Requeue.request`` back with ``pending.push(request,
     force=True)`` and publishes each ``Reject`` as the request's terminal error.
+
+    ``only``: the worker restarted rather than died — just these reservations (the work
+    placed on its earlier process, which the new one will not run) are lost; the worker,
+    its hold and its affinity entries stay.
     """
+    if only is None:
+        lost, cause = ledger.drop_worker(worker_id), "lost"
+    else:
+        lost, cause = ledger.drop(only), "restarted"
     decisions: list[Requeue | Reject] = []
-    for reservation in ledger.drop_worker(worker_id):
+    for reservation in lost:
         request = reservation.request
         if request.request_id in streamed:
             decisions.append(
-                Reject(request.request_id, "worker_lost", f"{worker_id} lost mid-stream")
+                Reject(request.request_id, "worker_lost", f"{worker_id} {cause} mid-stream")
             )
         else:
             decisions.append(
-                Requeue(replace(request, attempt=request.attempt + 1), f"{worker_id} lost")
+                Requeue(replace(request, attempt=request.attempt + 1), f"{worker_id} {cause}")
             )
     return decisions

@@ -95,11 +95,13 @@ def restored_request(assignment: Assignment) -> QueuedRequest:
 
 
 def assignment(
-    admitted: AdmittedRequest, placement: Placement, now: float, *, engine_priority: int | None
+    admitted: AdmittedRequest, placement: Placement, now: float, *, engine_priority: int | None,
+    worker_started_at: float | None = None,
 ) -> Assignment:
     """The Assignment for ``placement``: the admitted request verbatim, on the worker's
-    partition, with the reservation, the end-to-end deadline and the class the request has
-    aged into (``PendingQueue.engine_priority``), which the worker gives its engine."""
+    partition, with the reservation, the end-to-end deadline, the class the request has
+    aged into (``PendingQueue.engine_priority``), which the worker gives its engine, and the
+    worker process it was placed on (its heartbeat's ``started_at``)."""
     return Assignment(
         admitted=admitted,
         worker_id=placement.worker_id,
@@ -109,6 +111,7 @@ def assignment(
         deadline=deadline_of(admitted),
         assigned_at=now,
         engine_priority=engine_priority,
+        worker_started_at=worker_started_at,
     )
 
 

@@ -47,6 +47,8 @@ class SchedulerMetrics:
             m.REQUEUES.inc(result.requeued)
         if result.lost_workers:
             m.WORKER_LOSSES.inc(len(result.lost_workers))
+        if result.restarted_workers:
+            m.WORKER_RESTARTS.inc(len(result.restarted_workers))
 
     def ended(self, totals: Mapping[ErrorCode, int]) -> None:
         """The cumulative count of terminals the scheduler sent, by code: adds what is new

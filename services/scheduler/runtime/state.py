@@ -190,6 +190,8 @@ class TickResult:
     placements: tuple[Placed, ...] = ()
     #: Class heads deferred this cycle, by :func:`defer_reason` label.
     deferred: Mapping[str, int] = field(default_factory=dict)
+    #: Live workers seen restarted, whose earlier process's work was requeued or ended.
+    restarted_workers: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -234,12 +236,19 @@ class SchedulerState:
         #: True once the ledger was rebuilt from the log (:meth:`restore`).
         self.restored = False
         self._tracked: dict[str, _Tracked] = {}
+        # Workers whose heartbeat showed a new process since the last loss check: work
+        # stamped for an earlier process (Assignment.worker_started_at) is lost (tick).
+        self._restarted: set[str] = set()
         self._pending_models: dict[str, list[int]] = {}  # model -> [requests, tokens]
 
     # -- fleet ------------------------------------------------------------------------
 
     def observe_heartbeat(self, hb: WorkerHeartbeat) -> bool:
-        return self.fleet.observe(hb)
+        old = self.fleet.get(hb.worker_id)
+        changed = self.fleet.observe(hb)
+        if changed and (old is None or old.started_at != hb.started_at):
+            self._restarted.add(hb.worker_id)  # work placed on its earlier process is lost
+        return changed
 
     def forget_worker(self, worker_id: str) -> bool:
         return self.fleet.forget(worker_id)
@@ -251,6 +260,10 @@ class SchedulerState:
         the trace headers it carried."""
         if not self.log.observe_assignment(record):
             return []
+        hb = self.fleet.get(record.worker_id)
+        if hb is not None and record.worker_started_at is not None \
+                and record.worker_started_at < hb.started_at:
+            self._restarted.add(record.worker_id)  # placed on a process since replaced
         if trace:
             self._active_trace[record.request_id] = trace
         effects: list[Effect] = []
@@ -381,6 +394,13 @@ class SchedulerState:
             fates, count = self._lose_worker(worker_id, now)
             effects.extend(fates)
             requeued += count
+        restarted: list[str] = []
+        if handle_losses:
+            for worker_id, records in self._replaced_work():
+                fates, count = self._lose_worker(worker_id, now, records)
+                effects.extend(fates)
+                requeued += count
+                restarted.append(worker_id)
         snapshot = self.fleet.snapshot(now)
         started = time.perf_counter()
         decisions = schedule(
@@ -412,7 +432,7 @@ class SchedulerState:
         self.drain.waiting(now, [m for m, (n, _) in self._pending_models.items() if n > 0])
         more = self.config.max_placements is not None and placed_n >= self.config.max_placements
         return TickResult(effects, placed_n, rejected, requeued, lost, schedule_s, more,
-                          tuple(placements), deferred)
+                          tuple(placements), deferred, restarted)
 
     def statuses(self, now: float) -> list[QueueStatus]:
         """``QueueStatus`` per model: queued demand, reserved KV, drain rate, live fleet."""
@@ -476,8 +496,10 @@ class SchedulerState:
     def _placed(self, placement: Placement, now: float, schedule_s: float) -> tuple[Effect, Placed]:
         request = placement.request
         tracked = self._untrack(request.request_id)
+        hb = self.fleet.get(placement.worker_id)
         record = assignment(tracked.admitted, placement, now,
-                            engine_priority=self.pending.engine_priority(request, now))
+                            engine_priority=self.pending.engine_priority(request, now),
+                            worker_started_at=None if hb is None else hb.started_at)
         self.log.observe_assignment(record)
         trace = tracked.trace
         if self.spans.active:
@@ -512,16 +534,35 @@ class SchedulerState:
             trace=trace,
         )
 
-    def _lose_worker(self, worker_id: str, now: float) -> tuple[list[Effect], int]:
-        """The core decides each held request's fate; this records and publishes it."""
-        held = {a.request_id: a for a in self.log.active_on(worker_id)}
+    def _replaced_work(self) -> list[tuple[str, list[Assignment]]]:
+        """Per restarted worker, its active assignments stamped for an earlier process."""
+        found = []
+        for worker_id in self._restarted:
+            hb = self.fleet.get(worker_id)
+            records = [] if hb is None else [
+                a for a in self.log.active_on(worker_id)
+                if a.worker_started_at is not None and a.worker_started_at < hb.started_at
+            ]
+            if records:
+                found.append((worker_id, records))
+        self._restarted.clear()
+        return found
+
+    def _lose_worker(
+        self, worker_id: str, now: float, records: list[Assignment] | None = None
+    ) -> tuple[list[Effect], int]:
+        """The core decides each held request's fate; this records and publishes it.
+        ``records``: the worker restarted, and only these (its earlier process's) are lost."""
+        held = {a.request_id: a for a in
+                (self.log.active_on(worker_id) if records is None else records)}
         for record in held.values():
             if self.ledger.worker_of(record.request_id, record.attempt) is None:
                 self._book(record)  # keeps "every active assignment is booked" true
         streamed = {rid for rid, a in held.items() if self.log.streamed(rid, a.attempt)}
+        only = None if records is None else [(a.request_id, a.attempt) for a in records]
         effects: list[Effect] = []
         requeued = 0
-        for fate in requeue_lost(self.ledger, worker_id, streamed):
+        for fate in requeue_lost(self.ledger, worker_id, streamed, only):
             if isinstance(fate, Requeue):
                 record = held[fate.request.request_id]
                 self.log.mark_lost(record.request_id, record.attempt)

@@ -11,6 +11,9 @@ Settings that matter on a single dev broker and in tests (documented, not magic)
 - ``store="memory://"``: tables live in memory and are rebuilt from their changelog topics
   at start, so what a table holds (token buckets, concurrency) survives a restart.
 - ``topic_allow_declare=True``: topics are declared by the app that owns them (idempotent).
+- ``TableManager``: faust's, with the end-of-recovery race closed (records fetched while
+  recovery seeks the streams were cleared from the agents' queues and never processed):
+  see :mod:`services.common.faust_recovery`.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 
 import faust
 
+from services.common.faust_recovery import TableManager
 from services.common.kafka import MAX_RECORD_BYTES, TopicRequest
 from services.common.settings import Settings
 
@@ -46,6 +50,7 @@ def make_app(name: str, settings: Settings, **overrides: Any) -> faust.App:
         "producer_linger": 0.002,
         "datadir": str(settings.home / "faust" / name),
         "table_cleanup_interval": 30.0,
+        "TableManager": TableManager,
     }
     options.update(overrides)
     Path(options["datadir"]).parent.mkdir(parents=True, exist_ok=True)

@@ -273,6 +273,29 @@ async def test_scheduler_kill9_loses_no_accepted_request(live: LiveStack) -> Non
     await _wait_reservations_zero(live, timeout_s=40)
 
 
+async def test_ingest_kill9_mid_burst_loses_no_kafka_request(live: LiveStack) -> None:
+    """Requests produced straight to the intake topic while ingest is killed -9 and
+    restarted 0.5 s later: the restarted ingest admits every one (its Faust recovery seeks
+    back to the committed offsets; records fetched meanwhile were once cleared unprocessed,
+    faust-streaming#596, see services.common.faust_recovery) and each gets its terminal."""
+    async with LlmqClient(live.bootstrap, prefix=live.prefix, default_model=MODEL) as client:
+        handles = []
+        for i in range(160):
+            if i == 60:
+                ingest = live.proc("ingest")
+                ingest.send_signal(signal.SIGKILL)
+                await asyncio.to_thread(ingest.wait, 10)
+            if i == 75:  # 0.5 s later
+                live.restart("ingest")
+            handles.append(await client.submit(prompt=f"intake {i}", max_tokens=4,
+                                               timeout_s=120))
+            await asyncio.sleep(0.03)
+        results = [await h.wait() for h in handles]
+    assert all(isinstance(end, Done) for _, end in results), \
+        [end for _, end in results if not isinstance(end, Done)]
+    await asyncio.to_thread(live.wait_ready)  # the API is back for the tests after
+
+
 async def _terminals_on_reply_topic(live: LiveStack, request_ids: set[str]) -> dict[str, int]:
     """Terminal replies (done or error, any attempt) per request id, read from the start of
     the default tenant's reply topic to its end."""

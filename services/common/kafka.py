@@ -1,7 +1,9 @@
 """Kafka client factories and topic administration, one place for every service.
 
 Producers are idempotent with ``acks=all`` (DESIGN.md, "Semantics"): a decision's output is
-acknowledged by the broker before its input offset is committed.
+acknowledged by the broker before its input offset is committed. Importing this module makes
+every consumer in the process, Faust's included, read a record whose header key is not UTF-8
+instead of failing on it (:mod:`services.common.kafka_records`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPa
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError
 
+from services.common import kafka_records
+
 log = logging.getLogger(__name__)
+kafka_records.install()
 
 #: Records may be as large as a 1 MiB-character prompt once encoded (schemas.topics).
 MAX_RECORD_BYTES = 8 << 20

@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +25,7 @@ import pytest
 from aiokafka import TopicPartition
 
 from llmq.client import LlmqClient
-from schemas.codec import decode
+from schemas.codec import decode, encode
 from schemas.messages import REPLY_ADAPTER, STATUS_ADAPTER
 from schemas.replies import Done, Error, TokenChunk
 from schemas.status import QueueStatus
@@ -33,6 +34,7 @@ from services.common.kafka import make_consumer
 from services.common.replies import topic_partitions
 from services.common.settings import Settings
 from services.stack import ServiceSpec, Stack, settings_env, stack_services
+from tests.builders_schemas import make_prompt_request
 from tests.fakes.live_stack import loopback_config, wait_stack_ready
 from tests.prefixes import unique_prefix
 
@@ -317,6 +319,57 @@ async def _terminals_on_reply_topic(live: LiveStack, request_ids: set[str]) -> d
         return counts
     finally:
         await consumer.stop()
+
+
+#: Produces stdin's bytes to argv[1] (key argv[2]) with a header key that is not UTF-8,
+#: through aiokafka's pure-Python record builder (its C builder refuses such a key).
+_BAD_HEADER_PRODUCER = """
+import asyncio, os, sys
+from aiokafka import AIOKafkaProducer
+
+class RawKey(str):
+    def encode(self, *args, **kwargs):
+        return b"\\xff\\xfe"
+
+async def main():
+    producer = AIOKafkaProducer(bootstrap_servers=os.environ["BOOTSTRAP"])
+    await producer.start()
+    try:
+        await producer.send_and_wait(sys.argv[1], sys.stdin.buffer.read(),
+                                     key=sys.argv[2].encode(), headers=[(RawKey("x"), b"v")])
+    finally:
+        await producer.stop()
+
+asyncio.run(main())
+"""
+
+
+async def test_a_request_with_a_header_key_that_is_not_utf8_is_served(
+    live: LiveStack,
+) -> None:
+    """Kafka does not check header keys; aiokafka decodes them strictly and failed the whole
+    fetch, which crashed ingest's Faust fetcher (and again after every restart). Now the
+    record is read with U+FFFD in the key: the request is served like any other and ingest
+    keeps serving."""
+    request = make_prompt_request("odd header", request_id="odd-header-1", tenant="default",
+                                  model=MODEL, max_tokens=8, created_at=time.time(),
+                                  timeout_s=60.0, priority="normal", reply_to=None,
+                                  prefix_hash=None)
+    intake = next(s.name for s in catalog(live.prefix) if s.name.endswith(".intake"))
+    async with LlmqClient(live.bootstrap, prefix=live.prefix, default_model=MODEL):
+        pass  # creates the tenant's reply topic, as any Kafka client of llmq does
+    produced = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-c", _BAD_HEADER_PRODUCER, intake, "default"],
+        input=encode(request), capture_output=True, timeout=60,
+        env={**os.environ, "AIOKAFKA_NO_EXTENSIONS": "1", "BOOTSTRAP": live.bootstrap},
+    )
+    assert produced.returncode == 0, produced.stderr
+    deadline = time.monotonic() + 60
+    while (await _terminals_on_reply_topic(live, {"odd-header-1"}))["odd-header-1"] == 0:
+        assert time.monotonic() < deadline, "no terminal for the request"
+        await asyncio.sleep(0.5)
+    assert live.proc("ingest").poll() is None
+    assert _chat(live, "still there?").status_code == 200
 
 
 async def test_worker_kill9_and_immediate_restart_end_each_request_once(

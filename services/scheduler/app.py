@@ -93,6 +93,7 @@ from services.common.kafka import ensure_topics, make_producer
 from services.common.log_reader import LogReader
 from services.common.settings import Settings
 from services.scheduler import build_pipeline
+from services.scheduler.runtime.answered import answered
 from services.scheduler.runtime.flow import OrderedAcks, PauseLadder
 from services.scheduler.runtime.messages import Outgoing
 from services.scheduler.runtime.metrics import SchedulerMetrics
@@ -215,6 +216,8 @@ class Scheduler:
         self._barrier_needed = False
         self._producer: Any = None
         self._main_task: asyncio.Task[None] | None = None
+        # worker_lost endings being checked against their reply topics (runtime.answered)
+        self._checks: set[asyncio.Task[None]] = set()
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -239,6 +242,8 @@ class Scheduler:
         if self._main_task is not None:
             self._main_task.cancel()
             await asyncio.gather(self._main_task, return_exceptions=True)
+        if self._checks:  # the endings they hold would otherwise wait for the next scheduler
+            await asyncio.wait(self._checks, timeout=self.rt.scheduler.send_timeout_s)
         try:
             await asyncio.wait_for(self._flush(), self.rt.scheduler.send_timeout_s)
         except Exception:
@@ -303,7 +308,12 @@ class Scheduler:
         for worker_id in result.restarted_workers:
             _log.warning("scheduler: worker %s restarted; the work placed on its earlier "
                          "process is requeued (or ended worker_lost if it streamed)", worker_id)
-        self.outbox.submit(result.effects)
+        checked = [e for e in result.effects if e.unless_answered is not None]
+        self.outbox.submit([e for e in result.effects if e.unless_answered is None])
+        if checked:  # read in the background: the reply topics may take a while
+            task = asyncio.create_task(self._send_unless_answered(checked))
+            self._checks.add(task)
+            task.add_done_callback(self._checks.discard)
         await self._flush()
         await self._apply_pauses()
         m.set_depth(self.state.depth())
@@ -311,6 +321,34 @@ class Scheduler:
         m.ended(self.state.ended)
         if result.more:
             self.wake.set()
+
+    async def _send_unless_answered(self, effects: list[Effect]) -> None:
+        self.outbox.submit(await self._unless_answered(effects))
+        self.wake.set()  # the next cycle flushes them
+
+    async def _unless_answered(self, effects: list[Effect]) -> list[Effect]:
+        """``worker_lost`` endings whose attempt has a terminal reply already (its worker
+        died between that reply and its event, or a scheduler between its own reply and
+        event) keep only their terminal event (``runtime.answered``)."""
+        wanted = {(c[0], c[1]): (c[2], c[3], c[4])
+                  for c in (e.unless_answered for e in effects) if c is not None}
+        if not wanted:
+            return effects
+        try:
+            found = await answered(self.rt.settings.bootstrap, wanted,
+                                   self.rt.scheduler.send_timeout_s)
+        except Exception:
+            _log.warning("scheduler: could not check %d worker_lost ending(s) against their "
+                         "reply topics; sending them", len(wanted), exc_info=True)
+            return effects
+        for request_id, attempt in sorted(found):
+            _log.warning("scheduler: %s#%d was answered before its worker was lost (its "
+                         "terminal event is missing): no worker_lost reply", request_id, attempt)
+        return [
+            Effect(then=e.then, tickets=e.tickets)
+            if e.unless_answered is not None and e.unless_answered[:2] in found else e
+            for e in effects
+        ]
 
     def _publish_status(self, now: float) -> None:
         statuses = self.state.statuses(now)

@@ -150,18 +150,28 @@ def encode_claim(worker_id: str, started_at: float, holding: bool = False) -> by
 
 
 def _claim_rank(user_data: bytes | None) -> tuple[bool, float]:
-    """(not holding, start time): smaller keeps the slot; members without a claim last."""
+    """(not holding, start time): smaller keeps the slot; members without a claim last.
+
+    Two members can both claim to hold the slot only when one of them was expired from the
+    group (paused past the session timeout: a SIGSTOP, a VM freeze, a long GC) and the slot
+    was handed to a newer process meanwhile. The newer one keeps it: the paused one's work
+    is already being requeued or ended by the scheduler (worker fencing), and its
+    heartbeats, older by ``started_at``, are ignored by every fleet view — if it took the
+    slot back, the slot would be served by a worker nobody sees.
+    """
     try:
         claim = json.loads(user_data or b"")
         holding, started = bool(claim.get("holding", False)), float(claim["started_at"])
     except (ValueError, KeyError, TypeError, AttributeError):
         return True, math.inf
-    return not holding, started if math.isfinite(started) else math.inf
+    if not math.isfinite(started):
+        return not holding, math.inf
+    return not holding, -started if holding else started
 
 
 def pick_holder(claims: Mapping[str, bytes | None]) -> str:
-    """The member that gets the slot: its current holder, else the earliest started, then
-    the smallest member id."""
+    """The member that gets the slot: its current holder (the latest started of two, see
+    :func:`_claim_rank`), else the earliest started, then the smallest member id."""
     return min(claims, key=lambda member: (*_claim_rank(claims[member]), member))
 
 

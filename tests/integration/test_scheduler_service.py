@@ -60,7 +60,7 @@ from schemas.workers import (
 )
 from services.common.kafka import TopicRequest, ensure_topics, make_consumer, make_producer
 from services.common.replies import topic_partitions
-from tests.builders_schemas import make_admitted, make_heartbeat, make_request
+from tests.builders_schemas import make_admitted, make_done, make_heartbeat, make_request
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.timeout(90)]
 
@@ -628,6 +628,36 @@ async def test_lost_worker_requeues_unstarted_work_and_fails_streamed(cluster: C
     assert [(e.code, e.worker_id, e.attempt) for e in lost] == [("worker_lost", "fake-a", 1)]
     assert len(obs.assigned("chatty")) == 1
     assert "quiet" in b.holding()
+
+
+@pytest.mark.flaky(reruns=2)  # the same heartbeat-staleness wait as the test above
+async def test_a_lost_worker_that_had_answered_gets_no_second_terminal(
+    cluster: Cluster,
+) -> None:
+    """A worker sends an attempt's terminal reply, then its terminal event. Killed between
+    the two, it leaves a durable reply the scheduler never heard of: ending that attempt
+    worker_lost would give the client two terminals. The scheduler reads the reply topic
+    first: "answered" gets only its terminal event, "unanswered" its worker_lost reply."""
+    await cluster.start()
+    a = await cluster.worker("fake-a", 0, stream=True)
+    obs = cluster.observer
+    for rid in ("answered", "unanswered"):
+        await cluster.admit(rid)
+        await eventually(lambda rid=rid: bool(obs.assigned(rid)), what=f"{rid} on a")
+    await eventually(lambda: sum(isinstance(e, EventFirstToken) for e in obs.events) == 2,
+                     what="first tokens")
+    (placed,) = obs.assigned("answered")
+    done = make_done(request_id="answered", attempt=placed.attempt, model=MODEL,
+                     ts=time.time())
+    await cluster.produce(reply_topic(cluster.prefix, TENANT), encode(done), b"answered")
+    await a.stop()  # dies before its event.done: dead after 3 intervals
+    await eventually(lambda: bool(obs.terminal_events("answered"))
+                     and bool(obs.errors("unanswered")), what="both ended")
+    (error,) = obs.errors("unanswered")
+    assert error.code == "worker_lost"
+    await asyncio.sleep(1.0)  # room for a second reply, were one coming
+    assert obs.errors("answered") == []
+    assert [e.code for e in obs.terminal_events("answered")] == ["worker_lost"]
 
 
 async def test_garbage_goes_to_the_dead_letter_and_scheduling_goes_on(cluster: Cluster) -> None:

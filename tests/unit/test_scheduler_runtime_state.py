@@ -247,11 +247,8 @@ def test_assignments_are_stamped_with_the_worker_process_they_were_placed_on() -
     assert a.worker_started_at == T - 100  # the heartbeat's started_at
 
 
-def test_a_restarted_worker_loses_only_its_earlier_processs_work() -> None:
-    """w0 restarts between two beats (no stale gap): the new process drops the assignments
-    stamped for the old one, so the scheduler must end them itself at once — requeue the
-    quiet one (placed again, on the new process), worker_lost for the one that streamed —
-    and leave what it placed on the new process alone."""
+def _quiet_and_chatty_on_a_restarted_w0() -> tuple[SchedulerState, dict[str, Assignment]]:
+    """"quiet" and "chatty" placed on w0, "chatty" streaming; then w0's new process beats."""
     state = ready_state(("w0", 0))
     state.on_request(admitted("quiet"), ("tp", 0), T)
     state.on_request(admitted("chatty"), ("tp", 1), T)
@@ -259,6 +256,15 @@ def test_a_restarted_worker_loses_only_its_earlier_processs_work() -> None:
     state.observe_event(started(placed["chatty"], "w0"))
     state.observe_event(_first_token(placed["chatty"], "w0"))
     state.observe_heartbeat(beat("w0", 0, ts=T + 1, started_at=T + 0.5, seq=0))
+    return state, placed
+
+
+def test_a_restarted_worker_loses_only_its_earlier_processs_work() -> None:
+    """w0 restarts between two beats (no stale gap): the new process drops the assignments
+    stamped for the old one, so the scheduler must end them itself at once — requeue the
+    quiet one (placed again, on the new process), worker_lost for the one that streamed —
+    and leave what it placed on the new process alone."""
+    state, _ = _quiet_and_chatty_on_a_restarted_w0()
     state.on_request(admitted("fresh"), ("tp", 2), T + 1)
     result = state.tick(T + 1)
     assert result.lost_workers == [] and result.restarted_workers == ["w0"]
@@ -299,6 +305,19 @@ def test_a_restarted_scheduler_ends_work_stamped_for_a_replaced_process() -> Non
         assert result.restarted_workers == ["w0"] and result.requeued == 1
         ((_, again),) = assignments(result.effects)
         assert (again.request_id, again.attempt, again.worker_started_at) == ("r1", 2, T + 2)
+
+
+def test_a_worker_lost_ending_is_marked_for_the_reply_topic_check() -> None:
+    """A worker killed between its terminal reply and its terminal event leaves a reply the
+    scheduler never heard of: each worker_lost ending carries what the app needs to look
+    for it on the reply topic first (runtime.answered); a requeue carries nothing."""
+    state, placed = _quiet_and_chatty_on_a_restarted_w0()
+    result = state.tick(T + 1)
+    marked = [e.unless_answered for e in result.effects if e.unless_answered is not None]
+    chatty = placed["chatty"]
+    ((request_id, attempt, topic, key, assigned_at),) = marked
+    assert (request_id, attempt, assigned_at) == ("chatty", 1, chatty.assigned_at)
+    assert topic == chatty.admitted.reply_topic and key == b"chatty"
 
 
 def test_an_unstamped_assignment_is_not_fenced() -> None:

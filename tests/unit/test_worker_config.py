@@ -129,6 +129,10 @@ HOLDER_CASES = {
         {"m1": encode_claim("new", 5.0), "m2": encode_claim("old", 50.0, holding=True)}, "m2",
     ),
     "all without claims: smallest id": ({"m3": None, "m2": b"{}"}, "m2"),
+    "two holders (a paused one came back): the later process keeps it": (
+        {"m1": encode_claim("w", 5.0, holding=True), "m2": encode_claim("w", 50.0, holding=True)},
+        "m2",
+    ),
 }
 
 

@@ -145,6 +145,10 @@ class Effect:
     first: tuple[Outgoing, ...] = ()
     then: tuple[Outgoing, ...] = ()
     tickets: tuple[Ticket, ...] = ()
+    #: A worker_lost ending: (request_id, attempt, reply topic, reply key, assigned_at).
+    #: Its reply is dropped if the attempt's terminal is on the reply topic already
+    #: (``services.scheduler.runtime.answered``).
+    unless_answered: tuple[str, int, str, bytes, float] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -570,11 +574,13 @@ class SchedulerState:
                 requeued += 1
             else:
                 record = held[fate.request_id]
-                effects.append(
-                    self._end(record.admitted, record.attempt, fate.code, fate.reason,
-                              worker_id, now, (),
-                              trace=self._active_trace.get(record.request_id, ()))
-                )
+                effect = self._end(record.admitted, record.attempt, fate.code, fate.reason,
+                                   worker_id, now, (),
+                                   trace=self._active_trace.get(record.request_id, ()))
+                reply = effect.first[0]
+                effects.append(replace(effect, unless_answered=(
+                    record.request_id, record.attempt, reply.topic, reply.key,
+                    record.assigned_at)))
         return effects, requeued
 
     def _requeue(self, record: Assignment, fate: Requeue, now: float) -> list[Effect]:

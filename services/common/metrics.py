@@ -23,7 +23,10 @@ one terminal reply of a request is sent, so its sum over services counts each re
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+import asyncio
+import errno
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -289,3 +292,20 @@ def serve(port: int, service: str | None = None) -> None:
     """Expose :data:`REGISTRY` (or ``service``'s families of it, :data:`OWNED`) on
     http://127.0.0.1:<port>/metrics — never beyond loopback."""
     start_http_server(port, addr="127.0.0.1", registry=view(service))
+
+
+async def serve_when_free(serve: Callable[[int], None], port: int, wait_s: float = 15.0,
+                          retry_s: float = 0.25) -> None:
+    """``serve(port)``; while the port is taken, try again for up to ``wait_s``, then raise
+    an OSError that names the setting to change."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            serve(port)
+            return
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE or time.monotonic() >= deadline:
+                raise OSError(exc.errno, f"metrics port 127.0.0.1:{port} is taken "
+                              "(LLMQ_METRICS_PORT): stop what holds it or pick another "
+                              "port") from exc
+            await asyncio.sleep(retry_s)

@@ -52,6 +52,7 @@ from schemas.messages import ASSIGNMENT_ADAPTER
 from schemas.replies import Error
 from schemas.requests import Assignment
 from schemas.workers import EventAborted, WorkerHeartbeat
+from services.common import metrics as m
 from services.common import tracing
 from services.common.guard import Guard, aiokafka_dead_letter
 from services.common.kafka import ensure_topics, make_consumer, make_producer
@@ -198,7 +199,9 @@ class Worker:
         await self._join_slot(bootstrap)
         await self._find_ended_elsewhere(bootstrap)
         if self.ws.metrics_port is not None:
-            self.metrics.serve(self.ws.metrics_port)
+            # Rolling restart: the slot's previous process leaves the group (so this one
+            # got the slot) a moment before it exits and frees the port.
+            await m.serve_when_free(self.metrics.serve, self.ws.metrics_port)
         for coro in (self._control.run(), self._heartbeats(), self._commits(),
                      self._consume(), self._drain_watch()):
             self._spawn(coro)

@@ -8,7 +8,9 @@ sample before and after the code under test ran.
 from __future__ import annotations
 
 import asyncio
+import errno
 import random
+import socket
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -434,3 +436,30 @@ def test_the_tenant_label_is_bounded_in_open_mode() -> None:
     tenancy = load_tenancy(None)  # open mode: any tenant name a Kafka client sends
     assert tenancy.metric_label("default") == "default"
     assert {tenancy.metric_label(f"t{i}") for i in range(300)} == {"other"}
+
+
+async def test_the_metrics_port_is_retried_while_a_previous_process_holds_it() -> None:
+    """A rolling restart: the new process binds once the old one frees the port."""
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    bound: list[int] = []
+
+    def serve(p: int) -> None:
+        probe = socket.socket()
+        try:
+            probe.bind(("127.0.0.1", p))  # what start_http_server does first
+        finally:
+            probe.close()
+        bound.append(p)
+
+    asyncio.get_running_loop().call_later(0.3, holder.close)
+    await m.serve_when_free(serve, port, wait_s=5.0, retry_s=0.05)
+    assert bound == [port]
+
+    def taken(p: int) -> None:
+        raise OSError(errno.EADDRINUSE, "Address already in use")
+
+    with pytest.raises(OSError, match="LLMQ_METRICS_PORT"):
+        await m.serve_when_free(taken, port, wait_s=0.2, retry_s=0.05)

@@ -276,7 +276,16 @@ class Worker:
             self._assignor.holding = self.tp in assigned
         self._assigned_event.set()
         if had and self.tp not in assigned:
-            _log.error("slot %d was taken over by another worker; draining", self.id.slot)
+            # Only a process that dropped out of the group (paused, frozen, cut off past the
+            # session timeout) loses its slot. By then the scheduler has ended its work, or
+            # will once its heartbeats stop: finishing it would answer requests a second
+            # time (requeued elsewhere, or already ended worker_lost). So its runs end
+            # without a word, as superseded ones do, and it drains out.
+            _log.error("slot %d was taken over while this process was out of its group; "
+                       "ending its %d request(s) in flight unanswered (the scheduler "
+                       "requeues or ends them) and draining", self.id.slot, len(self.runs))
+            for run in list(self.runs.values()):
+                run.stop("superseded", "slot taken over")
             self.begin_drain("slot taken over")
 
     def begin_drain(self, reason: str) -> None:

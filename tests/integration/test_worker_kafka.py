@@ -400,3 +400,31 @@ async def test_a_worker_drops_assignments_stamped_for_another_process_of_itself(
     await asyncio.sleep(1.0)  # what would have come for the others by now
     for rid in ("old-a", "old-b", "stray"):
         assert scheduler.terminals_of(rid) == [] and scheduler.events_of(rid) == []
+
+
+async def test_a_paused_worker_whose_slot_was_taken_over_ends_its_runs_unanswered(
+    scheduler: FakeScheduler, spawn: Callable[..., WorkerProcess]
+) -> None:
+    """SIGSTOP past the session timeout: the broker expires the process and a new process of
+    the same worker takes the slot (the scheduler, seeing its heartbeat, requeues or ends the
+    old one's work). On SIGCONT the old process must neither take the slot back nor finish
+    its in-flight request (a second terminal): it ends it unanswered and drains out."""
+    old = await ready(scheduler, spawn, time_scale=0.1)
+    old_started = (await scheduler.heartbeat(WID)).started_at
+    await scheduler.send(scheduler.assignment("long", worker_id=WID, slot=SLOT,
+                                              max_tokens=100_000, timeout_s=300.0,
+                                              worker_started_at=old_started))  # ~90 s
+    await scheduler.wait_until(
+        lambda: [e for e in scheduler.events_of("long") if e.kind == "event.started"],
+        20, "long started")
+    old.signal(signal.SIGSTOP)
+    await asyncio.sleep(7.0)  # past the 6 s session timeout
+    new = spawn()
+    new_beat = await scheduler.heartbeat(WID, where=lambda hb: hb.started_at > old_started)
+    old.signal(signal.SIGCONT)
+    assert await asyncio.to_thread(old.wait, 40) == 0  # drained out
+    assert scheduler.terminals_of("long") == [], scheduler.terminals_of("long")
+    await scheduler.send(scheduler.assignment("after", worker_id=WID, slot=SLOT,
+                                              worker_started_at=new_beat.started_at))
+    assert isinstance(await scheduler.terminal("after"), Done)  # the new one has the slot
+    assert new.proc is not None and new.proc.poll() is None

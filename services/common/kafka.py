@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError
+from aiokafka.partitioner import DefaultPartitioner
 
 from services.common import kafka_records
 
@@ -101,6 +102,13 @@ def make_consumer(bootstrap: str, *topics: str, **overrides: Any) -> AIOKafkaCon
 
 
 Batches = dict[TopicPartition, list[ConsumerRecord[Any, Any]]]
+
+
+def key_partition(key: bytes, partitions: Sequence[int]) -> int:
+    """The partition our producers (aiokafka's default, Java-compatible murmur2) give
+    ``key`` among ``partitions``."""
+    chosen: int = DefaultPartitioner()(key, list(partitions), list(partitions))
+    return chosen
 
 
 async def fetch_forever(

@@ -34,13 +34,12 @@ from functools import partial
 from typing import Any
 
 import faust
-from aiokafka.partitioner import DefaultPartitioner
 from mode import Service
 
 from schemas.codec import encode
 from services.common.faust_app import make_app
 from services.common.guard import DeadLetterSend, Guard, Headers
-from services.common.kafka import ensure_topics, track_topics
+from services.common.kafka import ensure_topics, key_partition, track_topics
 from services.common.settings import Settings
 from services.ingest.cluster import ClusterTracker, ClusterWatcher, Freshness
 from services.ingest.core import TokenCounter
@@ -167,13 +166,8 @@ async def _await_cluster(watcher: ClusterWatcher, timeout_s: float) -> None:
 def _partitioner(partitions: int) -> Callable[[bytes], int]:
     """The partition our producers (aiokafka's default, Java-compatible murmur2) give a key:
     where the settle records of a tenant land, so where its intake records must be."""
-    every = list(range(partitions))
-
-    def partition_of(key: bytes) -> int:
-        chosen: int = DefaultPartitioner()(key, every, every)
-        return chosen
-
-    return partition_of
+    every = range(partitions)
+    return lambda key: key_partition(key, every)
 
 
 def _publisher(app: faust.App) -> Publish:

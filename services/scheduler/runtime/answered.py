@@ -21,12 +21,11 @@ import logging
 from collections.abc import Mapping
 
 from aiokafka import TopicPartition
-from aiokafka.partitioner import DefaultPartitioner
 
 from schemas.codec import SchemaError, decode
 from schemas.messages import REPLY_ADAPTER
 from schemas.replies import Done, Error
-from services.common.kafka import make_consumer
+from services.common.kafka import key_partition, make_consumer
 from services.common.replies import topic_partitions
 
 _log = logging.getLogger(__name__)
@@ -50,13 +49,12 @@ async def _answered(
     bootstrap: str, wanted: Mapping[Attempt, tuple[str, bytes, float]]
 ) -> set[Attempt]:
     since: dict[TopicPartition, float] = {}
-    partitioner = DefaultPartitioner()
     partitions: dict[str, list[int]] = {}
     for topic, key, assigned_at in wanted.values():
         if topic not in partitions:
             partitions[topic] = await topic_partitions(bootstrap, topic)
         parts = partitions[topic]
-        tp = TopicPartition(topic, partitioner(key, parts, parts))
+        tp = TopicPartition(topic, key_partition(key, parts))
         since[tp] = min(since.get(tp, assigned_at), assigned_at) - CLOCK_MARGIN_S
     found: set[Attempt] = set()
     consumer = make_consumer(bootstrap)

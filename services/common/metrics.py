@@ -154,6 +154,12 @@ DRAINING: Final = Gauge(
     "llmq_worker_draining", "1 while the worker drains (takes no new work).", ["worker"],
     registry=REGISTRY,
 )
+FENCES: Final = Counter(
+    "llmq_worker_fences_total",
+    "Times a worker fenced itself: its lease lapsed (no acknowledged heartbeat for "
+    "lease_beats intervals), so its runs ended unanswered for the scheduler to requeue.",
+    ["worker"], registry=REGISTRY,
+)
 
 # -- Kafka plumbing ---------------------------------------------------------------------------
 CONSUMER_LAG: Final = Gauge(
@@ -245,12 +251,13 @@ OWNED: Final[dict[str, tuple[MetricWrapperBase | Collector, ...]]] = {
     "ingest": (REQUESTS, REJECTIONS, ADMITTED_TOKENS, DEAD_LETTERS),
     "scheduler": (
         QUEUE_DEPTH, QUEUE_WAIT, SCHEDULE_DECISION, PLACEMENTS, PLACEMENT_FAILURES, REQUEUES,
-        WORKER_LOSSES, RESERVED_KV, PAUSED_TOPICS, OUTBOX_EFFECTS, SEND_FAILURES, REQUESTS,
-        DEAD_LETTERS,
+        WORKER_LOSSES, WORKER_RESTARTS, RESERVED_KV, PAUSED_TOPICS, OUTBOX_EFFECTS,
+        SEND_FAILURES, REQUESTS, DEAD_LETTERS,
     ),
     "worker": (
         REQUESTS, TTFT, E2E, GENERATED_TOKENS, KV_UTILIZATION, KV_TOTAL_TOKENS, RUNNING,
-        WAITING, VRAM_USED, VRAM_TOTAL, GPU_UTILIZATION, DRAINING, DEAD_LETTERS,
+        WAITING, VRAM_USED, VRAM_TOTAL, GPU_UTILIZATION, DRAINING, FENCES,
+        DEAD_LETTERS,
     ),
     "health": (
         CONSUMER_LAG, HEALTH_READY, HEALTH_REGISTRY_ERRORS, HEALTH_BAD_RECORDS, HEALTH_FLEET,

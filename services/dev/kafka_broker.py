@@ -166,7 +166,9 @@ class KafkaBroker:
         )
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
-            raise BrokerError(f"formatting broker storage failed:\n{done.stdout[-2000:]}")
+            # The tool logs to stdout and says why it failed on stderr: show both.
+            raise BrokerError(f"formatting broker storage failed (exit {done.returncode}):\n"
+                              f"{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
 
     # -- state --------------------------------------------------------------------------
     def _pid(self) -> int | None:

@@ -19,6 +19,17 @@ explains the lock). Its tasks:
   when it sees this process's heartbeat), and an unstamped one the scheduler already ended
   while the slot was down is dropped too (:mod:`services.worker.replay`).
 
+Fencing (:mod:`services.worker.core.lease`): the worker answers its work only while its
+newest acknowledged heartbeat is younger than ``lease_beats`` intervals, i.e. before the
+scheduler can have declared it dead and given the work away. A process that finds its lease
+lapsed (it was paused, frozen or cut off from the broker) ends its runs unanswered and
+carries on as a new incarnation: ``started_at`` moves forward by
+:data:`INCARNATION_STEP_S`, so its next heartbeat reads as a restart to the scheduler
+(which requeues or ends what the earlier incarnation held) and the assignments stamped for
+the earlier incarnation are dropped like those of an earlier process. The step is tiny, so
+the incarnation stays older than any process of this worker started after it (the slot's
+rules, ``services.worker.slot``, keep their meaning).
+
 Observability (:class:`~services.worker.metrics.WorkerMetrics`): capacity from each
 heartbeat, tokens, TTFT, end-to-end latency and terminal outcomes per request. Each run is
 a span under the context its assignment record carried (:mod:`services.worker.runner`).
@@ -68,6 +79,7 @@ from services.worker.core import (
     encode_done,
     heartbeat_fields,
 )
+from services.worker.core.lease import Lease
 from services.worker.engines.base import Engine
 from services.worker.gpu import NvmlProbe
 from services.worker.kafka_io import ControlMessage, ControlReader, Publisher, WorkerTopics
@@ -85,6 +97,9 @@ from services.worker.slot import (
 )
 
 _log = logging.getLogger("services.worker")
+
+#: How far a fenced process moves its ``started_at`` (module docstring).
+INCARNATION_STEP_S = 1e-3
 
 #: What happened to one assignment record: a run started, nothing more to do, or its
 #: answer was not acknowledged (the offset stays uncommitted).
@@ -131,6 +146,9 @@ class Worker:
         self.group = slot_group(settings.topic_prefix, identity.slot)
         self._clock = clock
         self.started_at = clock()
+        self._process_started_at = self.started_at
+        self._fences = 0
+        self.lease = Lease(ws.lease_s(), time.monotonic())
         self.metrics = WorkerMetrics(identity.worker_id)
         self.ledger = AttemptLedger(ws.dedupe_capacity)
         self.cancels = RecentCancels(ws.cancel_memory_s)
@@ -202,8 +220,9 @@ class Worker:
             # Rolling restart: the slot's previous process leaves the group (so this one
             # got the slot) a moment before it exits and frees the port.
             await m.serve_when_free(self.metrics.serve, self.ws.metrics_port)
+        self.lease.restart(time.monotonic())  # nothing was placed on this process yet
         for coro in (self._control.run(), self._heartbeats(), self._commits(),
-                     self._consume(), self._drain_watch()):
+                     self._consume(), self._drain_watch(), self._lease_watch()):
             self._spawn(coro)
         self._serving = True  # only a worker that holds its slot heartbeats and commits
         _log.info("worker %s: slot %d (%s), pool %s, engine %s, model %s, group %s",
@@ -421,9 +440,14 @@ class Worker:
         def first_token(ttft_s: float) -> None:
             self.metrics.first_token(priority, lane, ttft_s)
 
+        incarnation = self.started_at
+
+        def may_send() -> bool:
+            return self.may_answer(incarnation)
+
         run = RequestRun(a, self.engine, self._publisher, self.run_cfg, clock=self._clock,
                          on_tokens=self._count_tokens, on_first_token=first_token,
-                         trace_parent=parent)
+                         trace_parent=parent, may_send=may_send)
         self.runs[a.request_id] = run
         task = asyncio.create_task(self._run_one(run, offset), name=f"run:{run.engine_id}")
         self._run_tasks.add(task)
@@ -457,6 +481,8 @@ class Worker:
     async def _answer_cancelled(self, a: Assignment, headers: tracing.Headers) -> bool:
         """A late assignment of a cancelled request: its one terminal, without running it."""
         assert self._publisher is not None
+        if not self.may_answer(self.started_at):
+            return True  # fenced: the scheduler requeues it, and the cancel is remembered
         now = self._clock()
         reply = Error(request_id=a.request_id, attempt=a.attempt, code="cancelled",
                       message="cancelled before it started", ts=now)
@@ -478,13 +504,52 @@ class Worker:
         if run is not None and run.assignment.request.tenant == msg.tenant:
             run.stop("cancelled", msg.reason or f"cancelled by {msg.issued_by}")
 
+    # ---- the lease --------------------------------------------------------------------
+    def may_answer(self, incarnation: float) -> bool:
+        """May work given to ``incarnation`` still be answered? Fences first if the lease
+        lapsed (then no earlier incarnation's work may)."""
+        self.check_lease()
+        return incarnation == self.started_at
+
+    def check_lease(self) -> None:
+        now = time.monotonic()
+        if not self.lease.valid(now):
+            self._fence(now - self.lease.beat_at)
+
+    def _fence(self, silent_s: float) -> None:
+        """The lease lapsed: end every run unanswered and become a new incarnation."""
+        old = self.started_at
+        self._fences += 1
+        self.started_at = self._process_started_at + self._fences * INCARNATION_STEP_S
+        self.lease.restart(time.monotonic())
+        self.metrics.fenced()
+        _log.error("worker %s: no acknowledged heartbeat for %.1f s (lease %.1f s): the "
+                   "scheduler may have declared it dead and given its work away. Ending its "
+                   "%d request(s) in flight unanswered (the scheduler requeues or ends them) "
+                   "and going on as incarnation %.3f (was %.3f)", self.id.worker_id,
+                   silent_s, self.lease.limit_s, len(self.runs), self.started_at, old)
+        for run in list(self.runs.values()):
+            run.stop("superseded", "this process was fenced")
+        self._heartbeat_wake.set()  # announce the new incarnation now
+
+    async def _lease_watch(self) -> None:
+        """Fence as soon as the lease lapses, even when nothing is being sent."""
+        period = min(0.1, self.lease.limit_s / 10)
+        while True:
+            await asyncio.sleep(period)
+            self.check_lease()
+
     # ---- heartbeats --------------------------------------------------------------------
     async def _heartbeats(self) -> None:
+        interval = self.ws.heartbeat_interval_s
         while True:
+            began = time.monotonic()
             await self._heartbeat()
+            # Every interval from the beat's creation, however long its ack took: the
+            # lease counts from there too.
+            wait = max(0.0, interval - (time.monotonic() - began))
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._heartbeat_wake.wait(),
-                                       self.ws.heartbeat_interval_s)
+                await asyncio.wait_for(self._heartbeat_wake.wait(), wait)
             self._heartbeat_wake.clear()
 
     def heartbeat_fields(self) -> HeartbeatFields:
@@ -494,6 +559,8 @@ class Worker:
 
     async def _heartbeat(self) -> None:
         assert self._publisher is not None
+        self.check_lease()  # a lapsed lease: this beat announces the new incarnation
+        beat_at = time.monotonic()
         fields = self.heartbeat_fields()
         draining = self.draining
         hb = WorkerHeartbeat(
@@ -504,9 +571,14 @@ class Worker:
         )
         self._seq += 1
         self.metrics.observe(fields, draining)
-        if await self._publisher.send_acked(self.topics.heartbeats, hb) and draining \
-                and self._draining_acked_at is None:
-            self._draining_acked_at = time.monotonic()
+        if not await self._publisher.send_acked(self.topics.heartbeats, hb):
+            return
+        acked_at = time.monotonic()
+        silent_s = acked_at - self.lease.beat_at
+        if hb.started_at == self.started_at and not self.lease.renewed(beat_at, acked_at):
+            self._fence(silent_s)  # visible only after the lease had lapsed
+        if draining and self._draining_acked_at is None:
+            self._draining_acked_at = acked_at
 
     # ---- commits -----------------------------------------------------------------------
     async def _commits(self) -> None:

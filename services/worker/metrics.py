@@ -31,6 +31,7 @@ class WorkerMetrics:
         self._waiting = m.WAITING.labels(**label)
         self._draining = m.DRAINING.labels(**label)
         self._tokens = m.GENERATED_TOKENS.labels(**label)
+        self._fences = m.FENCES.labels(**label)
 
     @staticmethod
     def serve(port: int) -> None:
@@ -50,6 +51,9 @@ class WorkerMetrics:
             m.VRAM_USED.labels(worker=self.worker_id).set(fields.vram_used_bytes)
         if fields.gpu_util is not None:
             m.GPU_UTILIZATION.labels(worker=self.worker_id).set(fields.gpu_util)
+
+    def fenced(self) -> None:
+        self._fences.inc()
 
     def tokens(self, n: int) -> None:
         self._tokens.inc(n)

@@ -12,6 +12,12 @@
    or a newer attempt (abort, nothing sent: clients keep the newest attempt), or the engine
    fails (``Error(code)`` + ``event.failed``). Buffered text is flushed before the terminal.
 
+Fencing: every record but the terminal event is sent only while ``may_send()`` allows it
+(the worker's lease, ``services.worker.core.lease``). Once it does not, the run stops
+there, as a superseded one does: nothing more is sent, and the scheduler requeues or ends
+the request. The terminal event after a durable reply always goes out (it is the news
+that the reply is there).
+
 The terminal reply is sent once every chunk was acknowledged, and the terminal event once
 the reply was: ``event.done`` means "the done reply is durable". :meth:`run` returns an
 :class:`Outcome` whose ``acked`` tells the app whether the assignment's offset may be
@@ -101,6 +107,10 @@ class _Stop:
     message: str
 
 
+class Fenced(Exception):
+    """This process may no longer answer the run (its lease lapsed, ``may_send``)."""
+
+
 @dataclass(frozen=True, slots=True)
 class _Failed:
     code: ErrorCode
@@ -146,7 +156,8 @@ class RequestRun:
                  cfg: RunConfig, *, clock: Callable[[], float] = time.time,
                  on_tokens: Callable[[int], None] | None = None,
                  on_first_token: Callable[[float], None] | None = None,
-                 trace_parent: tracing.Context | None = None) -> None:
+                 trace_parent: tracing.Context | None = None,
+                 may_send: Callable[[], bool] | None = None) -> None:
         self.assignment = assignment
         self.engine = engine
         self.publisher = publisher
@@ -155,6 +166,7 @@ class RequestRun:
         self._on_tokens = on_tokens
         self._on_first_token = on_first_token
         self._trace_parent = trace_parent
+        self._may_send = may_send
         self._span: Span = trace.INVALID_SPAN
         self._headers: tracing.Headers = []
         self._inbox: asyncio.Queue[_Item] = asyncio.Queue()
@@ -220,6 +232,8 @@ class RequestRun:
             await self._send(self.cfg.events_topic, self._event(EventStarted))
             pump = asyncio.create_task(self._pump(), name=f"pump:{self.engine_id}")
             ending = await self._stream()
+        except Fenced:
+            ending = _Stop("superseded", "this process was fenced")
         except Exception as exc:
             _log.exception("request %s: run failed", self.engine_id)
             ending = _Failed("worker_lost", f"worker error: {type(exc).__name__}")
@@ -289,7 +303,12 @@ class RequestRun:
         await self._send_chunk(self._batcher.add(delta.text, delta.tokens, now))
 
     # ---- sending -----------------------------------------------------------------------
+    def _check_fence(self) -> None:
+        if self._may_send is not None and not self._may_send():
+            raise Fenced(self.engine_id)
+
     async def _send(self, topic: str, msg: Any) -> None:
+        self._check_fence()
         self._futures.append(await self.publisher.send(topic, msg, self._headers))
         if len(self._futures) > 64:
             # Keep only what is still in flight; failures stay so the terminal sees them.
@@ -305,12 +324,19 @@ class RequestRun:
     async def _terminal(self, ending: _Stop | _Failed | _Ended) -> Outcome:
         try:
             return await self._send_terminal(ending)
+        except Fenced:
+            # The scheduler requeues or ends it: this process's part is over, unanswered.
+            _log.warning("request %s: this process was fenced; ended unanswered",
+                         self.engine_id)
+            self._span.set_attribute(tracing.LLMQ_OUTCOME, "fenced")
+            return Outcome("superseded", self._tokens, acked=True)
         except Exception:
             _log.exception("request %s: could not send its terminal", self.engine_id)
             self._span.set_attribute(tracing.LLMQ_OUTCOME, "unsent")
             return Outcome("failed", self._tokens, acked=False)
 
     async def _send_terminal(self, ending: _Stop | _Failed | _Ended) -> Outcome:
+        self._check_fence()
         await self._send_chunk(self._batcher.flush(self._clock(), force=True))
         if isinstance(ending, _Stop) and ending.reason == "superseded":
             # A newer attempt runs; the client keeps that one, so this one says nothing more.
@@ -322,6 +348,7 @@ class RequestRun:
         if isinstance(reply, Done):
             self._span.set_attribute(tracing.GEN_AI_RESPONSE_FINISH, [reply.finish_reason])
         e2e = max(0.0, self._clock() - self.assignment.request.created_at)
+        self._check_fence()
         replied = await self.publisher.acked(
             [*self._futures, await self.publisher.send(self.assignment.admitted.reply_topic,
                                                        reply, self._headers)]

@@ -69,6 +69,12 @@ class WorkerSettings(BaseSettings):
         "when set to priority (start that server with --scheduling-policy priority).",
     )
     heartbeat_interval_s: float = Field(default=1.0, gt=0, le=60)
+    lease_beats: float = Field(
+        default=2.75, ge=1.5, le=100.0,
+        description="Answer work only while the newest acknowledged heartbeat is younger "
+        "than this many intervals; past it the process fences itself (services.worker.core."
+        "lease). Keep it a little under the scheduler's heartbeat_staleness (3).",
+    )
     chunk_tokens: int = Field(default=16, ge=1, le=4096, description="Flush a chunk at N tokens.")
     chunk_ms: float = Field(default=50.0, ge=0, le=10_000, description="... or after M ms.")
     time_scale: float = Field(
@@ -114,6 +120,10 @@ class WorkerSettings(BaseSettings):
         host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname().split(".")[0])
         host = host.strip("-_.")[:100] or "host"
         return f"{host}-slot{self.slot}"
+
+    def lease_s(self) -> float:
+        """How long one acknowledged heartbeat lets this worker answer its work."""
+        return self.lease_beats * self.heartbeat_interval_s
 
     def resolved_drain_quiet_s(self) -> float:
         if self.drain_quiet_s is not None:

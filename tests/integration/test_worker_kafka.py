@@ -402,6 +402,42 @@ async def test_a_worker_drops_assignments_stamped_for_another_process_of_itself(
         assert scheduler.terminals_of(rid) == [] and scheduler.events_of(rid) == []
 
 
+async def test_a_worker_paused_past_its_lease_fences_itself_and_serves_on(
+    scheduler: FakeScheduler, spawn: Callable[..., WorkerProcess]
+) -> None:
+    """SIGSTOP longer than the scheduler's staleness bound (3 × 0.2 s here) but shorter than
+    the 6 s session timeout: the worker keeps its slot, but a scheduler has declared it dead
+    by then and requeued or ended its work. On SIGCONT it must not answer that work (a
+    second terminal): its runs end unanswered, and it goes on as a new incarnation (a newer
+    ``started_at``), serving what is placed on that one and dropping what was stamped for
+    the earlier one."""
+    proc = await ready(scheduler, spawn, time_scale=0.1)
+    old_started = (await scheduler.heartbeat(WID)).started_at
+    for rid, tokens in (("long", 100_000), ("mid", 6_000)):  # ~90 s and ~5 s of decode
+        await scheduler.send(scheduler.assignment(rid, worker_id=WID, slot=SLOT,
+                                                  max_tokens=tokens, timeout_s=300.0,
+                                                  worker_started_at=old_started))
+    await scheduler.wait_until(
+        lambda: all(any(e.kind == "event.first_token" for e in scheduler.events_of(rid))
+                    for rid in ("long", "mid")), 20, "both streaming")
+    proc.signal(signal.SIGSTOP)
+    await asyncio.sleep(2.5)
+    resumed_at = time.time()
+    proc.signal(signal.SIGCONT)
+    beat = await scheduler.heartbeat(WID, where=lambda hb: hb.started_at > old_started)
+    assert beat.started_at - old_started < 0.01  # the same process, a new incarnation
+    await scheduler.send(scheduler.assignment("stamped-old", worker_id=WID, slot=SLOT,
+                                              worker_started_at=old_started))
+    await scheduler.send(scheduler.assignment("after", worker_id=WID, slot=SLOT,
+                                              worker_started_at=beat.started_at))
+    assert isinstance(await scheduler.terminal("after"), Done)
+    await asyncio.sleep(6.0)  # "mid" would have finished by now
+    for rid in ("long", "mid", "stamped-old"):
+        assert scheduler.terminals_of(rid) == [], (rid, scheduler.terminals_of(rid))
+        assert [c for c in chunks_of(scheduler, rid) if c.ts >= resumed_at] == [], rid
+    assert proc.proc is not None and proc.proc.poll() is None  # still serving
+
+
 async def test_a_paused_worker_whose_slot_was_taken_over_ends_its_runs_unanswered(
     scheduler: FakeScheduler, spawn: Callable[..., WorkerProcess]
 ) -> None:

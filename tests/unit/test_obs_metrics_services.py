@@ -432,6 +432,13 @@ def test_each_service_endpoint_shows_only_its_families(
     assert "llmq_requests" in m.family_names(service) or service == "health"
 
 
+def test_every_family_is_served_by_some_service() -> None:
+    """A family no service owns is never scraped: its dashboard panel stays empty."""
+    served = set().union(*(m.family_names(service) for service in m.OWNED))
+    defined = {family.name for family in m.REGISTRY.collect()}
+    assert defined - served == set()
+
+
 def test_the_tenant_label_is_bounded_in_open_mode() -> None:
     tenancy = load_tenancy(None)  # open mode: any tenant name a Kafka client sends
     assert tenancy.metric_label("default") == "default"

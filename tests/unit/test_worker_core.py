@@ -22,6 +22,7 @@ from services.worker.core import (
     heartbeat_fields,
     timing,
 )
+from services.worker.core.lease import Lease
 from services.worker.engines.base import EngineCapacity
 
 # ---- batching ------------------------------------------------------------------------------
@@ -317,3 +318,32 @@ def test_a_cancel_naming_another_tenant_does_not_erase_the_right_one() -> None:
     cancels.add("r1", "mallory", 101.0)
     assert cancels.matches("r1", "acme", 102.0) and cancels.matches("r1", "mallory", 102.0)
     assert not cancels.matches("r1", "acme", 160.0)  # its own ttl, from its own add
+
+
+# -- lease ------------------------------------------------------------------------------
+def test_lease_holds_for_its_limit_after_the_newest_acknowledged_beat() -> None:
+    lease = Lease(limit_s=2.75, beat_at=100.0)
+    assert lease.valid(102.75) and not lease.valid(102.76)
+    assert lease.renewed(beat_at=101.0, acked_at=101.01)  # a beat a second later, acked
+    assert lease.valid(103.75) and not lease.valid(103.76)  # counts from its creation
+
+
+def test_lease_renewed_too_late_breaks_the_chain() -> None:
+    """A beat that became visible after the previous one went stale: the scheduler may have
+    declared the worker dead in between, however fresh this beat is."""
+    lease = Lease(limit_s=2.75, beat_at=100.0)
+    assert not lease.renewed(beat_at=104.0, acked_at=104.01)  # paused 4 s, then one beat
+    lease.restart(104.02)
+    assert lease.valid(106.77) and not lease.valid(106.78)
+
+
+def test_lease_ignores_an_older_beat_acknowledged_late() -> None:
+    lease = Lease(limit_s=2.75, beat_at=100.0)
+    lease.restart(110.0)  # fenced: a new incarnation
+    assert lease.renewed(beat_at=109.0, acked_at=110.5)  # sent before the fence
+    assert lease.beat_at == 110.0
+
+
+def test_lease_rejects_a_non_positive_limit() -> None:
+    with pytest.raises(ValueError, match="limit_s"):
+        Lease(limit_s=0.0, beat_at=0.0)

@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import pytest
 from aiokafka.errors import KafkaTimeoutError
 
 from schemas.requests import Assignment
@@ -131,3 +132,55 @@ async def test_the_normal_path_for_comparison() -> None:
     outcome = await _run(_FineEngine(tokens=0), producer)
     assert (outcome.kind, outcome.terminal, outcome.acked) == ("done", "done", True)
     assert producer.terminals() == [("done", None), ("event.done", None)]
+
+
+class _Gate:
+    """The worker's lease check as a run sees it: open for the first ``opens`` sends."""
+
+    def __init__(self, opens: int) -> None:
+        self.opens = opens
+        self.calls = 0
+
+    def __call__(self) -> bool:
+        self.calls += 1
+        return self.calls <= self.opens
+
+
+async def _gated_run(engine: Any, producer: _Producer, gate: _Gate) -> Outcome:
+    run = RequestRun(_assignment(), engine, Publisher(producer, 5.0),
+                     RunConfig(worker_id="w", model="m", events_topic=EVENTS, chunk_tokens=1),
+                     may_send=gate)
+    return await asyncio.wait_for(run.run(), 10.0)
+
+
+@pytest.mark.parametrize("opens", [0, 1, 2, 3])
+async def test_a_fenced_run_sends_nothing_more_and_no_terminal(opens: int) -> None:
+    """Fenced before event.started (0), after it (1), after the first token's event and
+    chunk (3): whatever went out stays, nothing follows, and the offset may be committed
+    (the scheduler requeues or ends the request)."""
+    producer, engine = _Producer(), _BrokenEngine(tokens=5)
+    outcome = await _gated_run(engine, producer, _Gate(opens))
+    assert (outcome.kind, outcome.terminal, outcome.acked) == ("superseded", None, True)
+    assert producer.terminals() == []
+    assert len(producer.records) == opens
+    assert engine.aborted == ["r1#1"]  # its KV is freed (a no-op when it never started)
+
+
+async def test_a_run_fenced_at_its_terminal_sends_no_reply() -> None:
+    producer = _Producer()
+    # started, first_token, chunk: then the engine has finished, and the gate closes.
+    outcome = await _gated_run(_FineEngine(tokens=0), producer, _Gate(opens=3))
+    assert (outcome.kind, outcome.terminal) == ("superseded", None)
+    assert [r["kind"] for _, r in producer.records] == [
+        "event.started", "event.first_token", "chunk"]
+
+
+async def test_the_terminal_event_follows_a_sent_reply_even_if_fenced_meanwhile() -> None:
+    """Only a durable reply is followed by its event; the gate is not asked again then:
+    the event is the scheduler's news that the reply is there."""
+    gate = _Gate(opens=5)  # started, first_token, chunk, the terminal's two checks
+    producer = _Producer()
+    outcome = await _gated_run(_FineEngine(tokens=0), producer, gate)
+    assert (outcome.kind, outcome.terminal) == ("done", "done")
+    assert producer.terminals() == [("done", None), ("event.done", None)]
+    assert gate.calls == 5  # a sixth, for the event, would have closed it

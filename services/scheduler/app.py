@@ -98,7 +98,13 @@ from services.scheduler.runtime.flow import OrderedAcks, PauseLadder
 from services.scheduler.runtime.messages import Outgoing
 from services.scheduler.runtime.metrics import SchedulerMetrics
 from services.scheduler.runtime.outbox import Outbox
-from services.scheduler.runtime.state import Effect, RuntimeConfig, SchedulerState, Ticket
+from services.scheduler.runtime.state import (
+    Effect,
+    HeldRequeue,
+    RuntimeConfig,
+    SchedulerState,
+    Ticket,
+)
 from services.scheduler.runtime.topics import SchedulerTopics
 from services.scheduler.settings import SchedulerSettings
 
@@ -310,8 +316,8 @@ class Scheduler:
                          "process is requeued (or ended worker_lost if it streamed)", worker_id)
         checked = [e for e in result.effects if e.unless_answered is not None]
         self.outbox.submit([e for e in result.effects if e.unless_answered is None])
-        if checked:  # read in the background: the reply topics may take a while
-            task = asyncio.create_task(self._send_unless_answered(checked))
+        if checked or result.held:  # read in the background: reply topics may take a while
+            task = asyncio.create_task(self._send_unless_answered(checked, result.held))
             self._checks.add(task)
             task.add_done_callback(self._checks.discard)
         await self._flush()
@@ -322,33 +328,38 @@ class Scheduler:
         if result.more:
             self.wake.set()
 
-    async def _send_unless_answered(self, effects: list[Effect]) -> None:
-        self.outbox.submit(await self._unless_answered(effects))
-        self.wake.set()  # the next cycle flushes them
-
-    async def _unless_answered(self, effects: list[Effect]) -> list[Effect]:
-        """``worker_lost`` endings whose attempt has a terminal reply already (its worker
-        died between that reply and its event, or a scheduler between its own reply and
-        event) keep only their terminal event (``runtime.answered``)."""
-        wanted = {(c[0], c[1]): (c[2], c[3], c[4])
-                  for c in (e.unless_answered for e in effects) if c is not None}
-        if not wanted:
-            return effects
+    async def _send_unless_answered(self, effects: list[Effect],
+                                    held: tuple[HeldRequeue, ...] = ()) -> None:
+        """Lost attempts whose worker may have answered them and died before the terminal
+        event (or a scheduler between its own reply and event), checked against their
+        reply topics first (``runtime.answered``): a ``worker_lost`` ending of an answered
+        attempt keeps only its terminal event, and a held requeue of one is not requeued."""
+        checks = [c for c in (e.unless_answered for e in effects) if c is not None]
+        checks += [h.check for h in held]
+        wanted = {(c[0], c[1]): (c[2], c[3], c[4]) for c in checks}
         try:
             found = await answered(self.rt.settings.bootstrap, wanted,
                                    self.rt.scheduler.send_timeout_s)
         except Exception:
-            _log.warning("scheduler: could not check %d worker_lost ending(s) against their "
-                         "reply topics; sending them", len(wanted), exc_info=True)
-            return effects
-        for request_id, attempt in sorted(found):
-            _log.warning("scheduler: %s#%d was answered before its worker was lost (its "
-                         "terminal event is missing): no worker_lost reply", request_id, attempt)
-        return [
+            _log.warning("scheduler: could not check %d lost attempt(s) against their reply "
+                         "topics; ending or requeueing them as if unanswered", len(wanted),
+                         exc_info=True)
+            found = set()
+        for e in effects:
+            if e.unless_answered is not None and e.unless_answered[:2] in found:
+                _log.warning("scheduler: %s#%d was answered before its worker was lost (its "
+                             "terminal event is missing): no worker_lost reply",
+                             *e.unless_answered[:2])
+        out = [
             Effect(then=e.then, tickets=e.tickets)
             if e.unless_answered is not None and e.unless_answered[:2] in found else e
             for e in effects
         ]
+        now = self.clock()
+        for h in held:
+            out.extend(self.state.release(h, h.check[:2] in found, now))
+        self.outbox.submit(out)
+        self.wake.set()  # the next cycle flushes them (and places the requeues)
 
     def _publish_status(self, now: float) -> None:
         statuses = self.state.statuses(now)

@@ -60,7 +60,13 @@ from schemas.workers import (
 )
 from services.common.kafka import TopicRequest, ensure_topics, make_consumer, make_producer
 from services.common.replies import topic_partitions
-from tests.builders_schemas import make_admitted, make_done, make_heartbeat, make_request
+from tests.builders_schemas import (
+    make_admitted,
+    make_done,
+    make_error,
+    make_heartbeat,
+    make_request,
+)
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.timeout(90)]
 
@@ -630,6 +636,17 @@ async def test_lost_worker_requeues_unstarted_work_and_fails_streamed(cluster: C
     assert "quiet" in b.holding()
 
 
+async def _answered_and_unanswered_on(cluster: Cluster, *, stream: bool) -> FakeWorker:
+    """Requests "answered" and "unanswered" placed on fake worker "fake-a" (returned)."""
+    await cluster.start()
+    a = await cluster.worker("fake-a", 0, stream=stream)
+    for rid in ("answered", "unanswered"):
+        await cluster.admit(rid)
+        await eventually(lambda rid=rid: bool(cluster.observer.assigned(rid)),
+                         what=f"{rid} on a")
+    return a
+
+
 @pytest.mark.flaky(reruns=2)  # the same heartbeat-staleness wait as the test above
 async def test_a_lost_worker_that_had_answered_gets_no_second_terminal(
     cluster: Cluster,
@@ -638,12 +655,8 @@ async def test_a_lost_worker_that_had_answered_gets_no_second_terminal(
     the two, it leaves a durable reply the scheduler never heard of: ending that attempt
     worker_lost would give the client two terminals. The scheduler reads the reply topic
     first: "answered" gets only its terminal event, "unanswered" its worker_lost reply."""
-    await cluster.start()
-    a = await cluster.worker("fake-a", 0, stream=True)
+    a = await _answered_and_unanswered_on(cluster, stream=True)
     obs = cluster.observer
-    for rid in ("answered", "unanswered"):
-        await cluster.admit(rid)
-        await eventually(lambda rid=rid: bool(obs.assigned(rid)), what=f"{rid} on a")
     await eventually(lambda: sum(isinstance(e, EventFirstToken) for e in obs.events) == 2,
                      what="first tokens")
     (placed,) = obs.assigned("answered")
@@ -658,6 +671,31 @@ async def test_a_lost_worker_that_had_answered_gets_no_second_terminal(
     await asyncio.sleep(1.0)  # room for a second reply, were one coming
     assert obs.errors("answered") == []
     assert [e.code for e in obs.terminal_events("answered")] == ["worker_lost"]
+
+
+@pytest.mark.flaky(reruns=2)  # the same heartbeat-staleness wait as the tests above
+async def test_a_lost_worker_that_had_answered_before_any_token_gets_no_requeue(
+    cluster: Cluster,
+) -> None:
+    """The same death between reply and event, for an attempt that streamed nothing (a
+    cancel or timeout during prefill, an empty completion): a requeue would run it again
+    and answer it a second time. The scheduler checks the reply topic before requeueing:
+    "answered" gets only its terminal event; "unanswered" is requeued on b."""
+    a = await _answered_and_unanswered_on(cluster, stream=False)
+    obs = cluster.observer
+    (placed,) = obs.assigned("answered")
+    error = make_error(request_id="answered", attempt=placed.attempt, code="cancelled",
+                       message="cancelled during prefill", ts=time.time())
+    await cluster.produce(reply_topic(cluster.prefix, TENANT), encode(error), b"answered")
+    b = await cluster.worker("fake-b", 1)
+    await a.stop()  # dies before its event.aborted: dead after 3 intervals
+    await eventually(lambda: len(obs.assigned("unanswered")) == 2
+                     and bool(obs.terminal_events("answered")), what="both decided")
+    await asyncio.sleep(1.0)  # room for a requeue or a reply, were one coming
+    assert [r.attempt for r in obs.assigned("answered")] == [placed.attempt]
+    assert [e.code for e in obs.errors("answered")] == ["cancelled"]  # only the worker's
+    assert [e.code for e in obs.terminal_events("answered")] == ["worker_lost"]
+    assert "unanswered" in b.holding()
 
 
 async def test_garbage_goes_to_the_dead_letter_and_scheduling_goes_on(cluster: Cluster) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import random
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -26,7 +27,12 @@ from schemas.workers import (
     WorkerHeartbeat,
 )
 from services.scheduler import DEFAULT_PROFILE, QueueConfig, build_pipeline
-from services.scheduler.runtime.state import Effect, RuntimeConfig, SchedulerState
+from services.scheduler.runtime.state import (
+    Effect,
+    RuntimeConfig,
+    SchedulerState,
+    TickResult,
+)
 from tests.builders_schemas import make_admitted, make_heartbeat, make_request
 
 T = 1_700_000_000.0
@@ -88,6 +94,19 @@ def done(a: Assignment, worker: str) -> EventDone:
     return EventDone(request_id=a.request_id, tenant="acme", attempt=a.attempt,
                      worker_id=worker, ts=T + 2, finish_reason="stop",
                      usage=Usage(prompt_tokens=1_000, completion_tokens=20))
+
+
+def tick_and_release(state: SchedulerState, now: float, answered: frozenset[tuple[str, int]]
+                     = frozenset(), *, handle_losses: bool = True) -> TickResult:
+    """A dispatch cycle around a worker loss, as the app runs it: the tick, its held
+    requeues released once the reply-topic check is back (``answered``: the attempts found
+    answered), and the next tick, which places them. The first tick's result, with the
+    effects of all three."""
+    first = state.tick(now, handle_losses=handle_losses)
+    released = [e for h in first.held for e in state.release(h, h.check[:2] in answered, now)]
+    second = state.tick(now, handle_losses=handle_losses)
+    return replace(first, effects=[*first.effects, *released, *second.effects],
+                   placed=first.placed + second.placed)
 
 
 def ready_state(*workers: tuple[str, int], **config: Any) -> SchedulerState:
@@ -193,7 +212,7 @@ def test_worker_loss_requeues_unstreamed_work_and_fails_streamed() -> None:
     state.observe_event(EventFirstToken(request_id="chatty", tenant="acme", attempt=1,
                                         worker_id="w0", ts=T + 1, ttft_s=0.1))
     state.observe_heartbeat(beat("w1", 1, ts=T + 5))
-    result = state.tick(T + 5)  # w0 last beat at T: dead after 3 s
+    result = tick_and_release(state, T + 5)  # w0 last beat at T: dead after 3 s
     assert result.lost_workers == ["w0"] and result.requeued == 1
     ((partition, again),) = assignments(result.effects)
     assert (again.request_id, again.attempt, again.worker_id, partition) == ("quiet", 2, "w1", 1)
@@ -222,7 +241,7 @@ def test_only_the_replica_that_handles_losses_acts_on_one() -> None:
         state.observe_event(EventFirstToken(request_id="chatty", tenant="acme", attempt=1,
                                             worker_id="w0", ts=T + 1, ttft_s=0.1))
         state.observe_heartbeat(beat("w1", 1, ts=T + 5))
-    acted = leader.tick(T + 5, handle_losses=True)
+    acted = tick_and_release(leader, T + 5)
     idle = other.tick(T + 5, handle_losses=False)
     assert acted.lost_workers == ["w0"] and acted.requeued == 1
     assert (idle.lost_workers, idle.requeued, idle.effects) == ([], 0, [])
@@ -266,7 +285,7 @@ def test_a_restarted_worker_loses_only_its_earlier_processs_work() -> None:
     and leave what it placed on the new process alone."""
     state, _ = _quiet_and_chatty_on_a_restarted_w0()
     state.on_request(admitted("fresh"), ("tp", 2), T + 1)
-    result = state.tick(T + 1)
+    result = tick_and_release(state, T + 1)
     assert result.lost_workers == [] and result.restarted_workers == ["w0"]
     assert result.requeued == 1
     again = {a.request_id: a for _, a in assignments(result.effects)}
@@ -301,7 +320,7 @@ def test_a_restarted_scheduler_ends_work_stamped_for_a_replaced_process() -> Non
             after.observe_heartbeat(new_beat)
         after.restore()
         after.on_request(admitted("r1"), ("tp", 0), T)  # redelivered: acked, skipped
-        result = after.tick(T + 3)
+        result = tick_and_release(after, T + 3)
         assert result.restarted_workers == ["w0"] and result.requeued == 1
         ((_, again),) = assignments(result.effects)
         assert (again.request_id, again.attempt, again.worker_started_at) == ("r1", 2, T + 2)
@@ -310,14 +329,20 @@ def test_a_restarted_scheduler_ends_work_stamped_for_a_replaced_process() -> Non
 def test_a_worker_lost_ending_is_marked_for_the_reply_topic_check() -> None:
     """A worker killed between its terminal reply and its terminal event leaves a reply the
     scheduler never heard of: each worker_lost ending carries what the app needs to look
-    for it on the reply topic first (runtime.answered); a requeue carries nothing."""
+    for it on the reply topic first (runtime.answered), and so does each requeue, held
+    until the check is back (nothing of it is in the cycle's effects)."""
     state, placed = _quiet_and_chatty_on_a_restarted_w0()
     result = state.tick(T + 1)
     marked = [e.unless_answered for e in result.effects if e.unless_answered is not None]
-    chatty = placed["chatty"]
+    chatty, quiet = placed["chatty"], placed["quiet"]
     ((request_id, attempt, topic, key, assigned_at),) = marked
     assert (request_id, attempt, assigned_at) == ("chatty", 1, chatty.assigned_at)
     assert topic == chatty.admitted.reply_topic and key == b"chatty"
+    ((held_id, held_attempt, held_topic, held_key, held_at),) = [h.check for h in result.held]
+    assert (held_id, held_attempt, held_key, held_at) == ("quiet", 1, b"quiet",
+                                                          quiet.assigned_at)
+    assert held_topic == quiet.admitted.reply_topic
+    assert assignments(result.effects) == [] and state.log.status("quiet") == "lost"
 
 
 def test_an_unstamped_assignment_is_not_fenced() -> None:
@@ -394,7 +419,7 @@ def test_a_cancelled_running_request_is_not_requeued_when_its_worker_dies() -> N
     state.tick(T)
     assert not state.on_cancel(cancel("r1"), T)  # running: the worker's to abort
     state.observe_heartbeat(beat("w1", 1, ts=T + 5))
-    result = state.tick(T + 5)
+    result = tick_and_release(state, T + 5)
     assert assignments(result.effects) == []
     (error,) = replies(result.effects)
     assert (error.code, error.attempt) == ("cancelled", 2)
@@ -478,3 +503,59 @@ def test_a_cancel_not_yet_answered_of_a_request_placed_elsewhere_is_the_workers(
         result = here.tick(T + 1)
     assert replies(result.effects) == [] and events(result.effects) == []
     assert here.tracked() == 0 and caplog.records == []
+
+
+def _quiet_started_and_other_on_a_dead_w0() -> tuple[SchedulerState, dict[str, Assignment],
+                                                     TickResult]:
+    """"quiet" (started, no token) and "other" placed on w0, which then dies; no live
+    worker, so the requeues would wait in the queue."""
+    state = ready_state(("w0", 0))
+    state.on_request(admitted("quiet"), ("tp", 0), T)
+    state.on_request(admitted("other"), ("tp", 1), T)
+    placed = {a.request_id: a for _, a in assignments(state.tick(T).effects)}
+    state.observe_event(started(placed["quiet"], "w0"))
+    result = state.tick(T + 5)
+    assert result.lost_workers == ["w0"] and result.requeued == 2 and len(result.held) == 2
+    return state, placed, result
+
+
+def test_a_requeue_whose_attempt_was_answered_is_not_requeued() -> None:
+    """Its worker answered it (no token: a cancel or timeout during prefill, an empty
+    completion) and died before the terminal event: the reply is on the reply topic, so
+    only the terminal event goes out, and the request is not run again."""
+    state, _, result = _quiet_started_and_other_on_a_dead_w0()
+    state.observe_heartbeat(beat("w1", 1, ts=T + 6))
+    held = {h.record.request_id: h for h in result.held}
+    answered = state.release(held["quiet"], True, T + 6)
+    assert replies(answered) == [] and assignments(answered) == []
+    (event,) = events(answered)
+    assert isinstance(event, EventFailed) and (event.request_id, event.attempt) == ("quiet", 1)
+    assert state.log.status("quiet") == "finished"
+    assert state.release(held["other"], False, T + 6) == []  # requeued: placed next cycle
+    again = [a for _, a in assignments(state.tick(T + 6).effects)]
+    assert [(a.request_id, a.attempt) for a in again] == [("other", 2)]
+
+
+def test_a_requeue_is_dropped_when_the_terminal_event_comes_during_the_check() -> None:
+    state, placed, result = _quiet_started_and_other_on_a_dead_w0()
+    state.observe_event(done(placed["quiet"], "w0"))  # its event, read while checking
+    held = {h.record.request_id: h for h in result.held}
+    assert state.release(held["quiet"], False, T + 6) == []
+    state.release(held["other"], False, T + 6)
+    state.observe_heartbeat(beat("w1", 1, ts=T + 6))
+    again = [a for _, a in assignments(state.tick(T + 6).effects)]
+    assert [(a.request_id, a.attempt) for a in again] == [("other", 2)]
+
+
+def test_a_requeue_is_withdrawn_when_the_lost_attempts_terminal_event_comes_after_all() -> None:
+    """The worker answered, but its event was read after the requeue was released (the
+    check ran before its reply landed): placing the requeue would be a second terminal."""
+    state, placed, result = _quiet_started_and_other_on_a_dead_w0()
+    for held in result.held:
+        state.release(held, False, T + 5)  # no live worker: both wait in the queue
+    state.observe_event(done(placed["quiet"], "w0"))  # late: it did finish
+    assert state.requeues_withdrawn == 1
+    state.observe_heartbeat(beat("w1", 1, ts=T + 6))
+    again = [a for _, a in assignments(state.tick(T + 6).effects)]
+    assert [(a.request_id, a.attempt) for a in again] == [("other", 2)]
+    assert sum(state.depth().values()) == 0

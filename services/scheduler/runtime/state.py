@@ -196,6 +196,27 @@ class TickResult:
     deferred: Mapping[str, int] = field(default_factory=dict)
     #: Live workers seen restarted, whose earlier process's work was requeued or ended.
     restarted_workers: list[str] = field(default_factory=list)
+    #: Lost work to requeue once its reply topic shows no terminal for it
+    #: (:meth:`SchedulerState.release`).
+    held: tuple[HeldRequeue, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class HeldRequeue:
+    """A lost attempt that streamed nothing, to requeue unless it was answered after all.
+
+    Its worker may have sent a terminal reply without a token before it (a cancel or a
+    timeout during prefill, an empty completion) and died before the terminal event:
+    requeueing it would be a second terminal. So the requeue waits for the caller's read
+    of the reply partition (``runtime.answered``); meanwhile the log holds the attempt as
+    lost, so a redelivered intake record is skipped and a restarted scheduler decides it
+    again.
+    """
+
+    record: Assignment
+    fate: Requeue
+    #: (request_id, attempt, reply topic, reply key, assigned_at), as Effect.unless_answered.
+    check: tuple[str, int, str, bytes, float]
 
 
 @dataclass(slots=True)
@@ -228,6 +249,8 @@ class SchedulerState:
         self.spans: SpanRecorder = spans or NoSpans()
         #: Terminals the scheduler sent itself since start, by code (for metrics).
         self.ended: dict[ErrorCode, int] = {}
+        #: Requeues withdrawn because the lost attempt's terminal event came after all.
+        self.requeues_withdrawn = 0
         # Trace context of each active assignment (what its assignment record carried),
         # for the records of a requeue or a worker_lost ending.
         self._active_trace: dict[str, TraceHeaders] = {}
@@ -299,12 +322,29 @@ class SchedulerState:
         freed = self.ledger.release(event.request_id, event.attempt, at=event.ts) > 0
         if self.log.status(event.request_id) == "finished":
             self._active_trace.pop(event.request_id, None)
+            self._withdraw_answered_requeue(event)
         usage = event.usage
         if news and usage is not None:
             model = self.log.model_of(event.request_id)
             if model is not None:
                 self.drain.add(model, event.ts, usage.total_tokens)
         return freed
+
+    def _withdraw_answered_requeue(self, event: LifecycleEvent) -> None:
+        """A lost attempt's terminal event came after all (the worker answered, and its
+        event was read after the loss was decided): the requeue waiting for a worker would
+        be a second terminal. It leaves the queue."""
+        tracked = self._tracked.get(event.request_id)
+        if tracked is None or tracked.origin != "requeue" \
+                or tracked.queued.attempt <= event.attempt:
+            return
+        _log.warning("scheduler: %s#%d was answered by its worker after all (its terminal "
+                     "event came after the loss); its requeue at attempt %d is withdrawn",
+                     event.request_id, event.attempt, tracked.queued.attempt)
+        self.pending.remove(event.request_id)
+        self.pending.withdraw_cancelled(event.request_id)
+        self._untrack(event.request_id)
+        self.requeues_withdrawn += 1
 
     def restore(self) -> int:
         """Rebuild the ledger from the log (after both topics were read to their end):
@@ -393,17 +433,13 @@ class SchedulerState:
         effects: list[Effect] = []
         lost = [w for w in self.log.workers() if not self.fleet.is_alive(w, now)] \
             if handle_losses else []
-        requeued = 0
+        held: list[HeldRequeue] = []
         for worker_id in lost:
-            fates, count = self._lose_worker(worker_id, now)
-            effects.extend(fates)
-            requeued += count
+            held.extend(self._lose_worker(worker_id, now, effects))
         restarted: list[str] = []
         if handle_losses:
             for worker_id, records in self._replaced_work():
-                fates, count = self._lose_worker(worker_id, now, records)
-                effects.extend(fates)
-                requeued += count
+                held.extend(self._lose_worker(worker_id, now, effects, records))
                 restarted.append(worker_id)
         snapshot = self.fleet.snapshot(now)
         started = time.perf_counter()
@@ -435,8 +471,23 @@ class SchedulerState:
         placed_n = len(placements)
         self.drain.waiting(now, [m for m, (n, _) in self._pending_models.items() if n > 0])
         more = self.config.max_placements is not None and placed_n >= self.config.max_placements
-        return TickResult(effects, placed_n, rejected, requeued, lost, schedule_s, more,
-                          tuple(placements), deferred, restarted)
+        return TickResult(effects, placed_n, rejected, len(held), lost, schedule_s, more,
+                          tuple(placements), deferred, restarted, tuple(held))
+
+    def release(self, held: HeldRequeue, answered: bool, now: float) -> list[Effect]:
+        """The reply-topic check of a held requeue is back: requeue it, or, if its attempt
+        was answered (or its terminal event was read meanwhile), end it there."""
+        record = held.record
+        if self.log.status(record.request_id) == "finished":
+            return []  # the worker's terminal event came meanwhile: nothing to add
+        if not answered:
+            return self._requeue(record, held.fate, now)
+        _log.warning("scheduler: %s#%d was answered before its worker was lost (its terminal "
+                     "event is missing): not requeued", record.request_id, record.attempt)
+        effect = self._end(record.admitted, record.attempt, "worker_lost",
+                           f"{held.fate.reason}; answered before", record.worker_id, now, (),
+                           trace=self._active_trace.get(record.request_id, ()))
+        return [Effect(then=effect.then)]  # the event only: the reply is there
 
     def statuses(self, now: float) -> list[QueueStatus]:
         """``QueueStatus`` per model: queued demand, reserved KV, drain rate, live fleet."""
@@ -553,9 +604,11 @@ class SchedulerState:
         return found
 
     def _lose_worker(
-        self, worker_id: str, now: float, records: list[Assignment] | None = None
-    ) -> tuple[list[Effect], int]:
-        """The core decides each held request's fate; this records and publishes it.
+        self, worker_id: str, now: float, effects: list[Effect],
+        records: list[Assignment] | None = None,
+    ) -> list[HeldRequeue]:
+        """The core decides each held request's fate; this records it, adds the endings to
+        ``effects`` and returns the requeues, held for the reply-topic check.
         ``records``: the worker restarted, and only these (its earlier process's) are lost."""
         held = {a.request_id: a for a in
                 (self.log.active_on(worker_id) if records is None else records)}
@@ -564,24 +617,19 @@ class SchedulerState:
                 self._book(record)  # keeps "every active assignment is booked" true
         streamed = {rid for rid, a in held.items() if self.log.streamed(rid, a.attempt)}
         only = None if records is None else [(a.request_id, a.attempt) for a in records]
-        effects: list[Effect] = []
-        requeued = 0
+        requeues: list[HeldRequeue] = []
         for fate in requeue_lost(self.ledger, worker_id, streamed, only):
             if isinstance(fate, Requeue):
                 record = held[fate.request.request_id]
                 self.log.mark_lost(record.request_id, record.attempt)
-                effects.extend(self._requeue(record, fate, now))
-                requeued += 1
+                requeues.append(HeldRequeue(record, fate, _reply_check(record)))
             else:
                 record = held[fate.request_id]
                 effect = self._end(record.admitted, record.attempt, fate.code, fate.reason,
                                    worker_id, now, (),
                                    trace=self._active_trace.get(record.request_id, ()))
-                reply = effect.first[0]
-                effects.append(replace(effect, unless_answered=(
-                    record.request_id, record.attempt, reply.topic, reply.key,
-                    record.assigned_at)))
-        return effects, requeued
+                effects.append(replace(effect, unless_answered=_reply_check(record)))
+        return requeues
 
     def _requeue(self, record: Assignment, fate: Requeue, now: float) -> list[Effect]:
         request = fate.request
@@ -663,6 +711,13 @@ class SchedulerState:
         if figures[0] == 0:
             del self._pending_models[model]
         return tracked
+
+
+def _reply_check(record: Assignment) -> tuple[str, int, str, bytes, float]:
+    """Where an attempt's terminal reply would be (``Effect.unless_answered``)."""
+    reply_topic = record.admitted.reply_topic
+    return (record.request_id, record.attempt, reply_topic,
+            record.request_id.encode(), record.assigned_at)  # replies' key: request_id
 
 
 def _attributes(tracked: _Tracked, attempt: int) -> dict[str, str | int | float]:

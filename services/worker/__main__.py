@@ -56,7 +56,13 @@ def _parse(argv: Sequence[str] | None) -> dict[str, Any]:
                    "arrival (default; vLLM's --scheduling-policy priority), or arrival only")
     p.add_argument("--time-scale", dest="time_scale", type=float,
                    help="sim engine: real seconds per simulated second (default 1.0)")
-    p.add_argument("--heartbeat-interval", dest="heartbeat_interval_s", type=float)
+    p.add_argument("--heartbeat-interval", dest="heartbeat_interval_s", type=float,
+                   help="seconds between heartbeats (default 1.0; the scheduler declares a "
+                   "worker dead after 3 of them)")
+    p.add_argument("--lease-beats", dest="lease_beats", type=float,
+                   help="answer work only while the newest acknowledged heartbeat is younger "
+                   "than this many intervals, else fence (default 2.75; keep it under the "
+                   "scheduler's heartbeat_staleness, 3)")
     p.add_argument("--chunk-tokens", dest="chunk_tokens", type=int,
                    help="flush a chunk every N tokens (default 16)")
     p.add_argument("--chunk-ms", dest="chunk_ms", type=float,

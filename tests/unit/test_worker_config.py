@@ -34,6 +34,10 @@ def test_flags_become_settings() -> None:
     assert (ws.resolved_worker_id(), ws.time_scale, ws.chunk_tokens, ws.chunk_ms) == \
         ("w-3", 0.5, 8, 20.0)
     assert ws.heartbeat_interval_s == 1.0 and ws.resolved_drain_quiet_s() == 2.0
+    assert ws.lease_s() == 2.75  # 2.75 intervals of 1 s: under the scheduler's 3
+    leased = WorkerSettings(**_parse(["--slot", "0", "--heartbeat-interval", "0.5",
+                                      "--lease-beats", "2.5"]))
+    assert leased.lease_s() == 1.25
 
 
 def test_environment_and_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -47,7 +51,8 @@ def test_environment_and_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("bad", [{"slot": -1}, {"slot": 0, "pool": "huge"},
                                  {"slot": 0, "worker_id": "bad id"},
-                                 {"slot": 0, "time_scale": -1}])
+                                 {"slot": 0, "time_scale": -1},
+                                 {"slot": 0, "lease_beats": 1.0}])  # would fence between beats
 def test_bad_settings_are_refused(bad: dict[str, object]) -> None:
     with pytest.raises(ValidationError):
         WorkerSettings(**bad)  # type: ignore[arg-type]  # deliberately wrong

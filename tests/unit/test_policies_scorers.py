@@ -44,13 +44,22 @@ def test_queue_depth(running: int, waiting: int, max_num_seqs: int, score: float
 
 def test_throughput_is_relative_to_the_fleet_best() -> None:
     workers = [
-        make_worker("a", tokens_per_s=2_000.0),
-        make_worker("b", tokens_per_s=500.0),
-        make_worker("c", tokens_per_s=0.0),
+        make_worker("a", running=8, tokens_per_s=2_000.0),
+        make_worker("b", running=8, tokens_per_s=500.0),
+        make_worker("c", running=8, tokens_per_s=0.0),  # all of them in prefill
     ]
     assert scores(throughput.factory({}), workers) == [1.0, 0.25, 0.0]
-    idle = [make_worker("a", tokens_per_s=0.0)]
-    assert scores(throughput.factory({}), idle) == [0.0]
+    stuck = [make_worker("a", running=3, tokens_per_s=0.0)]
+    assert scores(throughput.factory({}), stuck) == [0.0]
+
+
+def test_throughput_of_an_idle_worker_is_unknown_not_zero() -> None:
+    """Running nothing, it generates nothing: scoring that 0 made its busy twin win every
+    tie and draw still more work."""
+    busy, idle = make_worker("busy", running=4, tokens_per_s=900.0), \
+        make_worker("idle", running=0, tokens_per_s=0.0)
+    assert scores(throughput.factory({}), [busy, idle]) == [1.0, 1.0]
+    assert scores(throughput.factory({}), [idle]) == [1.0]
 
 
 def test_prefix_affinity_names_the_last_worker_for_the_prefix() -> None:

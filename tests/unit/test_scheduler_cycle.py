@@ -85,6 +85,18 @@ def test_the_roomiest_worker_wins_by_default() -> None:
     assert placed(run([busy, idle], make_request("a"), ledger=ledger)) == [("a", "idle")]
 
 
+def test_an_idle_worker_beats_its_lightly_loaded_twin() -> None:
+    """Two workers of one kind at low load: the idle one gets the next request. Scoring
+    the idle one's throughput (0, it generates nothing) as slow gave its busy twin every
+    such request (seen live: one of two workers got almost no work)."""
+    ledger = Ledger()
+    busy = make_worker("busy", running=2, tokens_per_s=600.0)
+    idle = make_worker("idle", running=0, tokens_per_s=0.0)
+    for i in range(2):
+        ledger.reserve(busy, make_request(f"x{i}", kv_tokens=512))
+    assert placed(run([busy, idle], make_request("a"), ledger=ledger)) == [("a", "idle")]
+
+
 @pytest.mark.parametrize(
     ("worker", "why"),
     [

@@ -1,10 +1,17 @@
 """Scorer ``throughput``: prefer the worker that has recently generated tokens fastest.
 
 Formula: ``score = tokens_per_s / max(tokens_per_s over fresh workers)``, clipped to
-[0, 1]; 0 when no fresh worker reports any throughput. Relative to the fleet's best, so
-the score means the same on slow and fast hardware.
+[0, 1]; a worker running nothing scores 1. Relative to the fleet's best, so the score means
+the same on slow and fast hardware.
 
-Reads: ``worker.tokens_per_s``; the snapshot (its fleet maximum, computed once).
+An idle worker generates nothing, so its measured throughput is 0: scored as such, it lost
+every tie to a busy twin, which drew still more work (a live fleet of three showed an idle
+worker getting almost none at low load). Its speed is unknown, not slow, so it gets the
+benefit of the doubt. Among busy workers the measure still grows with the batch; the
+``kv-headroom`` and ``queue-depth`` scorers (weights 2 and 1 against 0.5) outweigh that.
+
+Reads: ``worker.tokens_per_s``, ``worker.running``; the snapshot (its fleet maximum,
+computed once).
 
 Config (no parameters)::
 
@@ -28,10 +35,8 @@ class Throughput:
         self, workers: Sequence[WorkerState], request: QueuedRequest, ctx: PlacementContext
     ) -> list[float]:
         best = ctx.max_tokens_per_s
-        if best <= 0.0:
-            return [0.0] * len(workers)
-        scale = 1.0 / best
-        return [_clip(w.tokens_per_s * scale) for w in workers]
+        scale = 1.0 / best if best > 0.0 else 0.0
+        return [1.0 if w.running <= 0 else _clip(w.tokens_per_s * scale) for w in workers]
 
 
 def _clip(x: float) -> float:

@@ -6,9 +6,12 @@ frozen value; nothing below ``main`` reads ``os.environ`` (STYLE.md §8).
 
 from __future__ import annotations
 
+import difflib
+import sys
+from collections.abc import Mapping
 from pathlib import Path
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import AliasChoices, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from schemas.common import TOPIC_PREFIX_MAX, TOPIC_PREFIX_PATTERN
@@ -94,3 +97,31 @@ def describe_invalid(exc: ValidationError, prefix: str = "LLMQ_") -> str:
         value = error.get("input")
         lines.append(f"{name}={value!r}: {error['msg']}")
     return "; ".join(lines)
+
+
+def warn_unknown_env(
+    service: str, settings_cls: type[BaseSettings], environ: Mapping[str, str]
+) -> None:
+    """At a service's start (``main`` passes ``os.environ``): each :func:`unknown_env`
+    warning on stderr."""
+    for warning in unknown_env(settings_cls, environ):
+        print(f"{service}: warning: {warning}", file=sys.stderr, flush=True)
+
+
+def unknown_env(settings_cls: type[BaseSettings], environ: Mapping[str, str]) -> list[str]:
+    """Variables of ``environ`` with ``settings_cls``'s prefix (``LLMQ_WORKER_`` ...) that
+    name none of its settings, each as a warning naming the closest one: pydantic-settings
+    ignores them in silence, so a misspelt setting would just not apply."""
+    prefix = str(settings_cls.model_config.get("env_prefix", "")).upper()
+    known = {f"{prefix}{name}".upper() for name in settings_cls.model_fields}
+    for field in settings_cls.model_fields.values():
+        alias = field.validation_alias
+        names = alias.choices if isinstance(alias, AliasChoices) else [alias]
+        known.update(n.upper() for n in names if isinstance(n, str))
+    warnings = []
+    for var in sorted(environ):
+        if var.upper().startswith(prefix) and var.upper() not in known:
+            close = difflib.get_close_matches(var.upper(), sorted(known), n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            warnings.append(f"{var} is not a setting and is ignored{hint}")
+    return warnings

@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import socket
 import sys
@@ -24,7 +25,7 @@ import uvicorn
 from pydantic import ValidationError
 
 from services.common import tracing
-from services.common.settings import Settings
+from services.common.settings import Settings, warn_unknown_env
 from services.health.consul_registry import ConsulRegistry
 from services.health.http import create_app
 from services.health.metrics import HealthMetrics
@@ -104,6 +105,7 @@ async def serve(
 
 def main(argv: Sequence[str] | None = None) -> int:
     overrides = _parse(argv)
+    warn_unknown_env("health", HealthSettings, os.environ)
     try:
         settings = Settings()
         hs = HealthSettings(**overrides)

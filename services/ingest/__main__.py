@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -28,7 +29,7 @@ from pydantic import ValidationError
 from services.common import metrics, tracing
 from services.common.faust_app import run_app
 from services.common.kafka import ensure_topics
-from services.common.settings import Settings
+from services.common.settings import Settings, warn_unknown_env
 from services.ingest.app import IngestRuntime, app_id, build_app
 from services.ingest.core import ModelRegistry, TokenCounter, counter_from_tokenizer_json
 from services.ingest.http import HttpDeps, create_api
@@ -76,6 +77,7 @@ def _counters(registry: ModelRegistry) -> Mapping[str, TokenCounter]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     overrides = _parse(argv)
+    warn_unknown_env("ingest", IngestSettings, os.environ)
     try:
         settings = Settings()
         ingest = IngestSettings(**overrides)

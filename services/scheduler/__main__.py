@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -22,7 +23,7 @@ from pydantic import ValidationError
 from services.common import tracing
 from services.common.faust_app import leader_topic, run_app
 from services.common.kafka import ensure_topics
-from services.common.settings import Settings
+from services.common.settings import Settings, warn_unknown_env
 from services.scheduler import ConfigError, build_pipeline
 from services.scheduler.app import SchedulerRuntime, app_id, build_app
 from services.scheduler.runtime.topics import SchedulerTopics
@@ -50,6 +51,7 @@ def _parse(argv: Sequence[str] | None) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     overrides = _parse(argv)
+    warn_unknown_env("scheduler", SchedulerSettings, os.environ)
     try:
         settings = Settings()
         scheduler = SchedulerSettings(**overrides)

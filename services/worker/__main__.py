@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -23,7 +24,7 @@ from aiokafka.errors import KafkaError
 from pydantic import ValidationError
 
 from services.common import tracing
-from services.common.settings import Settings
+from services.common.settings import Settings, warn_unknown_env
 from services.worker.app import Worker, WorkerIdentity
 from services.worker.engines.registry import EngineConfig, build_engine
 from services.worker.engines.sim.profiles import get_profile
@@ -115,6 +116,7 @@ async def _serve(worker: Worker) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     overrides = _parse(argv)
+    warn_unknown_env("worker", WorkerSettings, os.environ)
     try:
         worker = build(overrides)
     except (ValidationError, ValueError) as exc:

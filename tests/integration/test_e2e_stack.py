@@ -70,7 +70,6 @@ class LiveStack:
         self.http_port = self.cfg.http_port
         self.env = settings_env(self.settings) | {
             "LLMQ_TENANTS_FILE": str(_tenants_file(tmp / "tenants.toml")),
-            "LLMQ_WORKER_HEARTBEAT_INTERVAL": "0.5",
         }
         self.specs = stack_services(self.cfg)
         self.log_dir = tmp / "logs"

@@ -92,7 +92,6 @@ class TracedStack:
         self.specs = stack_services(cfg)
         env = settings_env(self.settings) | {
             "LLMQ_TENANTS_FILE": str(write_tenants_file(tmp / "tenants.toml")),
-            "LLMQ_WORKER_HEARTBEAT_INTERVAL": "0.5",
             "LLMQ_HEALTH_LAG_S": "0.5",
             "LLMQ_OTLP_ENDPOINT": OTLP_HTTP_TRACES,
             # Export spans within half a second instead of the default 5 s batches.

@@ -41,7 +41,6 @@ class LiveStack:
         specs = stack_services(cfg)
         env = settings_env(self.settings) | {
             "LLMQ_TENANTS_FILE": str(write_tenants_file(tmp / "tenants.toml")),
-            "LLMQ_WORKER_HEARTBEAT_INTERVAL": "0.5",
             "LLMQ_HEALTH_LAG_S": "0.5",
         }
         self.log_dir = tmp / "logs"

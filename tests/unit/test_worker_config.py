@@ -8,8 +8,14 @@ import sys
 
 import pytest
 from pydantic import ValidationError
+from pydantic_settings import BaseSettings
 
+from services.common.settings import unknown_env
+from services.health.settings import HealthSettings
+from services.ingest.settings import IngestSettings
+from services.scheduler.settings import SchedulerSettings
 from services.worker.__main__ import _parse, build
+from services.worker.__main__ import main as worker_main
 from services.worker.engines.base import GenerateRequest
 from services.worker.engines.openai import OpenAIEngine, request_body
 from services.worker.engines.registry import ENGINES, EngineConfig, build_engine
@@ -148,3 +154,31 @@ def test_pick_holder(claims: dict[str, bytes | None], want: str) -> None:
 
 def test_slot_group_name() -> None:
     assert slot_group("llmq", 7) == "llmq-worker-slot-7"
+
+
+def test_a_misspelt_setting_is_named_with_the_closest_one() -> None:
+    """pydantic-settings ignores an unknown LLMQ_WORKER_* in silence: the setting would
+    just not apply (three test stacks set LLMQ_WORKER_HEARTBEAT_INTERVAL for months)."""
+    env = {"LLMQ_WORKER_HEARTBEAT_INTERVAL": "0.5", "LLMQ_WORKER_SLOT": "1",
+           "LLMQ_WORKER_METRICS_PORT": "9100", "llmq_worker_chunk_ms": "20",
+           "LLMQ_SCHEDULER_SEED": "3", "PATH": "/bin"}
+    assert unknown_env(WorkerSettings, env) == [
+        "LLMQ_WORKER_HEARTBEAT_INTERVAL is not a setting and is ignored "
+        "(did you mean LLMQ_WORKER_HEARTBEAT_INTERVAL_S?)"]
+
+
+@pytest.mark.parametrize("cls", [WorkerSettings, SchedulerSettings, IngestSettings,
+                                 HealthSettings])
+def test_every_setting_and_alias_is_known(cls: type[BaseSettings]) -> None:
+    prefix = str(cls.model_config["env_prefix"])
+    assert unknown_env(cls, {f"{prefix}{name}".upper(): "x" for name in cls.model_fields}) == []
+
+
+def test_the_worker_warns_of_unknown_settings_on_stderr(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LLMQ_WORKER_SLOTT", "2")
+    assert worker_main(["--slot", "-1"]) == 2  # invalid: stops before connecting
+    err = capsys.readouterr().err
+    assert "worker: warning: LLMQ_WORKER_SLOTT is not a setting and is ignored " \
+           "(did you mean LLMQ_WORKER_SLOT?)" in err

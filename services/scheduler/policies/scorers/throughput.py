@@ -7,8 +7,11 @@ the same on slow and fast hardware.
 An idle worker generates nothing, so its measured throughput is 0: scored as such, it lost
 every tie to a busy twin, which drew still more work (a live fleet of three showed an idle
 worker getting almost none at low load). Its speed is unknown, not slow, so it gets the
-benefit of the doubt. Among busy workers the measure still grows with the batch; the
-``kv-headroom`` and ``queue-depth`` scorers (weights 2 and 1 against 0.5) outweigh that.
+benefit of the doubt. Among busy workers the measure still grows with the batch, and at low
+load it still decides between two busy ones (one request moves ``queue-depth`` by only
+1/max_num_seqs): a live pair of sim workers at 1–4 requests/s split the work 39/21 to 16/44
+(60/0 to 0/60 before). Per-sequence speed (tokens/s ÷ running) would favour the lighter
+one, but measured mixed on the policy benchmark (docs/benchmarks.md, "Seventh round").
 
 Reads: ``worker.tokens_per_s``, ``worker.running``; the snapshot (its fleet maximum,
 computed once).

@@ -206,10 +206,14 @@ def settings_env(settings: Settings) -> dict[str, str]:
 
 def run_foreground(stack: Stack, on_started: Callable[[], object] | None = None) -> int:
     """Run until Ctrl-C / SIGTERM or until a child dies; returns the exit status."""
-    stopping = threading.Event()
+    # A plain flag, not a threading.Event: the handler runs in the main thread between two
+    # bytecodes, possibly while that thread holds the Event's lock inside Event.wait(), and
+    # Event.set() would then wait on it forever (seen: `timeout … make up` hung, its
+    # children zombies; the same bug as CPython's multiprocessing.Event, gh-126434).
+    stopping: list[int] = []
 
     def _on_signal(signum: int, _frame: object) -> None:
-        stopping.set()
+        stopping.append(signum)
 
     # SIGHUP (the terminal closed, ssh dropped) and SIGQUIT stop the stack like SIGTERM:
     # the children run in their own sessions, so nothing else would ever stop them.
@@ -220,7 +224,7 @@ def run_foreground(stack: Stack, on_started: Callable[[], object] | None = None)
         stack.start()
         if on_started is not None:
             on_started()
-        while not stopping.is_set():
+        while not stopping:
             dead = stack.failed()
             if dead:
                 name, code = dead[0]
@@ -228,7 +232,8 @@ def run_foreground(stack: Stack, on_started: Callable[[], object] | None = None)
                       file=sys.stderr)
                 status = 1
                 break
-            stopping.wait(0.5)
+            time.sleep(0.5)  # a signal cuts it short (PEP 475: the handler runs, then it
+            # sleeps on; at most half a second more)
     except KeyboardInterrupt:
         pass
     finally:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -85,6 +86,33 @@ def test_a_hangup_stops_the_stack_like_sigterm(tmp_path: Path, sig: int) -> None
 
     assert run_foreground(stack, on_started=started) == 0
     assert not any(_alive(p.pid) and p.poll() is None for _, p in stack.procs)
+
+
+def test_the_stop_signal_handler_takes_no_lock(tmp_path: Path) -> None:
+    """The handler runs in the main thread between two bytecodes, maybe while that thread
+    holds a lock of the very wait it is in: a handler that takes that lock (it called
+    threading.Event.set(), whose Condition wraps a plain Lock) waits forever. `timeout …
+    make up` hung that way, its children zombies. So the handler only notes the signal."""
+    stack = Stack([_spec(tmp_path, "ingest")], {})
+    called: list[str] = []
+
+    def started() -> None:
+        _wait_ready(tmp_path, "ingest")
+        handler = signal.getsignal(signal.SIGTERM)
+        assert callable(handler)
+
+        def profile(frame: Any, event: str, _arg: object) -> None:
+            if event in ("call", "c_call"):
+                called.append(f"{frame.f_code.co_filename}:{frame.f_code.co_qualname}")
+
+        sys.setprofile(profile)
+        try:
+            handler(signal.SIGTERM, None)  # as the kernel would, mid-wait
+        finally:
+            sys.setprofile(None)
+
+    assert run_foreground(stack, on_started=started) == 0  # ... and it still stops
+    assert not [c for c in called if "threading" in c], called
 
 
 def test_llmq_down_drains_detached_workers_before_the_other_services(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ import asyncio
 import base64
 import subprocess
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,16 @@ from services.common.settings import PROJECT_ROOT, Settings
 from services.dev import process
 
 INFRA_DIR = PROJECT_ROOT / "infra" / "kafka"
+
+
+def new_cluster_id(draw: Callable[[], bytes] = lambda: uuid.uuid4().bytes) -> str:
+    """A KRaft cluster id: 16 random bytes in URL-safe base64, never starting with "-"
+    (the storage tool would read such an id as an option and fail, 1 format in 64 — as
+    Kafka's own ``Uuid.randomUuid`` avoids)."""
+    while True:
+        cluster_id = base64.urlsafe_b64encode(draw()).rstrip(b"=").decode()
+        if not cluster_id.startswith("-"):
+            return cluster_id
 
 
 class BrokerError(RuntimeError):
@@ -160,7 +171,7 @@ class KafkaBroker:
     def _format_once(self, libs: Path) -> None:
         if (self.cfg.data_dir / "logs" / "meta.properties").exists():
             return
-        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
+        cluster_id = new_cluster_id()
         cmd = self._java_cmd(
             libs, "kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(self.props_file)
         )

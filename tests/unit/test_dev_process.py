@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from services.dev import process
+from services.dev.kafka_broker import new_cluster_id
 
 
 def test_start_find_by_pid_file_and_stop(tmp_path: Path) -> None:
@@ -70,3 +71,12 @@ def test_a_start_that_never_gets_ready_is_stopped(tmp_path: Path) -> None:
     except RuntimeError:
         pass
     assert proc.returncode is not None and not pid_file.exists()
+
+
+def test_a_cluster_id_never_starts_with_a_dash() -> None:
+    """URL-safe base64 of random bytes starts with "-" one time in 64; the storage tool then
+    reads the id as an option ("argument --cluster-id/-t: expected one argument") and the
+    broker never starts (seen in CI)."""
+    draws = iter([b"\xf8" + bytes(15), b"\x00" * 16])  # the first encodes to "-AAA..."
+    assert new_cluster_id(lambda: next(draws)) == "A" * 22
+    assert all(not new_cluster_id().startswith("-") for _ in range(2_000))

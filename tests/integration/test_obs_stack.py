@@ -152,7 +152,8 @@ async def _poison_intake(stack: TracedStack, bootstrap: str) -> None:
 
 
 def _trace(trace_id: str, deadline_s: float = 30.0) -> dict[str, Any]:
-    """The trace from Jaeger once its spans from all three services arrived."""
+    """The trace from Jaeger once its spans from all three services arrived, the ingest's
+    HTTP span included."""
     deadline = time.monotonic() + deadline_s
     last: dict[str, Any] = {}
     while time.monotonic() < deadline:
@@ -161,8 +162,10 @@ def _trace(trace_id: str, deadline_s: float = 30.0) -> dict[str, Any]:
             last = resp.json()["data"][0]
             services = {p["serviceName"] for p in last["processes"].values()}
             names = {s["operationName"] for s in last["spans"]}
+            # The HTTP server span ends last (after the response) and may come a batch later.
             if {"llmq-ingest", "llmq-scheduler", "llmq-worker"} <= services and \
-                    "llmq.placement" in names and any(n.startswith("chat ") for n in names):
+                    {"llmq.placement", "POST /v1/chat/completions"} <= names and \
+                    any(n.startswith("chat ") for n in names):
                 return last
         time.sleep(0.5)
     raise AssertionError(f"trace {trace_id} incomplete in Jaeger after {deadline_s} s: "

@@ -345,16 +345,14 @@ class Scheduler:
                          "topics; ending or requeueing them as if unanswered", len(wanted),
                          exc_info=True)
             found = set()
+        out = []
         for e in effects:
             if e.unless_answered is not None and e.unless_answered[:2] in found:
                 _log.warning("scheduler: %s#%d was answered before its worker was lost (its "
                              "terminal event is missing): no worker_lost reply",
                              *e.unless_answered[:2])
-        out = [
-            Effect(then=e.then, tickets=e.tickets)
-            if e.unless_answered is not None and e.unless_answered[:2] in found else e
-            for e in effects
-        ]
+                e = Effect(then=e.then, tickets=e.tickets)  # the event only
+            out.append(e)
         now = self.clock()
         for h in held:
             out.extend(self.state.release(h, h.check[:2] in found, now))

@@ -133,6 +133,10 @@ def defer_reason(reason: str) -> str:
 #: KV of the stand-in worker a restored reservation is booked on (see ``_book``).
 _UNBOUNDED: Final = 1 << 62
 
+#: Where a lost attempt's terminal reply would be, for ``runtime.answered``:
+#: (request_id, attempt, reply topic, reply key, assigned_at).
+ReplyCheck = tuple[str, int, str, bytes, float]
+
 
 @dataclass(frozen=True, slots=True)
 class Effect:
@@ -145,10 +149,9 @@ class Effect:
     first: tuple[Outgoing, ...] = ()
     then: tuple[Outgoing, ...] = ()
     tickets: tuple[Ticket, ...] = ()
-    #: A worker_lost ending: (request_id, attempt, reply topic, reply key, assigned_at).
-    #: Its reply is dropped if the attempt's terminal is on the reply topic already
-    #: (``services.scheduler.runtime.answered``).
-    unless_answered: tuple[str, int, str, bytes, float] | None = None
+    #: A worker_lost ending: its reply is dropped if the attempt's terminal is on the reply
+    #: topic already (``services.scheduler.runtime.answered``).
+    unless_answered: ReplyCheck | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,8 +218,7 @@ class HeldRequeue:
 
     record: Assignment
     fate: Requeue
-    #: (request_id, attempt, reply topic, reply key, assigned_at), as Effect.unless_answered.
-    check: tuple[str, int, str, bytes, float]
+    check: ReplyCheck
 
 
 @dataclass(slots=True)
@@ -713,8 +715,8 @@ class SchedulerState:
         return tracked
 
 
-def _reply_check(record: Assignment) -> tuple[str, int, str, bytes, float]:
-    """Where an attempt's terminal reply would be (``Effect.unless_answered``)."""
+def _reply_check(record: Assignment) -> ReplyCheck:
+    """Where an attempt's terminal reply would be."""
     reply_topic = record.admitted.reply_topic
     return (record.request_id, record.attempt, reply_topic,
             record.request_id.encode(), record.assigned_at)  # replies' key: request_id

@@ -10,7 +10,9 @@ from typing import Final, Literal
 
 #: 2: ``Assignment.engine_priority`` (readers of 1 refuse it; 2 reads 1's messages).
 #: 3: ``Assignment.worker_started_at`` (readers of 2 refuse it; 3 reads 1's and 2's).
-SCHEMA_VERSION: Final = 3
+#: 4: ``WorkerHeartbeat.renew`` and the ``lease`` control message (readers of 3 refuse both;
+#: 4 reads 1's to 3's).
+SCHEMA_VERSION: Final = 4
 
 Priority = Literal["high", "normal", "low"]
 PRIORITIES: Final[tuple[Priority, ...]] = ("high", "normal", "low")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Final, TypedDict
 
 from schemas.base import WireMessage
-from schemas.control import CancelRequest, DrainWorker
+from schemas.control import CancelRequest, DrainWorker, LeaseAnswer
 from schemas.replies import Done, Error, Timings, TokenChunk, Usage
 from schemas.requests import (
     AdmittedRequest,
@@ -171,6 +171,14 @@ def examples() -> tuple[WireMessage, ...]:
             reason="client disconnected",
             issued_by="ingest",
             issued_at=T0 + 0.080,
+        ),
+        LeaseAnswer(
+            worker_id=WORKER_ID,
+            started_at=T0 - 3600.0,
+            seq=3601,
+            granted=True,
+            issued_by="scheduler-1",
+            issued_at=T0 + 1.2,
         ),
         QueueStatus(
             model=MODEL,

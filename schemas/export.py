@@ -51,6 +51,7 @@ _SENDS_ONLY: Final[dict[tuple[str, str], tuple[str, ...]]] = {
     ("replies", "ingest"): ("Error",),  # rejections
     ("control", "health"): ("DrainWorker",),
     ("control", "ingest"): ("CancelRequest",),  # client disconnects
+    ("control", "scheduler"): ("LeaseAnswer",),
 }
 
 _TRACE_HEADERS: Final = {

@@ -14,7 +14,7 @@ from typing import Annotated, Final
 from pydantic import Field, TypeAdapter
 
 from schemas.base import WireMessage
-from schemas.control import CancelRequest, ControlMessage, DrainWorker
+from schemas.control import CancelRequest, ControlMessage, DrainWorker, LeaseAnswer
 from schemas.replies import Done, Error, ReplyMessage, TokenChunk
 from schemas.requests import AdmittedRequest, Assignment, InferenceRequest
 from schemas.status import QueueStatus
@@ -44,6 +44,7 @@ MESSAGE_MODELS: Final[tuple[type[WireMessage], ...]] = (
     Error,
     DrainWorker,
     CancelRequest,
+    LeaseAnswer,
     QueueStatus,
 )
 
@@ -76,6 +77,7 @@ AnyMessage = Annotated[
     | Error
     | DrainWorker
     | CancelRequest
+    | LeaseAnswer
     | QueueStatus,
     Field(discriminator="kind"),
 ]

@@ -28,7 +28,7 @@ from schemas.common import (
     Lane,
     Priority,
 )
-from schemas.control import CancelRequest, DrainWorker
+from schemas.control import CancelRequest, DrainWorker, LeaseAnswer
 from schemas.messages import (
     ASSIGNMENT_ADAPTER,
     CONTROL_ADAPTER,
@@ -245,10 +245,13 @@ def catalog(
             key="worker_id or request_id",
             partitions=3,
             cleanup_policy="delete",
-            models=(DrainWorker, CancelRequest),
+            models=(DrainWorker, CancelRequest, LeaseAnswer),
             adapter=CONTROL_ADAPTER,
-            description="Commands: drain (keyed by worker_id), cancel (keyed by request_id).",
-            producers=("cli", "health", "ingest"),
+            description=(
+                "Commands: drain (keyed by worker_id), cancel (keyed by request_id), the "
+                "scheduler's answer to a lease renewal (keyed by worker_id)."
+            ),
+            producers=("cli", "health", "ingest", "scheduler"),
             consumers=("scheduler", "worker"),
         ),
         TopicSpec(
@@ -300,6 +303,7 @@ KEY_FIELD: Final[Mapping[type[WireMessage], str]] = MappingProxyType(
         Error: "request_id",
         DrainWorker: "worker_id",
         CancelRequest: "request_id",
+        LeaseAnswer: "worker_id",
         QueueStatus: "model",
     }
 )

@@ -77,6 +77,12 @@ class WorkerHeartbeat(WireMessage):
     )
     seq: Count = Field(description="Heartbeat counter of this process, from 0.")
     ts: Timestamp = Field(description="Time of measurement, Unix seconds.")
+    renew: bool = Field(
+        default=False,
+        description="True while the worker's lease has lapsed (a pause, a late ack): it "
+        "holds its runs' records and asks the scheduler whether its work is still its own. "
+        "The scheduler answers with a LeaseAnswer on llmq.control.",
+    )
 
     @field_validator("kv_free_tokens", "kv_free_bytes", "vram_used_bytes")
     @classmethod

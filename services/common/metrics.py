@@ -160,6 +160,17 @@ FENCES: Final = Counter(
     "lease_beats intervals), so its runs ended unanswered for the scheduler to requeue.",
     ["worker"], registry=REGISTRY,
 )
+LEASE_RENEWALS: Final = Counter(
+    "llmq_worker_lease_renewals_total",
+    "Lapsed leases a worker asked the scheduler to renew, by how the asking ended: granted "
+    "(runs went on), revoked or unanswered (the worker fenced).",
+    ["worker", "outcome"], registry=REGISTRY,
+)
+LEASE_ANSWERS: Final = Counter(
+    "llmq_lease_answers_total",
+    "The scheduler's answers to workers asking to renew a lapsed lease.",
+    ["answer"], registry=REGISTRY,
+)
 
 # -- Kafka plumbing ---------------------------------------------------------------------------
 CONSUMER_LAG: Final = Gauge(
@@ -251,12 +262,12 @@ OWNED: Final[dict[str, tuple[MetricWrapperBase | Collector, ...]]] = {
     "ingest": (REQUESTS, REJECTIONS, ADMITTED_TOKENS, DEAD_LETTERS),
     "scheduler": (
         QUEUE_DEPTH, QUEUE_WAIT, SCHEDULE_DECISION, PLACEMENTS, PLACEMENT_FAILURES, REQUEUES,
-        WORKER_LOSSES, WORKER_RESTARTS, RESERVED_KV, PAUSED_TOPICS, OUTBOX_EFFECTS,
-        SEND_FAILURES, REQUESTS, DEAD_LETTERS,
+        WORKER_LOSSES, WORKER_RESTARTS, LEASE_ANSWERS, RESERVED_KV, PAUSED_TOPICS,
+        OUTBOX_EFFECTS, SEND_FAILURES, REQUESTS, DEAD_LETTERS,
     ),
     "worker": (
         REQUESTS, TTFT, E2E, GENERATED_TOKENS, KV_UTILIZATION, KV_TOTAL_TOKENS, RUNNING,
-        WAITING, VRAM_USED, VRAM_TOTAL, GPU_UTILIZATION, DRAINING, FENCES,
+        WAITING, VRAM_USED, VRAM_TOTAL, GPU_UTILIZATION, DRAINING, FENCES, LEASE_RENEWALS,
         DEAD_LETTERS,
     ),
     "health": (

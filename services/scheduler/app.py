@@ -185,6 +185,7 @@ class Scheduler:
                 assignments_topic=topics.assignments,
                 events_topic=topics.events,
                 status_topic=topics.status,
+                control_topic=topics.control,
                 default_block_size=cfg.default_block_size,
                 max_placements=cfg.max_placements_per_cycle,
                 kv_safety_margin=cfg.kv_safety_margin,
@@ -477,7 +478,10 @@ class Scheduler:
             if record.key is not None:
                 self.state.forget_worker(record.key.decode(errors="replace"))
             return
-        self.state.observe_heartbeat(decode(record.value, HEARTBEAT_ADAPTER))
+        hb = decode(record.value, HEARTBEAT_ADAPTER)
+        self.state.observe_heartbeat(hb)
+        if hb.renew:
+            self.wake.set()  # a worker holds its output until the next cycle answers it
 
     def _on_assignment(self, record: Any) -> None:
         assigned = decode(record.value, ASSIGNMENT_ADAPTER)

@@ -64,6 +64,10 @@ def _parse(argv: Sequence[str] | None) -> dict[str, Any]:
                    help="answer work only while the newest acknowledged heartbeat is younger "
                    "than this many intervals, else fence (default 2.75; keep it under the "
                    "scheduler's heartbeat_staleness, 3)")
+    p.add_argument("--lease-ask-beats", dest="lease_ask_beats", type=float,
+                   help="once the lease lapses, hold output and ask the scheduler for up to "
+                   "this many intervals whether the work is still ours, then fence "
+                   "(default 2; 0 fences at once)")
     p.add_argument("--chunk-tokens", dest="chunk_tokens", type=int,
                    help="flush a chunk every N tokens (default 16)")
     p.add_argument("--chunk-ms", dest="chunk_ms", type=float,

@@ -22,8 +22,11 @@ explains the lock). Its tasks:
 Fencing (:mod:`services.worker.core.lease`): the worker answers its work only while its
 newest acknowledged heartbeat is younger than ``lease_beats`` intervals, i.e. before the
 scheduler can have declared it dead and given the work away. A process that finds its lease
-lapsed (it was paused, frozen or cut off from the broker) ends its runs unanswered and
-carries on as a new incarnation: ``started_at`` moves forward by
+lapsed (it was paused, frozen or cut off from the broker) first asks: its runs hold their
+records, its heartbeats carry ``renew``, and the scheduler's ``LeaseAnswer`` on the control
+topic decides — granted, the runs go on as if nothing happened; refused, or no answer within
+``lease_ask_beats`` intervals, the process ends its runs unanswered and carries on as a new
+incarnation: ``started_at`` moves forward by
 :data:`INCARNATION_STEP_S`, so its next heartbeat reads as a restart to the scheduler
 (which requeues or ends what the earlier incarnation held) and the assignments stamped for
 the earlier incarnation are dropped like those of an earlier process. The step is tiny, so
@@ -59,6 +62,7 @@ from aiokafka.structs import OffsetAndMetadata
 
 from schemas.codec import decode
 from schemas.common import Pool
+from schemas.control import LeaseAnswer
 from schemas.messages import ASSIGNMENT_ADAPTER
 from schemas.replies import Error
 from schemas.requests import Assignment
@@ -79,7 +83,7 @@ from services.worker.core import (
     encode_done,
     heartbeat_fields,
 )
-from services.worker.core.lease import Lease
+from services.worker.core.lease import Lease, Verdict
 from services.worker.engines.base import Engine
 from services.worker.gpu import NvmlProbe
 from services.worker.kafka_io import ControlMessage, ControlReader, Publisher, WorkerTopics
@@ -148,7 +152,12 @@ class Worker:
         self.started_at = clock()
         self._process_started_at = self.started_at
         self._fences = 0
-        self.lease = Lease(ws.lease_s(), time.monotonic())
+        self.lease = Lease(ws.lease_s(), time.monotonic(), ws.lease_ask_s())
+        # Set whenever an asked renewal ends (granted, or fenced): held runs look again.
+        self._lease_settled = asyncio.Event()
+        self._lease_settled.set()
+        # Renewing heartbeats sent while asking: seq -> monotonic creation time.
+        self._renew_beats: dict[int, float] = {}
         self.metrics = WorkerMetrics(identity.worker_id)
         self.ledger = AttemptLedger(ws.dedupe_capacity)
         self.cancels = RecentCancels(ws.cancel_memory_s)
@@ -442,8 +451,8 @@ class Worker:
 
         incarnation = self.started_at
 
-        def may_send() -> bool:
-            return self.may_answer(incarnation)
+        async def may_send() -> bool:
+            return await self.may_answer(incarnation)
 
         run = RequestRun(a, self.engine, self._publisher, self.run_cfg, clock=self._clock,
                          on_tokens=self._count_tokens, on_first_token=first_token,
@@ -481,7 +490,7 @@ class Worker:
     async def _answer_cancelled(self, a: Assignment, headers: tracing.Headers) -> bool:
         """A late assignment of a cancelled request: its one terminal, without running it."""
         assert self._publisher is not None
-        if not self.may_answer(self.started_at):
+        if not await self.may_answer(self.started_at):
             return True  # fenced: the scheduler requeues it, and the cancel is remembered
         now = self._clock()
         reply = Error(request_id=a.request_id, attempt=a.attempt, code="cancelled",
@@ -499,41 +508,90 @@ class Worker:
             if msg.worker_id == self.id.worker_id:
                 self.begin_drain(f"drain command from {msg.issued_by}: {msg.reason}")
             return
+        if msg.kind == "lease":
+            if msg.worker_id == self.id.worker_id:
+                self.on_lease_answer(msg)
+            return
         self.cancels.add(msg.request_id, msg.tenant, self._clock())
         run = self.runs.get(msg.request_id)
         if run is not None and run.assignment.request.tenant == msg.tenant:
             run.stop("cancelled", msg.reason or f"cancelled by {msg.issued_by}")
 
     # ---- the lease --------------------------------------------------------------------
-    def may_answer(self, incarnation: float) -> bool:
-        """May work given to ``incarnation`` still be answered? Fences first if the lease
-        lapsed (then no earlier incarnation's work may)."""
-        self.check_lease()
-        return incarnation == self.started_at
+    async def may_answer(self, incarnation: float) -> bool:
+        """May work given to ``incarnation`` still be answered? While a lapsed lease is
+        being asked about, waits for the answer; False once fenced (then no earlier
+        incarnation's work may be answered)."""
+        while True:
+            if incarnation != self.started_at:
+                return False
+            if self.check_lease() == "valid":
+                return True
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._lease_settled.wait(), 0.05)
 
-    def check_lease(self) -> None:
+    def check_lease(self) -> Verdict:
+        """The lease now: starts asking (a renewing heartbeat at once) or fences."""
         now = time.monotonic()
-        if not self.lease.valid(now):
-            self._fence(now - self.lease.beat_at)
+        verdict = self.lease.check(now)
+        self._on_verdict(verdict, now)
+        return verdict
 
-    def _fence(self, silent_s: float) -> None:
-        """The lease lapsed: end every run unanswered and become a new incarnation."""
+    def _on_verdict(self, verdict: Verdict, now: float) -> None:
+        if verdict == "ask":
+            _log.warning("worker %s: no acknowledged heartbeat for %.1f s (lease %.1f s): "
+                         "holding the output of %d request(s) and asking the scheduler "
+                         "whether they are still ours (up to %.1f s)", self.id.worker_id,
+                         now - self.lease.beat_at, self.lease.limit_s, len(self.runs),
+                         self.lease.ask_s)
+            self._lease_settled.clear()
+            self._heartbeat_wake.set()  # the renewing beat goes out now
+        elif verdict == "fence":
+            asked = self.lease.asking
+            if asked:
+                self.metrics.lease_asked("unanswered")
+            self._fence(f"no acknowledged heartbeat for {now - self.lease.beat_at:.1f} s "
+                        f"(lease {self.lease.limit_s:.1f} s)"
+                        + (", and no answer from the scheduler" if asked else ""))
+
+    def on_lease_answer(self, answer: LeaseAnswer) -> None:
+        """The scheduler's answer to one of our renewing heartbeats."""
+        beat_at = self._renew_beats.get(answer.seq)
+        if answer.started_at != self.started_at or beat_at is None or not self.lease.asking:
+            return  # for an earlier incarnation, or an asking already settled
+        if not answer.granted:
+            self.metrics.lease_asked("revoked")
+            self._fence(f"the scheduler refused to renew the lease ({answer.reason})")
+            return
+        now = time.monotonic()
+        if not self.lease.granted(beat_at, now):
+            return  # granted too late to count: the next renewing beat asks again
+        self.metrics.lease_asked("granted")
+        self._renew_beats.clear()
+        self._lease_settled.set()
+        _log.warning("worker %s: the scheduler renewed the lease (heartbeat %d): its %d "
+                     "request(s) go on", self.id.worker_id, answer.seq, len(self.runs))
+
+    def _fence(self, why: str) -> None:
+        """The lease is gone: end every run unanswered and become a new incarnation."""
         old = self.started_at
         self._fences += 1
         self.started_at = self._process_started_at + self._fences * INCARNATION_STEP_S
         self.lease.restart(time.monotonic())
+        self._renew_beats.clear()
+        self._lease_settled.set()
         self.metrics.fenced()
-        _log.error("worker %s: no acknowledged heartbeat for %.1f s (lease %.1f s): the "
-                   "scheduler may have declared it dead and given its work away. Ending its "
-                   "%d request(s) in flight unanswered (the scheduler requeues or ends them) "
-                   "and going on as incarnation %.3f (was %.3f)", self.id.worker_id,
-                   silent_s, self.lease.limit_s, len(self.runs), self.started_at, old)
+        _log.error("worker %s: %s: the scheduler may have declared it dead and given its "
+                   "work away. Ending its %d request(s) in flight unanswered (the scheduler "
+                   "requeues or ends them) and going on as incarnation %.3f (was %.3f)",
+                   self.id.worker_id, why, len(self.runs), self.started_at, old)
         for run in list(self.runs.values()):
             run.stop("superseded", "this process was fenced")
         self._heartbeat_wake.set()  # announce the new incarnation now
 
     async def _lease_watch(self) -> None:
-        """Fence as soon as the lease lapses, even when nothing is being sent."""
+        """Ask (or fence) as soon as the lease lapses, even when nothing is being sent, and
+        fence once an asking goes unanswered too long."""
         period = min(0.1, self.lease.limit_s / 10)
         while True:
             await asyncio.sleep(period)
@@ -559,24 +617,28 @@ class Worker:
 
     async def _heartbeat(self) -> None:
         assert self._publisher is not None
-        self.check_lease()  # a lapsed lease: this beat announces the new incarnation
+        self.check_lease()  # lapsed: this beat asks, or announces the new incarnation
         beat_at = time.monotonic()
+        renew = self.lease.asking
         fields = self.heartbeat_fields()
         draining = self.draining
         hb = WorkerHeartbeat(
             worker_id=self.id.worker_id, engine=self.id.engine, model=self.id.model,
             model_version=self.id.model_version, pool=self.id.pool, partition=self.id.slot,
             draining=draining, interval_s=self.ws.heartbeat_interval_s,
-            started_at=self.started_at, seq=self._seq, ts=self._clock(), **asdict(fields),
+            started_at=self.started_at, seq=self._seq, ts=self._clock(), renew=renew,
+            **asdict(fields),
         )
+        if renew:
+            self._renew_beats[hb.seq] = beat_at
         self._seq += 1
         self.metrics.observe(fields, draining)
         if not await self._publisher.send_acked(self.topics.heartbeats, hb):
             return
         acked_at = time.monotonic()
-        silent_s = acked_at - self.lease.beat_at
-        if hb.started_at == self.started_at and not self.lease.renewed(beat_at, acked_at):
-            self._fence(silent_s)  # visible only after the lease had lapsed
+        if hb.started_at == self.started_at:
+            # Visible only after the lease had lapsed: ask (or fence).
+            self._on_verdict(self.lease.acked(beat_at, acked_at), acked_at)
         if draining and self._draining_acked_at is None:
             self._draining_acked_at = acked_at
 

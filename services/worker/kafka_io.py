@@ -25,7 +25,7 @@ from aiokafka.errors import KafkaError
 
 from schemas.base import WireMessage
 from schemas.codec import SchemaError, decode, encode
-from schemas.control import CancelRequest, DrainWorker
+from schemas.control import CancelRequest, DrainWorker, LeaseAnswer
 from schemas.messages import CONTROL_ADAPTER
 from schemas.requests import Assignment
 from schemas.topics import TopicSpec, catalog, message_key
@@ -36,7 +36,7 @@ from services.common.tracing import Headers
 
 _log = logging.getLogger(__name__)
 
-ControlMessage = DrainWorker | CancelRequest
+ControlMessage = DrainWorker | CancelRequest | LeaseAnswer
 
 
 @dataclass(frozen=True, slots=True)

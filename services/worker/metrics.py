@@ -55,6 +55,10 @@ class WorkerMetrics:
     def fenced(self) -> None:
         self._fences.inc()
 
+    def lease_asked(self, outcome: str) -> None:
+        """How an asked renewal ended: granted, revoked or unanswered."""
+        m.LEASE_RENEWALS.labels(worker=self.worker_id, outcome=outcome).inc()
+
     def tokens(self, n: int) -> None:
         self._tokens.inc(n)
 

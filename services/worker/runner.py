@@ -12,8 +12,9 @@
    or a newer attempt (abort, nothing sent: clients keep the newest attempt), or the engine
    fails (``Error(code)`` + ``event.failed``). Buffered text is flushed before the terminal.
 
-Fencing: every record but the terminal event is sent only while ``may_send()`` allows it
-(the worker's lease, ``services.worker.core.lease``). Once it does not, the run stops
+Fencing: every record but the terminal event is sent only once ``await may_send()`` allows
+it (the worker's lease, ``services.worker.core.lease``: while a lapsed lease is being asked
+about, it waits for the scheduler's answer). Once it does not, the run stops
 there, as a superseded one does: nothing more is sent, and the scheduler requeues or ends
 the request. The terminal event after a durable reply always goes out (it is the news
 that the reply is there).
@@ -38,7 +39,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -157,7 +158,7 @@ class RequestRun:
                  on_tokens: Callable[[int], None] | None = None,
                  on_first_token: Callable[[float], None] | None = None,
                  trace_parent: tracing.Context | None = None,
-                 may_send: Callable[[], bool] | None = None) -> None:
+                 may_send: Callable[[], Awaitable[bool]] | None = None) -> None:
         self.assignment = assignment
         self.engine = engine
         self.publisher = publisher
@@ -303,12 +304,12 @@ class RequestRun:
         await self._send_chunk(self._batcher.add(delta.text, delta.tokens, now))
 
     # ---- sending -----------------------------------------------------------------------
-    def _check_fence(self) -> None:
-        if self._may_send is not None and not self._may_send():
+    async def _check_fence(self) -> None:
+        if self._may_send is not None and not await self._may_send():
             raise Fenced(self.engine_id)
 
     async def _send(self, topic: str, msg: Any) -> None:
-        self._check_fence()
+        await self._check_fence()
         self._futures.append(await self.publisher.send(topic, msg, self._headers))
         if len(self._futures) > 64:
             # Keep only what is still in flight; failures stay so the terminal sees them.
@@ -336,7 +337,7 @@ class RequestRun:
             return Outcome("failed", self._tokens, acked=False)
 
     async def _send_terminal(self, ending: _Stop | _Failed | _Ended) -> Outcome:
-        self._check_fence()
+        await self._check_fence()
         await self._send_chunk(self._batcher.flush(self._clock(), force=True))
         if isinstance(ending, _Stop) and ending.reason == "superseded":
             # A newer attempt runs; the client keeps that one, so this one says nothing more.
@@ -348,7 +349,7 @@ class RequestRun:
         if isinstance(reply, Done):
             self._span.set_attribute(tracing.GEN_AI_RESPONSE_FINISH, [reply.finish_reason])
         e2e = max(0.0, self._clock() - self.assignment.request.created_at)
-        self._check_fence()
+        await self._check_fence()
         replied = await self.publisher.acked(
             [*self._futures, await self.publisher.send(self.assignment.admitted.reply_topic,
                                                        reply, self._headers)]

@@ -75,6 +75,12 @@ class WorkerSettings(BaseSettings):
         "than this many intervals; past it the process fences itself (services.worker.core."
         "lease). Keep it a little under the scheduler's heartbeat_staleness (3).",
     )
+    lease_ask_beats: float = Field(
+        default=2.0, ge=0.0, le=100.0,
+        description="Once the lease lapses, hold every run's records and ask the scheduler "
+        "(heartbeats with renew) for up to this many intervals whether the work is still "
+        "ours; fence if it says no or does not answer. 0: fence at once, without asking.",
+    )
     chunk_tokens: int = Field(default=16, ge=1, le=4096, description="Flush a chunk at N tokens.")
     chunk_ms: float = Field(default=50.0, ge=0, le=10_000, description="... or after M ms.")
     time_scale: float = Field(
@@ -124,6 +130,10 @@ class WorkerSettings(BaseSettings):
     def lease_s(self) -> float:
         """How long one acknowledged heartbeat lets this worker answer its work."""
         return self.lease_beats * self.heartbeat_interval_s
+
+    def lease_ask_s(self) -> float:
+        """How long a lapsed lease waits for the scheduler's answer before fencing."""
+        return self.lease_ask_beats * self.heartbeat_interval_s
 
     def resolved_drain_quiet_s(self) -> float:
         if self.drain_quiet_s is not None:

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 from aiokafka import TopicPartition
 
 from schemas.codec import decode, encode
-from schemas.control import CancelRequest, DrainWorker
+from schemas.control import CancelRequest, DrainWorker, LeaseAnswer
 from schemas.messages import EVENT_ADAPTER, HEARTBEAT_ADAPTER, REPLY_ADAPTER
 from schemas.replies import Done, Error, TokenChunk
 from schemas.requests import Assignment
@@ -220,6 +220,14 @@ class FakeScheduler:
     async def drain(self, worker_id: str) -> None:
         msg = DrainWorker(worker_id=worker_id, reason="test", issued_by="test",
                           issued_at=time.time())
+        await self._producer.send_and_wait(self.topics.control, encode(msg),
+                                           key=message_key(msg))
+
+    async def answer_lease(self, hb: WorkerHeartbeat, granted: bool) -> None:
+        """The scheduler's answer to a heartbeat that asked to renew a lapsed lease."""
+        msg = LeaseAnswer(worker_id=hb.worker_id, started_at=hb.started_at, seq=hb.seq,
+                          granted=granted, reason="" if granted else "test refused",
+                          issued_by="test", issued_at=time.time())
         await self._producer.send_and_wait(self.topics.control, encode(msg),
                                            key=message_key(msg))
 

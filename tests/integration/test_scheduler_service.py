@@ -33,9 +33,10 @@ from aiokafka.errors import KafkaError
 
 from schemas.codec import decode, encode
 from schemas.common import Lane, Pool, Priority
-from schemas.control import CancelRequest
+from schemas.control import CancelRequest, LeaseAnswer
 from schemas.messages import (
     ASSIGNMENT_ADAPTER,
+    CONTROL_ADAPTER,
     EVENT_ADAPTER,
     REPLY_ADAPTER,
     STATUS_ADAPTER,
@@ -158,6 +159,7 @@ class Observer:
     replies: list[Any] = field(default_factory=list)
     statuses: list[QueueStatus] = field(default_factory=list)
     deadletters: list[Any] = field(default_factory=list)
+    leases: list[LeaseAnswer] = field(default_factory=list)
     listeners: list[Callable[[int, Assignment], None]] = field(default_factory=list)
     _consumer: Any = None
     _task: asyncio.Task[None] | None = None
@@ -165,7 +167,8 @@ class Observer:
     async def start(self) -> None:
         topics = [
             f"{self.prefix}.assignments", f"{self.prefix}.events", f"{self.prefix}.status",
-            f"{self.prefix}.deadletter", reply_topic(self.prefix, TENANT),
+            f"{self.prefix}.deadletter", f"{self.prefix}.control",
+            reply_topic(self.prefix, TENANT),
         ]
         tps = [TopicPartition(t, p) for t in topics for p in await topic_partitions(
             self.bootstrap, t)]
@@ -202,6 +205,10 @@ class Observer:
             self.statuses.append(decode(record.value, STATUS_ADAPTER))
         elif suffix == "deadletter":
             self.deadletters.append(record)
+        elif suffix == "control":
+            command = decode(record.value, CONTROL_ADAPTER)
+            if isinstance(command, LeaseAnswer):
+                self.leases.append(command)
         else:
             self.replies.append(decode(record.value, REPLY_ADAPTER))
 
@@ -301,7 +308,7 @@ class FakeWorker:
         with contextlib.suppress(ValueError):
             self.cluster.observer.listeners.remove(self._on_assignment)
 
-    async def beat(self) -> None:
+    async def beat(self, renew: bool = False) -> None:
         reserved = sum(self.held.values())
         free = max(0, self.kv_total_tokens - reserved)
         hb = make_heartbeat(
@@ -310,7 +317,7 @@ class FakeWorker:
             kv_free_tokens=free, kv_total_bytes=self.kv_total_tokens * 1024,
             kv_free_bytes=free * 1024, running=len(self.held), waiting=0,
             max_num_seqs=self.max_num_seqs, draining=False, interval_s=HEARTBEAT_S,
-            started_at=self._started_at, seq=self._seq, ts=time.time(),
+            started_at=self._started_at, seq=self._seq, ts=time.time(), renew=renew,
         )
         self._seq += 1
         await self.cluster.produce(f"{self.cluster.prefix}.heartbeats", encode(hb),
@@ -696,6 +703,36 @@ async def test_a_lost_worker_that_had_answered_before_any_token_gets_no_requeue(
     assert [e.code for e in obs.errors("answered")] == ["cancelled"]  # only the worker's
     assert [e.code for e in obs.terminal_events("answered")] == ["worker_lost"]
     assert "unanswered" in b.holding()
+
+
+@pytest.mark.flaky(reruns=2)  # the same heartbeat-staleness wait as the tests above
+async def test_the_scheduler_renews_a_lapsed_lease_only_while_the_work_is_the_workers(
+    cluster: Cluster,
+) -> None:
+    """A worker whose lease lapsed asks with a renewing heartbeat. Before the scheduler
+    declared it dead, the answer on llmq.control is granted (and its work stays put); once
+    its heartbeat went stale and its work was requeued, the same incarnation is refused."""
+    await cluster.start()
+    a = await cluster.worker("fake-a", 0)
+    await cluster.admit("r1")
+    obs = cluster.observer
+    await eventually(lambda: bool(obs.assigned("r1")), what="r1 on a")
+    await a.beat(renew=True)
+    await eventually(lambda: bool(obs.leases), what="an answer")
+    (granted,) = obs.leases
+    assert (granted.worker_id, granted.started_at, granted.granted) == (
+        "fake-a", a._started_at, True)
+    b = await cluster.worker("fake-b", 1)
+    a.beating = False  # silent from now on: dead after 3 intervals
+    await eventually(lambda: len(obs.assigned("r1")) == 2, what="r1 requeued")
+    assert obs.assigned("r1")[1].worker_id == "fake-b"
+    a.beating = True
+    await a.beat(renew=True)  # the same incarnation comes back and asks
+    await eventually(lambda: len(obs.leases) == 2, what="a second answer")
+    refused = obs.leases[1]
+    assert (refused.worker_id, refused.granted) == ("fake-a", False)
+    assert "stale" in refused.reason
+    assert "r1" in b.holding() and len(obs.assigned("r1")) == 2
 
 
 async def test_garbage_goes_to_the_dead_letter_and_scheduling_goes_on(cluster: Cluster) -> None:

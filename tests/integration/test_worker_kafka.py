@@ -402,28 +402,43 @@ async def test_a_worker_drops_assignments_stamped_for_another_process_of_itself(
         assert scheduler.terminals_of(rid) == [] and scheduler.events_of(rid) == []
 
 
+async def streaming(scheduler: FakeScheduler, started_at: float,
+                    max_tokens: dict[str, int]) -> None:
+    """Place one request per entry on the worker's ``started_at`` process and wait until
+    each has streamed its first token."""
+    for rid, tokens in max_tokens.items():
+        await scheduler.send(scheduler.assignment(rid, worker_id=WID, slot=SLOT,
+                                                  max_tokens=tokens, timeout_s=300.0,
+                                                  worker_started_at=started_at))
+    await scheduler.wait_until(
+        lambda: all(any(e.kind == "event.first_token" for e in scheduler.events_of(rid))
+                    for rid in max_tokens), 20, "all streaming")
+
+
+async def pause(proc: WorkerProcess, seconds: float) -> float:
+    """SIGSTOP the worker for ``seconds``; the time it was resumed."""
+    proc.signal(signal.SIGSTOP)
+    await asyncio.sleep(seconds)
+    resumed_at = time.time()
+    proc.signal(signal.SIGCONT)
+    return resumed_at
+
+
 async def test_a_worker_paused_past_its_lease_fences_itself_and_serves_on(
     scheduler: FakeScheduler, spawn: Callable[..., WorkerProcess]
 ) -> None:
     """SIGSTOP longer than the scheduler's staleness bound (3 × 0.2 s here) but shorter than
     the 6 s session timeout: the worker keeps its slot, but a scheduler has declared it dead
     by then and requeued or ended its work. On SIGCONT it must not answer that work (a
-    second terminal): its runs end unanswered, and it goes on as a new incarnation (a newer
-    ``started_at``), serving what is placed on that one and dropping what was stamped for
-    the earlier one."""
+    second terminal). It asks the scheduler first, and this fake never answers (as an older
+    scheduler would not): after ``lease_ask_beats`` its runs end unanswered, and it goes on
+    as a new incarnation (a newer ``started_at``), serving what is placed on that one and
+    dropping what was stamped for the earlier one."""
     proc = await ready(scheduler, spawn, time_scale=0.1)
     old_started = (await scheduler.heartbeat(WID)).started_at
-    for rid, tokens in (("long", 100_000), ("mid", 6_000)):  # ~90 s and ~5 s of decode
-        await scheduler.send(scheduler.assignment(rid, worker_id=WID, slot=SLOT,
-                                                  max_tokens=tokens, timeout_s=300.0,
-                                                  worker_started_at=old_started))
-    await scheduler.wait_until(
-        lambda: all(any(e.kind == "event.first_token" for e in scheduler.events_of(rid))
-                    for rid in ("long", "mid")), 20, "both streaming")
-    proc.signal(signal.SIGSTOP)
-    await asyncio.sleep(2.5)
-    resumed_at = time.time()
-    proc.signal(signal.SIGCONT)
+    # ~90 s and ~5 s of decode
+    await streaming(scheduler, old_started, {"long": 100_000, "mid": 6_000})
+    resumed_at = await pause(proc, 2.5)
     beat = await scheduler.heartbeat(WID, where=lambda hb: hb.started_at > old_started)
     assert beat.started_at - old_started < 0.01  # the same process, a new incarnation
     await scheduler.send(scheduler.assignment("stamped-old", worker_id=WID, slot=SLOT,
@@ -436,6 +451,48 @@ async def test_a_worker_paused_past_its_lease_fences_itself_and_serves_on(
         assert scheduler.terminals_of(rid) == [], (rid, scheduler.terminals_of(rid))
         assert [c for c in chunks_of(scheduler, rid) if c.ts >= resumed_at] == [], rid
     assert proc.proc is not None and proc.proc.poll() is None  # still serving
+
+
+@pytest.mark.parametrize("granted", [True, False], ids=["granted", "refused"])
+async def test_a_worker_past_its_lease_holds_its_output_and_asks_the_scheduler(
+    scheduler: FakeScheduler, spawn: Callable[..., WorkerProcess], granted: bool
+) -> None:
+    """SIGSTOP past the lease: on SIGCONT the worker does not know whether the scheduler
+    noticed, so it holds every run's output and asks (heartbeats with ``renew``). Granted
+    (the scheduler had not declared it dead): the runs go on, each ends with one ``Done``,
+    and the process stays the same incarnation. Refused: it fences as if nobody answered —
+    no terminal, a new incarnation."""
+    # Beats every 0.5 s: a grant counts only while the beat it answers is younger than the
+    # lease (1.375 s), and this fake answers slower than the real scheduler.
+    proc = await ready(scheduler, spawn, time_scale=0.1, heartbeat_s=0.5,
+                       extra_args=("--lease-ask-beats", "10"))  # 5 s to answer in
+    old_started = (await scheduler.heartbeat(WID)).started_at
+    await streaming(scheduler, old_started, {"a": 6_000, "b": 6_000})  # ~5 s of decode each
+    resumed_at = await pause(proc, 2.5)
+    first = await scheduler.heartbeat(WID, where=lambda hb: hb.renew)
+    assert first.started_at == old_started
+    await asyncio.sleep(0.6)  # held: nothing of either run goes out before the answer
+    for rid in ("a", "b"):
+        assert [c for c in chunks_of(scheduler, rid) if c.ts >= resumed_at] == [], rid
+        assert scheduler.terminals_of(rid) == [], rid
+    ask = await scheduler.heartbeat(WID, where=lambda hb: hb.renew)  # the newest asking
+    await scheduler.answer_lease(ask, granted)
+    if granted:
+        for rid in ("a", "b"):
+            assert isinstance(await scheduler.terminal(rid), Done)
+        assert [c for c in chunks_of(scheduler, "a") if c.ts >= resumed_at]  # went on
+        await scheduler.heartbeat(WID, where=lambda hb: hb.seq > ask.seq and not hb.renew)
+        assert {hb.started_at for hb in scheduler.seen.heartbeats if hb.worker_id == WID} \
+            == {old_started}  # never fenced
+    else:
+        beat = await scheduler.heartbeat(WID, where=lambda hb: hb.started_at > old_started)
+        assert not beat.renew
+        await asyncio.sleep(6.0)  # both would have finished by now
+        for rid in ("a", "b"):
+            assert scheduler.terminals_of(rid) == [], (rid, scheduler.terminals_of(rid))
+    for rid in ("a", "b"):
+        assert len(scheduler.terminals_of(rid)) <= 1
+    assert proc.proc is not None and proc.proc.poll() is None
 
 
 async def test_a_paused_worker_whose_slot_was_taken_over_ends_its_runs_unanswered(

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from schemas.codec import decode
-from schemas.control import CancelRequest
-from schemas.messages import ASSIGNMENT_ADAPTER, EVENT_ADAPTER, REPLY_ADAPTER
+from schemas.control import CancelRequest, LeaseAnswer
+from schemas.messages import ASSIGNMENT_ADAPTER, CONTROL_ADAPTER, EVENT_ADAPTER, REPLY_ADAPTER
 from schemas.replies import Error, Usage
 from schemas.requests import AdmittedRequest, Assignment
 from schemas.workers import (
@@ -559,3 +559,65 @@ def test_a_requeue_is_withdrawn_when_the_lost_attempts_terminal_event_comes_afte
     again = [a for _, a in assignments(state.tick(T + 6).effects)]
     assert [(a.request_id, a.attempt) for a in again] == [("other", 2)]
     assert sum(state.depth().values()) == 0
+
+
+# -- lease renewals (services.worker.core.lease) ----------------------------------------
+def lease_answers(effects: list[Effect]) -> list[LeaseAnswer]:
+    out = [decode(o.value, CONTROL_ADAPTER) for e in effects for o in e.first
+           if o.topic == "p.control"]
+    return [a for a in out if isinstance(a, LeaseAnswer)]
+
+
+def _w0_running_r1() -> tuple[SchedulerState, Assignment]:
+    state = ready_state(("w0", 0), control_topic="p.control")
+    state.on_request(admitted("r1"), ("tp", 0), T)
+    ((_, a),) = assignments(state.tick(T).effects)
+    state.observe_event(started(a, "w0"))
+    return state, a
+
+
+def test_a_lease_is_renewed_when_the_worker_was_not_declared_lost() -> None:
+    """w0 was silent 2.9 s (its lease lapsed, under the scheduler's 3 s): the renewing beat
+    comes before any cycle found it stale, so the work is still its own."""
+    state, _ = _w0_running_r1()
+    state.observe_heartbeat(beat("w0", 0, ts=T + 2.9, seq=9, renew=True))
+    result = state.tick(T + 2.95)
+    (answer,) = lease_answers(result.effects)
+    assert (answer.worker_id, answer.started_at, answer.seq, answer.granted) == (
+        "w0", T - 100, 9, True)
+    assert answer.issued_by == SCHED and result.leases == (("w0", True),)
+    assert result.lost_workers == [] and state.log.status("r1") == "active"
+    # Answered once: the next cycle says nothing more, and w0 stays alive.
+    later = state.tick(T + 5)
+    assert lease_answers(later.effects) == [] and later.lost_workers == []
+
+
+def test_a_lease_is_refused_once_the_workers_work_was_declared_lost() -> None:
+    state, _ = _w0_running_r1()
+    lost = tick_and_release(state, T + 3.5)  # stale: r1 streamed nothing, so it is requeued
+    assert lost.lost_workers == ["w0"] and lost.requeued == 1
+    state.observe_heartbeat(beat("w0", 0, ts=T + 3.6, seq=9, renew=True))
+    result = state.tick(T + 3.6)
+    (answer,) = lease_answers(result.effects)
+    assert (answer.seq, answer.granted) == (9, False)
+    assert "stale" in answer.reason and result.leases == (("w0", False),)
+
+
+def test_a_lease_is_refused_when_a_newer_process_of_the_worker_is_known() -> None:
+    state, _ = _w0_running_r1()
+    state.observe_heartbeat(beat("w0", 0, ts=T + 2, started_at=T + 1, seq=0))  # restarted
+    state.observe_heartbeat(beat("w0", 0, ts=T + 2.5, seq=7, renew=True))  # the old one asks
+    (answer,) = lease_answers(state.tick(T + 2.5).effects)
+    assert (answer.started_at, answer.granted) == (T - 100, False)
+    assert "newer process" in answer.reason
+
+
+def test_only_the_replica_that_handles_losses_answers_a_lease() -> None:
+    state, _ = _w0_running_r1()
+    state.observe_heartbeat(beat("w0", 0, ts=T + 2.9, seq=9, renew=True))
+    follower = state.tick(T + 2.95, handle_losses=False)
+    assert lease_answers(follower.effects) == [] and follower.leases == ()
+    # The worker asks on every beat while it waits; the leader answers the next one.
+    state.observe_heartbeat(beat("w0", 0, ts=T + 3.0, seq=10, renew=True))
+    (answer,) = lease_answers(state.tick(T + 3.0).effects)
+    assert (answer.seq, answer.granted) == (10, True)

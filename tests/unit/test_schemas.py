@@ -56,7 +56,7 @@ from schemas.topics import (
     request_topic,
     request_topics,
 )
-from schemas.workers import EventFailed
+from schemas.workers import EventFailed, WorkerHeartbeat
 
 SAMPLES = Path(__file__).parents[1] / "data" / "samples"
 EXAMPLES = {kind_of(type(m)): m for m in examples()}
@@ -165,6 +165,17 @@ def test_an_older_assignment_still_decodes(version: int, added: tuple[str, ...])
     msg = decode(json.dumps(raw).encode(), ANY_ADAPTER)
     assert isinstance(msg, Assignment) and msg.schema_version == version
     assert all(getattr(msg, name) is None for name in added)
+
+
+@pytest.mark.parametrize("version", [1, 2, 3])
+def test_an_older_heartbeat_still_decodes(version: int) -> None:
+    """Schema 4 added ``renew`` (False: a heartbeat of an older worker never asks)."""
+    raw = json.loads((SAMPLES / "heartbeat.json").read_bytes())
+    del raw["renew"]
+    raw["schema_version"] = version
+    msg = decode(json.dumps(raw).encode(), ANY_ADAPTER)
+    assert isinstance(msg, WorkerHeartbeat) and msg.schema_version == version
+    assert msg.renew is False
 
 
 def test_worker_started_at_round_trips_exactly() -> None:

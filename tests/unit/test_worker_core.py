@@ -324,15 +324,17 @@ def test_a_cancel_naming_another_tenant_does_not_erase_the_right_one() -> None:
 def test_lease_holds_for_its_limit_after_the_newest_acknowledged_beat() -> None:
     lease = Lease(limit_s=2.75, beat_at=100.0)
     assert lease.valid(102.75) and not lease.valid(102.76)
-    assert lease.renewed(beat_at=101.0, acked_at=101.01)  # a beat a second later, acked
+    assert lease.acked(beat_at=101.0, acked_at=101.01) == "valid"  # a beat a second later
     assert lease.valid(103.75) and not lease.valid(103.76)  # counts from its creation
+    assert lease.check(103.75) == "valid"
 
 
-def test_lease_renewed_too_late_breaks_the_chain() -> None:
+def test_lease_acknowledged_too_late_breaks_the_chain() -> None:
     """A beat that became visible after the previous one went stale: the scheduler may have
-    declared the worker dead in between, however fresh this beat is."""
+    declared the worker dead in between, however fresh this beat is. Without asking, that
+    fences at once."""
     lease = Lease(limit_s=2.75, beat_at=100.0)
-    assert not lease.renewed(beat_at=104.0, acked_at=104.01)  # paused 4 s, then one beat
+    assert lease.acked(beat_at=104.0, acked_at=104.01) == "fence"  # paused 4 s, one beat
     lease.restart(104.02)
     assert lease.valid(106.77) and not lease.valid(106.78)
 
@@ -340,10 +342,62 @@ def test_lease_renewed_too_late_breaks_the_chain() -> None:
 def test_lease_ignores_an_older_beat_acknowledged_late() -> None:
     lease = Lease(limit_s=2.75, beat_at=100.0)
     lease.restart(110.0)  # fenced: a new incarnation
-    assert lease.renewed(beat_at=109.0, acked_at=110.5)  # sent before the fence
+    assert lease.acked(beat_at=109.0, acked_at=110.5) == "valid"  # sent before the fence
     assert lease.beat_at == 110.0
+
+
+def test_a_lapsed_lease_asks_once_then_holds_until_granted() -> None:
+    lease = Lease(limit_s=2.75, beat_at=100.0, ask_s=2.0)
+    assert lease.check(102.8) == "ask"  # the caller sends a renewing heartbeat now
+    assert lease.asking and not lease.valid(102.8)
+    assert lease.check(103.0) == "asking"
+    # An ack while asking proves nothing: the scheduler may have decided in the gap.
+    assert lease.acked(beat_at=102.85, acked_at=102.9) == "asking"
+    assert not lease.valid(103.0)
+    assert lease.granted(beat_at=102.85, now=103.1)
+    assert lease.valid(103.1) and not lease.asking
+    assert lease.valid(105.6) and not lease.valid(105.61)  # from the granted beat's creation
+
+
+def test_a_lease_acknowledged_too_late_asks_when_it_may() -> None:
+    lease = Lease(limit_s=2.75, beat_at=100.0, ask_s=2.0)
+    assert lease.acked(beat_at=104.0, acked_at=104.01) == "ask"
+    assert lease.beat_at == 100.0  # only a grant moves it now
+
+
+def test_an_unanswered_ask_fences_after_ask_s() -> None:
+    lease = Lease(limit_s=2.75, beat_at=100.0, ask_s=2.0)
+    assert lease.check(103.0) == "ask"
+    assert lease.check(105.0) == "asking"
+    assert lease.check(105.01) == "fence"
+    assert lease.acked(beat_at=104.0, acked_at=105.02) == "fence"
+
+
+def test_a_grant_of_a_beat_already_stale_keeps_asking() -> None:
+    """A grant that arrives after its own beat's lease would have run out renews nothing:
+    the worker asks again with a newer beat, and the asking's deadline stands."""
+    lease = Lease(limit_s=2.75, beat_at=100.0, ask_s=5.0)
+    assert lease.check(103.0) == "ask"
+    assert not lease.granted(beat_at=103.0, now=105.9)
+    assert lease.asking and lease.check(105.9) == "asking"
+    assert lease.check(108.01) == "fence"  # 5 s from the first lapse, not from the grant
+
+
+def test_a_grant_without_asking_changes_nothing() -> None:
+    lease = Lease(limit_s=2.75, beat_at=100.0, ask_s=2.0)
+    assert not lease.granted(beat_at=101.0, now=101.1)
+    assert lease.beat_at == 100.0
+
+
+def test_a_restart_ends_the_asking() -> None:
+    lease = Lease(limit_s=2.75, beat_at=100.0, ask_s=2.0)
+    assert lease.check(103.0) == "ask"
+    lease.restart(103.5)
+    assert lease.check(103.6) == "valid"
 
 
 def test_lease_rejects_a_non_positive_limit() -> None:
     with pytest.raises(ValueError, match="limit_s"):
         Lease(limit_s=0.0, beat_at=0.0)
+    with pytest.raises(ValueError, match="ask_s"):
+        Lease(limit_s=1.0, beat_at=0.0, ask_s=-1.0)

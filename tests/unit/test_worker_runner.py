@@ -141,9 +141,28 @@ class _Gate:
         self.opens = opens
         self.calls = 0
 
-    def __call__(self) -> bool:
+    async def __call__(self) -> bool:
         self.calls += 1
         return self.calls <= self.opens
+
+
+class _HoldingGate(_Gate):
+    """A lapsed lease being asked about: the send numbered ``hold_at`` (1-based) waits until
+    ``answer`` is set, then every send is allowed (granted) or refused (revoked)."""
+
+    def __init__(self, hold_at: int) -> None:
+        super().__init__(opens=hold_at - 1)
+        self.answer = asyncio.Event()
+        self.granted = True
+        self.held = asyncio.Event()
+
+    async def __call__(self) -> bool:
+        self.calls += 1
+        if self.calls < self.opens + 1:
+            return True
+        self.held.set()
+        await self.answer.wait()
+        return self.granted
 
 
 async def _gated_run(engine: Any, producer: _Producer, gate: _Gate) -> Outcome:
@@ -184,3 +203,34 @@ async def test_the_terminal_event_follows_a_sent_reply_even_if_fenced_meanwhile(
     assert (outcome.kind, outcome.terminal) == ("done", "done")
     assert producer.terminals() == [("done", None), ("event.done", None)]
     assert gate.calls == 5  # a sixth, for the event, would have closed it
+
+
+@pytest.mark.parametrize("hold_at", [1, 3, 4])
+async def test_a_run_holds_its_records_while_the_lease_is_asked_about_then_goes_on(
+    hold_at: int,
+) -> None:
+    """The lease lapsed before event.started (1), before the chunk (3) or at the terminal
+    (4): nothing more goes out while the scheduler's answer is awaited; once it grants the
+    renewal, the run sends what it held and ends with its one terminal as usual."""
+    producer, gate = _Producer(), _HoldingGate(hold_at)
+    task = asyncio.create_task(_gated_run(_FineEngine(tokens=0), producer, gate))
+    await asyncio.wait_for(gate.held.wait(), 5.0)
+    await asyncio.sleep(0.2)  # the engine has long finished: nothing may go out meanwhile
+    assert len(producer.records) == hold_at - 1
+    gate.answer.set()
+    outcome = await task
+    assert (outcome.kind, outcome.terminal, outcome.acked) == ("done", "done", True)
+    assert [r["kind"] for _, r in producer.records] == [
+        "event.started", "event.first_token", "chunk", "done", "event.done"]
+
+
+async def test_a_run_held_for_the_lease_ends_unanswered_when_it_is_refused() -> None:
+    producer, gate = _Producer(), _HoldingGate(hold_at=3)
+    gate.granted = False
+    task = asyncio.create_task(_gated_run(_FineEngine(tokens=0), producer, gate))
+    await asyncio.wait_for(gate.held.wait(), 5.0)
+    gate.answer.set()
+    outcome = await task
+    assert (outcome.kind, outcome.terminal, outcome.acked) == ("superseded", None, True)
+    assert producer.terminals() == []
+    assert [r["kind"] for _, r in producer.records] == ["event.started", "event.first_token"]

@@ -49,6 +49,8 @@ class SchedulerMetrics:
             m.WORKER_LOSSES.inc(len(result.lost_workers))
         if result.restarted_workers:
             m.WORKER_RESTARTS.inc(len(result.restarted_workers))
+        for _, granted in result.leases:
+            m.LEASE_ANSWERS.labels(answer="granted" if granted else "refused").inc()
 
     def ended(self, totals: Mapping[ErrorCode, int]) -> None:
         """The cumulative count of terminals the scheduler sent, by code: adds what is new

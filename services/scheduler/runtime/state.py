@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 from typing import Final, Literal, Protocol
 
 from schemas.common import ErrorCode, Lane, Priority
-from schemas.control import CancelRequest
+from schemas.control import CancelRequest, LeaseAnswer
 from schemas.requests import AdmittedRequest, Assignment
 from schemas.status import QueueStatus
 from schemas.workers import (
@@ -162,6 +162,7 @@ class RuntimeConfig:
     assignments_topic: str
     events_topic: str
     status_topic: str
+    control_topic: str = "llmq.control"
     default_block_size: int = 16
     max_placements: int | None = 512
     kv_safety_margin: float = 0.05
@@ -202,6 +203,8 @@ class TickResult:
     #: Lost work to requeue once its reply topic shows no terminal for it
     #: (:meth:`SchedulerState.release`).
     held: tuple[HeldRequeue, ...] = ()
+    #: Lease renewals answered this cycle: (worker_id, granted).
+    leases: tuple[tuple[str, bool], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,6 +271,11 @@ class SchedulerState:
         # Workers whose heartbeat showed a new process since the last loss check: work
         # stamped for an earlier process (Assignment.worker_started_at) is lost (tick).
         self._restarted: set[str] = set()
+        # Lease renewals asked since the last cycle (heartbeats with ``renew``), by worker,
+        # and the incarnations (``started_at``) whose work this replica declared lost for a
+        # stale heartbeat: those may not be renewed (:meth:`_answer_renewals`).
+        self._renewals: dict[str, WorkerHeartbeat] = {}
+        self._lost_incarnations: dict[str, set[float]] = {}
         self._pending_models: dict[str, list[int]] = {}  # model -> [requests, tokens]
 
     # -- fleet ------------------------------------------------------------------------
@@ -277,7 +285,9 @@ class SchedulerState:
         changed = self.fleet.observe(hb)
         if changed and (old is None or old.started_at != hb.started_at):
             self._restarted.add(hb.worker_id)  # work placed on its earlier process is lost
-        return changed
+        if hb.renew:
+            self._renewals[hb.worker_id] = hb  # answered by the next cycle
+        return changed or hb.renew
 
     def forget_worker(self, worker_id: str) -> bool:
         return self.fleet.forget(worker_id)
@@ -439,10 +449,14 @@ class SchedulerState:
         for worker_id in lost:
             held.extend(self._lose_worker(worker_id, now, effects))
         restarted: list[str] = []
+        leases: list[tuple[str, bool]] = []
         if handle_losses:
             for worker_id, records in self._replaced_work():
                 held.extend(self._lose_worker(worker_id, now, effects, records))
                 restarted.append(worker_id)
+            leases = self._answer_renewals(now, effects)
+        else:
+            self._renewals.clear()  # the leader answers; a worker asks on every beat
         snapshot = self.fleet.snapshot(now)
         started = time.perf_counter()
         decisions = schedule(
@@ -474,7 +488,33 @@ class SchedulerState:
         self.drain.waiting(now, [m for m, (n, _) in self._pending_models.items() if n > 0])
         more = self.config.max_placements is not None and placed_n >= self.config.max_placements
         return TickResult(effects, placed_n, rejected, len(held), lost, schedule_s, more,
-                          tuple(placements), deferred, restarted, tuple(held))
+                          tuple(placements), deferred, restarted, tuple(held), tuple(leases))
+
+    def _answer_renewals(self, now: float, effects: list[Effect]) -> list[tuple[str, bool]]:
+        """Answer each worker that asked to renew its lapsed lease (a heartbeat with
+        ``renew``; ``services.worker.core.lease``). Losses were decided just before, from
+        the same fleet view, so the answer is exact for this replica: granted unless the
+        asking incarnation's work was declared lost for a stale heartbeat, or a newer
+        process of the worker is known. A granted worker is alive (its asking heartbeat is
+        fresh), so no later cycle declares it lost for the gap."""
+        answered: list[tuple[str, bool]] = []
+        for worker_id, hb in self._renewals.items():
+            current = self.fleet.get(worker_id)
+            reason = ""
+            if hb.started_at in self._lost_incarnations.get(worker_id, ()):
+                reason = "its heartbeat went stale and its work was requeued or ended"
+            elif current is not None and current.started_at > hb.started_at:
+                reason = "a newer process of this worker is running"
+            answer = LeaseAnswer(worker_id=worker_id, started_at=hb.started_at, seq=hb.seq,
+                                 granted=not reason, reason=reason,
+                                 issued_by=self.config.scheduler_id, issued_at=now)
+            effects.append(Effect(first=(Outgoing.of(self.config.control_topic, answer),)))
+            answered.append((worker_id, not reason))
+            log = _log.info if not reason else _log.warning
+            log("scheduler: lease of worker %s (incarnation %.3f, heartbeat %d) %s", worker_id,
+                hb.started_at, hb.seq, "renewed" if not reason else f"not renewed: {reason}")
+        self._renewals.clear()
+        return answered
 
     def release(self, held: HeldRequeue, answered: bool, now: float) -> list[Effect]:
         """The reply-topic check of a held requeue is back: requeue it, or, if its attempt
@@ -614,6 +654,13 @@ class SchedulerState:
         ``records``: the worker restarted, and only these (its earlier process's) are lost."""
         held = {a.request_id: a for a in
                 (self.log.active_on(worker_id) if records is None else records)}
+        if records is None:  # stale: the incarnations that held this work may not renew
+            lost = self._lost_incarnations.setdefault(worker_id, set())
+            lost.update(a.worker_started_at for a in held.values()
+                        if a.worker_started_at is not None)
+            hb = self.fleet.get(worker_id)
+            if hb is not None:
+                lost.add(hb.started_at)
         for record in held.values():
             if self.ledger.worker_of(record.request_id, record.attempt) is None:
                 self._book(record)  # keeps "every active assignment is booked" true

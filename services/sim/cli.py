@@ -13,6 +13,7 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -65,16 +66,20 @@ DEFAULT_TRACE = TRACES / "azure_llm_2023_conv.csv"
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path),
               help="Write latency CDFs per policy (short and long lanes) as PNG here.")
 @click.option("--matrix", is_flag=True,
-              help="Run {conv, code} × {0.6, 0.85, 0.95} and render one markdown table.")
+              help="Run {conv, code} × {0.6, 0.85, 0.95} and render one markdown table "
+                   "(one per seed with --seeds).")
 @click.option("--markdown", type=click.Path(dir_okay=False, path_type=Path),
               help="With --matrix: write the markdown table here.")
+@click.option("--seeds", "seed_list", metavar="N,N,...",
+              help="With --matrix: run the grid once per seed (e.g. 1,2,3), a table each, "
+                   "then each target's range across the seeds and at how many it holds.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no table.")
 def policies(
     trace: Path, synthetic: bool, requests: int | None, policy_list: str, workers: int,
     profile: str, profiles_file: Path | None, load: float, seed: int, pools: str,
     heartbeat_s: float, timeout_s: float, kv_margin: float, engine_priority: bool,
     max_tokens_slack: float, json_out: Path | None, plot: Path | None, matrix: bool,
-    markdown: Path | None, quiet: bool,
+    markdown: Path | None, seed_list: str | None, quiet: bool,
 ) -> None:
     """Compare fifo-rr, least-requests, vllm-random and llmq on the same arrivals and fleet.
 
@@ -85,8 +90,11 @@ def policies(
         llmq bench policies --workers 8 --load 0.85 --seed 1 --json out.json --plot out.png
         llmq bench policies --synthetic --requests 200000 --workers 1000 --policies llmq
         llmq bench policies --matrix --markdown matrix.md
+        llmq bench policies --matrix --seeds 1,2,3 --markdown seeds.md
     """
-    _check_combination(click.get_current_context(), matrix, synthetic, plot, markdown)
+    ctx = click.get_current_context()
+    _check_combination(ctx, matrix, synthetic, plot, markdown)
+    seeds = _seeds(ctx, seed_list, matrix)
     for path, hint in ((json_out, "--json"), (plot, "--plot"), (markdown, "--markdown")):
         if path is not None and not os.access(path.parent, os.W_OK):
             # Found out now, not after minutes of simulation.
@@ -109,7 +117,7 @@ def policies(
     )
     show = not quiet and sys.stderr.isatty()
     if matrix:
-        _run_matrix(base, markdown, json_out, show, quiet)
+        _run_matrix(base, seeds or (seed,), markdown, json_out, show, quiet)
         return
     with _progress(show) as factory:
         doc, runs = run_bench(base, factory)
@@ -146,18 +154,45 @@ def _check_combination(
         )
 
 
-def _run_matrix(
-    base: BenchConfig, markdown: Path | None, json_out: Path | None, show: bool, quiet: bool
-) -> None:
-    from services.sim.report import render_markdown, run_matrix
+def _seeds(ctx: click.Context, seed_list: str | None, matrix: bool) -> tuple[int, ...]:
+    """The seeds of ``--seeds`` (none: the empty tuple), checked."""
+    if seed_list is None:
+        return ()
+    if not matrix:
+        raise click.UsageError("--seeds repeats the --matrix grid; add --matrix (or run "
+                               "one cell per --seed)")
+    if ctx.get_parameter_source("seed") is ParameterSource.COMMANDLINE:
+        raise click.UsageError("give --seed or --seeds, not both")
+    try:
+        seeds = tuple(dict.fromkeys(int(s) for s in seed_list.split(",") if s.strip()))
+    except ValueError:
+        raise click.BadParameter(f"{seed_list!r}: want integers separated by commas, "
+                                 "e.g. 1,2,3", param_hint="--seeds") from None
+    if not seeds:
+        raise click.BadParameter("no seed given", param_hint="--seeds")
+    return seeds
 
+
+def _run_matrix(
+    base: BenchConfig, seeds: tuple[int, ...], markdown: Path | None, json_out: Path | None,
+    show: bool, quiet: bool,
+) -> None:
+    from services.sim.report import Cell, render_markdown, render_seed_ranges, run_matrix
+
+    by_seed: dict[int, list[Cell]] = {}
     with _progress(show) as factory:
-        results = run_matrix(base, TRACES, factory)
-    text = render_markdown(results, base)
+        for seed in seeds:
+            by_seed[seed] = run_matrix(replace(base, seed=seed), TRACES, factory)
+    if len(seeds) == 1:
+        text = render_markdown(by_seed[seeds[0]], replace(base, seed=seeds[0]))
+    else:
+        parts = [f"### Seed {seed}\n\n{render_markdown(cells, replace(base, seed=seed))}"
+                 for seed, cells in by_seed.items()]
+        text = "\n".join([*parts, f"### Across seeds\n\n{render_seed_ranges(by_seed)}"])
     if markdown is not None:
         markdown.write_text(text, "utf-8")
-    if json_out is not None:
-        docs = [r.doc for r in results]
+    if json_out is not None:  # each document names its seed (config.seed)
+        docs = [cell.doc for cells in by_seed.values() for cell in cells]
         json_out.write_text(json.dumps(docs, indent=2) + "\n", "utf-8")
     if not quiet:
         click.echo(text)

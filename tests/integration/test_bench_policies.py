@@ -100,7 +100,28 @@ def test_the_llmq_cli_registers_the_command() -> None:
     assert "--synthetic" in result.output
 
 
+@needs_trace
+def test_matrix_over_seeds_renders_a_table_per_seed_and_their_ranges(tmp_path: Path) -> None:
+    md, out = tmp_path / "m.md", tmp_path / "m.json"
+    result = CliRunner().invoke(
+        policies, ["--matrix", "--seeds", "1,2", "--requests", "300", "--workers", "2",
+                   "--quiet", "--markdown", str(md), "--json", str(out)],
+    )
+    assert result.exit_code == 0, result.output
+    text = md.read_text()
+    assert [line for line in text.splitlines() if line.startswith("### ")] == [
+        "### Seed 1", "### Seed 2", "### Across seeds"]
+    ranges = text.split("### Across seeds")[1].splitlines()
+    rows = [line for line in ranges if line.startswith(("| conv", "| code"))]
+    assert len(rows) == 6 and all("/2)" in row for row in rows)
+    docs = json.loads(out.read_text())
+    assert [d["config"]["seed"] for d in docs] == [1] * 6 + [2] * 6
+
+
 @pytest.mark.parametrize(("args", "says"), [
+    (["--seeds", "1,2"], "add --matrix"),
+    (["--matrix", "--seed", "2", "--seeds", "1,2"], "not both"),
+    (["--matrix", "--seeds", "1,x"], "integers"),
     (["--matrix", "--plot", "p.png"], "drop --plot"),
     (["--matrix", "--load", "0.5"], "drop --load"),
     (["--matrix", "--synthetic"], "drop --synthetic"),

@@ -12,7 +12,7 @@ from services.sim.bench import BenchConfig
 from services.sim.fleet import COMPLETED, REJECTED, Job, make_jobs
 from services.sim.metrics import cdf_points, lane_summary, percentile, summarize
 from services.sim.pools import PoolMode, lane_work, reserved_capacity, split_pools
-from services.sim.report import Cell, render_markdown, targets
+from services.sim.report import Cell, render_markdown, render_seed_ranges, targets
 from services.sim.workload import TraceRequest
 from services.worker.engines.sim import get_profile, saturated_capacity
 
@@ -175,6 +175,28 @@ def test_targets_and_markdown_table() -> None:
     assert row.startswith("| conv | 0.85 | 4.00 | 40.00 |")
     assert "0.10 ✓" in row and "0.960 ✓" in row and "10.0 ≤ 80.0 s ✓" in row
     assert "3 / 0 / 5" in row and not math.isnan(t["rejection_rate"])
+
+
+def test_seed_ranges_give_each_targets_span_and_where_it_holds() -> None:
+    def doc(llmq_short: float, llmq_long: float) -> dict[str, object]:
+        return {"policies": {"fifo-rr": _policy(40.0, 100.0), "least-requests":
+                             _policy(20.0, 99.0), "vllm-random": _policy(30.0, 98.0),
+                             "llmq": _policy(llmq_short, llmq_long)}}
+
+    by_seed = {
+        1: [Cell("conv", 0.6, doc(8.0, 100.0)), Cell("conv", 0.95, doc(9.0, 99.0))],
+        2: [Cell("conv", 0.6, doc(12.0, 90.0)), Cell("conv", 0.95, doc(9.0, 96.0))],
+        3: [Cell("conv", 0.6, doc(9.0, 96.0)), Cell("conv", 0.95, doc(9.0, 95.5))],
+    }
+    lines = render_seed_ranges(by_seed).splitlines()
+    first, second = lines[2], lines[3]
+    # ÷ best 0.40 / 0.60 / 0.45: met at two seeds of three; long 1.000 / 0.900 / 0.960.
+    assert first.startswith("| conv | 0.6 | 0.20–0.30 (0/3) | 0.40–0.60 (2/3) "
+                            "| 0.900–1.000 (2/3) |")
+    assert "| 0.45 (3/3) |" in second and "| 3/3 |" in second  # one value: no range
+    assert "Seeds 1, 2, 3" in lines[-1]
+    with pytest.raises(ValueError, match="same grid"):
+        render_seed_ranges({1: by_seed[1], 2: list(reversed(by_seed[2]))})
 
 
 def test_a_rejection_never_counts_as_faster_than_a_success() -> None:

@@ -621,3 +621,27 @@ def test_only_the_replica_that_handles_losses_answers_a_lease() -> None:
     state.observe_heartbeat(beat("w0", 0, ts=T + 3.0, seq=10, renew=True))
     (answer,) = lease_answers(state.tick(T + 3.0).effects)
     assert (answer.seq, answer.granted) == (10, True)
+
+
+def test_a_replica_that_read_a_requeue_refuses_the_lease_once_it_leads() -> None:
+    """The leader declared w0 dead and requeued r1 onto w1; then leadership moved. The new
+    leader never decided that loss itself, but it read the requeue (attempt 2) from the
+    log: w0's incarnation may not renew either."""
+    leader = ready_state(("w0", 0), ("w1", 1), control_topic="p.control")
+    leader.on_request(admitted("r1"), ("tp", 0), T)
+    ((_, first),) = assignments(leader.tick(T).effects)
+    other, other_partition = ("w1", 1) if first.worker_id == "w0" else ("w0", 0)
+    leader.observe_heartbeat(beat(other, other_partition, ts=T + 3.5, seq=4))  # only it beats
+    lost = tick_and_release(leader, T + 3.6)
+    ((_, second),) = assignments(lost.effects)
+    assert second.attempt == 2 and second.worker_id != first.worker_id
+    follower = new_state(control_topic="p.control")
+    for worker_id, partition in (("w0", 0), ("w1", 1)):
+        follower.observe_heartbeat(beat(worker_id, partition))
+    follower.observe_assignment(first)
+    follower.restore()
+    follower.observe_assignment(second)
+    follower.observe_heartbeat(beat(first.worker_id, first.partition, ts=T + 3.7, seq=9,
+                                    renew=True))
+    (answer,) = lease_answers(follower.tick(T + 3.7).effects)
+    assert (answer.worker_id, answer.granted) == (first.worker_id, False)

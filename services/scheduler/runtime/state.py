@@ -272,8 +272,9 @@ class SchedulerState:
         # stamped for an earlier process (Assignment.worker_started_at) is lost (tick).
         self._restarted: set[str] = set()
         # Lease renewals asked since the last cycle (heartbeats with ``renew``), by worker,
-        # and the incarnations (``started_at``) whose work this replica declared lost for a
-        # stale heartbeat: those may not be renewed (:meth:`_answer_renewals`).
+        # and the incarnations (``started_at``) whose work was declared lost — by this
+        # replica for a stale heartbeat, or by any, as a requeue read from the log shows:
+        # those may not be renewed (:meth:`_answer_renewals`).
         self._renewals: dict[str, WorkerHeartbeat] = {}
         self._lost_incarnations: dict[str, set[float]] = {}
         self._pending_models: dict[str, list[int]] = {}  # model -> [requests, tokens]
@@ -287,7 +288,7 @@ class SchedulerState:
             self._restarted.add(hb.worker_id)  # work placed on its earlier process is lost
         if hb.renew:
             self._renewals[hb.worker_id] = hb  # answered by the next cycle
-        return changed or hb.renew
+        return changed
 
     def forget_worker(self, worker_id: str) -> bool:
         return self.fleet.forget(worker_id)
@@ -297,6 +298,11 @@ class SchedulerState:
     def observe_assignment(self, record: Assignment, trace: TraceHeaders = ()) -> list[Effect]:
         """An assignment read from ``llmq.assignments`` (ours, or another replica's), with
         the trace headers it carried."""
+        previous = self.log.latest(record.request_id)
+        if previous is not None and previous.attempt < record.attempt:
+            # Requeued (by us, or by the replica that led then): the incarnation that held
+            # the earlier attempt may not renew its lease (``_answer_renewals``).
+            self._lost_incarnation(previous.worker_id, previous.worker_started_at)
         if not self.log.observe_assignment(record):
             return []
         hb = self.fleet.get(record.worker_id)
@@ -493,16 +499,17 @@ class SchedulerState:
     def _answer_renewals(self, now: float, effects: list[Effect]) -> list[tuple[str, bool]]:
         """Answer each worker that asked to renew its lapsed lease (a heartbeat with
         ``renew``; ``services.worker.core.lease``). Losses were decided just before, from
-        the same fleet view, so the answer is exact for this replica: granted unless the
-        asking incarnation's work was declared lost for a stale heartbeat, or a newer
-        process of the worker is known. A granted worker is alive (its asking heartbeat is
-        fresh), so no later cycle declares it lost for the gap."""
+        the same fleet view: granted unless the asking incarnation's work was declared
+        lost (for a stale heartbeat here, or requeued by whichever replica led then), or a
+        newer process of the worker is known. A granted worker is alive (its asking
+        heartbeat is fresh), so no later cycle declares it lost for the gap. Not seen by a
+        replica that did not lead then: a ``worker_lost`` ending of streamed work alone."""
         answered: list[tuple[str, bool]] = []
         for worker_id, hb in self._renewals.items():
             current = self.fleet.get(worker_id)
             reason = ""
             if hb.started_at in self._lost_incarnations.get(worker_id, ()):
-                reason = "its heartbeat went stale and its work was requeued or ended"
+                reason = "its work was declared lost (stale heartbeat) and requeued or ended"
             elif current is not None and current.started_at > hb.started_at:
                 reason = "a newer process of this worker is running"
             answer = LeaseAnswer(worker_id=worker_id, started_at=hb.started_at, seq=hb.seq,
@@ -655,12 +662,10 @@ class SchedulerState:
         held = {a.request_id: a for a in
                 (self.log.active_on(worker_id) if records is None else records)}
         if records is None:  # stale: the incarnations that held this work may not renew
-            lost = self._lost_incarnations.setdefault(worker_id, set())
-            lost.update(a.worker_started_at for a in held.values()
-                        if a.worker_started_at is not None)
             hb = self.fleet.get(worker_id)
-            if hb is not None:
-                lost.add(hb.started_at)
+            for started_at in {a.worker_started_at for a in held.values()} | {
+                    None if hb is None else hb.started_at}:
+                self._lost_incarnation(worker_id, started_at)
         for record in held.values():
             if self.ledger.worker_of(record.request_id, record.attempt) is None:
                 self._book(record)  # keeps "every active assignment is booked" true
@@ -679,6 +684,10 @@ class SchedulerState:
                                    trace=self._active_trace.get(record.request_id, ()))
                 effects.append(replace(effect, unless_answered=_reply_check(record)))
         return requeues
+
+    def _lost_incarnation(self, worker_id: str, started_at: float | None) -> None:
+        if started_at is not None:
+            self._lost_incarnations.setdefault(worker_id, set()).add(started_at)
 
     def _requeue(self, record: Assignment, fate: Requeue, now: float) -> list[Effect]:
         request = fate.request

@@ -20,6 +20,7 @@ Typical loop::
     ledger.release(request_id, attempt)                 # done / failed / aborted event
     ledger.reconcile(worker_id, held_keys)              # heartbeat
     requeue_lost(ledger, worker_id, streamed)           # worker declared dead
+    lease_refusal(asking, lost, newest)                 # a lapsed worker asks to go on
 """
 
 from services.scheduler.core.affinity import AffinityMap
@@ -29,7 +30,7 @@ from services.scheduler.core.errors import ConfigError
 from services.scheduler.core.lanes import DEFAULT_LANE_WEIGHTS, LaneInterleave
 from services.scheduler.core.ledger import Ledger, Reservation
 from services.scheduler.core.queue import ClassKey, PendingQueue, QueueConfig
-from services.scheduler.core.recovery import requeue_lost
+from services.scheduler.core.recovery import lease_refusal, requeue_lost
 from services.scheduler.core.types import (
     DEFAULT_STALE_AFTER_S,
     HEARTBEAT_INTERVAL_S,
@@ -88,6 +89,7 @@ __all__ = [
     "Snapshot",
     "WorkerState",
     "build_pipeline",
+    "lease_refusal",
     "requeue_lost",
     "schedule",
 ]

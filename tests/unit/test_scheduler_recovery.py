@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from services.scheduler import Ledger, Reject, Requeue, requeue_lost
+import pytest
+
+from services.scheduler import Ledger, Reject, Requeue, lease_refusal, requeue_lost
 from tests.builders import make_request, make_worker
 
 
@@ -40,3 +42,16 @@ def test_requeue_lost_of_a_restarted_worker_releases_only_the_named_work() -> No
     assert isinstance(decisions[1], Reject) and "restarted" in decisions[1].reason
     assert [r.request.request_id for r in ledger.reservations("w")] == ["new"]
     assert ledger.holder("w") == "someone"  # the worker lives on: its hold stays
+
+
+@pytest.mark.parametrize(("asking", "lost", "newest", "refused_because"), [
+    (100.0, set(), 100.0, ""),                       # nothing lost: go on
+    (100.0, set(), None, ""),                        # heard of through this beat only
+    (100.0, {99.0}, 100.0, ""),                      # an earlier incarnation's loss
+    (100.0, {100.0}, 100.0, "declared lost"),        # its own work was given away
+    (100.0, set(), 100.001, "newer process"),        # restarted (or fenced) since
+])
+def test_lease_refusal(asking: float, lost: set[float], newest: float | None,
+                       refused_because: str) -> None:
+    reason = lease_refusal(asking, lost, newest)
+    assert (reason == "") == (refused_because == "") and refused_because in reason

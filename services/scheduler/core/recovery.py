@@ -9,6 +9,12 @@ the worker's reservations are released and its hold and affinity entries forgott
 A worker that restarted (a heartbeat from a newer process on the same id) is alive, but the
 work placed on its earlier process is as lost as a dead worker's: the new process drops
 those assignments (``Assignment.worker_started_at``). Only that work gets the fates above.
+
+A worker whose lease lapsed (paused, or cut off from the broker, for a little less than
+the staleness bound: ``services.worker.core.lease``) asks whether its work is still its
+own: :func:`lease_refusal` says no once any of that incarnation's work was declared lost,
+or once a newer process of the worker is known; otherwise the answer is yes, and the
+asking heartbeat, being fresh, keeps the worker alive.
 """
 
 from __future__ import annotations
@@ -52,3 +58,14 @@ def requeue_lost(
                 Requeue(replace(request, attempt=request.attempt + 1), f"{worker_id} {cause}")
             )
     return decisions
+
+
+def lease_refusal(asking: float, lost: Collection[float], newest: float | None) -> str:
+    """Why the incarnation ``asking`` (its ``started_at``) may not renew its lease: ``""``
+    when it may. ``lost``: the incarnations of this worker whose work was declared lost;
+    ``newest``: the newest ``started_at`` heard from the worker (None: none)."""
+    if asking in lost:
+        return "its work was declared lost (stale heartbeat) and requeued or ended"
+    if newest is not None and newest > asking:
+        return "a newer process of this worker is running"
+    return ""

@@ -5,10 +5,10 @@
 :class:`AssignmentLog`, the drain meter and the cancel memory, and it turns inputs into
 calls of the core and the core's decisions into :class:`Effect` values — records to produce
 plus the source records to acknowledge once the broker has them. It decides nothing
-itself: placement, ordering, expiry, cancellation and worker-loss fates are the core's
-(``schedule``, ``requeue_lost``); this class translates, records and keeps the books
-consistent. Synchronous and I/O-free: the Faust app calls it from one event loop, tests
-drive it directly.
+itself: placement, ordering, expiry, cancellation, worker-loss fates and lease answers are
+the core's (``schedule``, ``requeue_lost``, ``lease_refusal``); this class translates,
+records and keeps the books consistent. Synchronous and I/O-free: the Faust app calls it
+from one event loop, tests drive it directly.
 
 Invariants kept here:
 
@@ -61,6 +61,7 @@ from services.scheduler import (
     Reject,
     Requeue,
     WorkerState,
+    lease_refusal,
     requeue_lost,
     schedule,
 )
@@ -498,20 +499,17 @@ class SchedulerState:
 
     def _answer_renewals(self, now: float, effects: list[Effect]) -> list[tuple[str, bool]]:
         """Answer each worker that asked to renew its lapsed lease (a heartbeat with
-        ``renew``; ``services.worker.core.lease``). Losses were decided just before, from
-        the same fleet view: granted unless the asking incarnation's work was declared
-        lost (for a stale heartbeat here, or requeued by whichever replica led then), or a
-        newer process of the worker is known. A granted worker is alive (its asking
-        heartbeat is fresh), so no later cycle declares it lost for the gap. Not seen by a
-        replica that did not lead then: a ``worker_lost`` ending of streamed work alone."""
+        ``renew``; ``services.worker.core.lease``) as the core's :func:`lease_refusal`
+        decides. Losses were decided just before, from the same fleet view; "lost" counts
+        a stale heartbeat here, or a requeue read from the log (by whichever replica led
+        then). A granted worker is alive (its asking heartbeat is fresh), so no later cycle
+        declares it lost for the gap. Not seen by a replica that did not lead then: a
+        ``worker_lost`` ending of streamed work alone."""
         answered: list[tuple[str, bool]] = []
         for worker_id, hb in self._renewals.items():
             current = self.fleet.get(worker_id)
-            reason = ""
-            if hb.started_at in self._lost_incarnations.get(worker_id, ()):
-                reason = "its work was declared lost (stale heartbeat) and requeued or ended"
-            elif current is not None and current.started_at > hb.started_at:
-                reason = "a newer process of this worker is running"
+            reason = lease_refusal(hb.started_at, self._lost_incarnations.get(worker_id, ()),
+                                   None if current is None else current.started_at)
             answer = LeaseAnswer(worker_id=worker_id, started_at=hb.started_at, seq=hb.seq,
                                  granted=not reason, reason=reason,
                                  issued_by=self.config.scheduler_id, issued_at=now)

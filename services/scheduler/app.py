@@ -479,7 +479,7 @@ class Scheduler:
                 self.state.forget_worker(record.key.decode(errors="replace"))
             return
         hb = decode(record.value, HEARTBEAT_ADAPTER)
-        self.state.observe_heartbeat(hb)
+        self.state.observe_heartbeat(hb, read_at=self.clock())
         if hb.renew:
             self.wake.set()  # a worker holds its output until the next cycle answers it
 

@@ -47,6 +47,35 @@ def test_liveness_is_three_of_the_workers_own_intervals(
 
 
 @pytest.mark.parametrize(
+    ("clock_offset", "read_after_s", "now_after_read", "placeable", "may_be_alive"),
+    [
+        (0.0, 0.05, 2.9, True, True),       # in sync: both fresh
+        (0.0, 0.05, 3.1, False, False),     # in sync: both stale, dead
+        (-1.0, 0.05, 2.5, False, True),     # clock 1 s behind: ts-stale at 2.5, not dead
+        (-1.0, 0.05, 3.01, False, False),   # ... until three intervals after we read it
+        (10.0, 0.05, 0.1, False, True),     # 10 s ahead: not placeable, but not dead
+        (10.0, 0.05, 3.01, False, False),   # ... once it falls silent for the bound
+        (0.0, 2.0, 0.5, True, True),        # read late (consumer lag): ts rules placement
+        (0.0, 2.0, 2.5, False, True),       # ... and the read time defers the death
+    ],
+)
+def test_a_worker_is_declared_dead_only_when_stale_by_its_ts_and_by_our_clock(
+    clock_offset: float, read_after_s: float, now_after_read: float, placeable: bool,
+    may_be_alive: bool,
+) -> None:
+    """Placement fails closed on ``ts`` alone; loss needs ``ts`` and the time since the
+    scheduler read the beat to be stale both, so a skewed worker clock cannot get a worker
+    declared dead while its lease (counted on its own clock) still holds."""
+    fleet = FleetView(3.0)
+    created = T  # on the scheduler's clock; the beat carries the worker's
+    fleet.observe(hb(ts=created + clock_offset), read_at=created + read_after_s)
+    now = created + read_after_s + now_after_read
+    assert fleet.is_alive("w0", now) is placeable
+    assert ("w0" in fleet.snapshot(now).workers) is placeable
+    assert fleet.may_be_alive("w0", now) is may_be_alive
+
+
+@pytest.mark.parametrize(
     ("first", "second", "kept_seq"),
     [
         ((T - 100, 1), (T - 100, 2), 2),  # newer beat of the same process

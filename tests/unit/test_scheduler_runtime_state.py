@@ -645,3 +645,14 @@ def test_a_replica_that_read_a_requeue_refuses_the_lease_once_it_leads() -> None
                                     renew=True))
     (answer,) = lease_answers(follower.tick(T + 3.7).effects)
     assert (answer.worker_id, answer.granted) == (first.worker_id, False)
+
+
+def test_a_worker_whose_clock_runs_behind_is_not_declared_dead_early() -> None:
+    """w0's clock is 1 s behind ours. Its beat read at T + 2.5 says T + 1.5; at T + 4.6 that
+    ts is 3.1 s old, but we read it 2.1 s ago: its lease (2.75 s, on its own clock) may
+    still hold, so its work must stay. Dead once we have not heard from it for the bound."""
+    state, _ = _w0_running_r1()
+    state.observe_heartbeat(beat("w0", 0, ts=T + 1.5, seq=5), read_at=T + 2.5)
+    assert state.tick(T + 4.6).lost_workers == []
+    assert state.log.status("r1") == "active"
+    assert tick_and_release(state, T + 5.6).lost_workers == ["w0"]

@@ -9,8 +9,20 @@ worker.
 Liveness, failing closed (STYLE.md §6): a worker is alive while ``now - ts <= staleness ×
 interval_s`` (its own interval, DESIGN.md: 3 intervals). :meth:`FleetView.snapshot` holds
 only live workers, so the core never sees a stale one as a candidate; an unknown worker is
-as dead as a stale one. The scheduler declares dead every worker that holds reservations
-and is not alive (see :class:`services.scheduler.runtime.state.SchedulerState`).
+as dead as a stale one.
+
+Declaring a worker *dead* fails the other way, because it gives the worker's work away:
+the scheduler declares dead every worker that holds reservations and is not
+:meth:`FleetView.may_be_alive` — stale by its heartbeat's ``ts`` *and* by the scheduler's
+own clock since that heartbeat was read (see
+:class:`services.scheduler.runtime.state.SchedulerState`). ``ts`` is the worker's wall
+clock; the worker's lease (``services.worker.core.lease``) counts on its own monotonic
+clock from the beat's creation and ends 0.25 intervals before the bound. Judged by ``ts``
+alone, a worker whose clock runs behind by more than that margin could be declared dead
+while its lease still holds, and one whose clock runs ahead by more than the bound would be
+declared dead at every cycle. A beat is read no earlier than it was created, so the time
+since it was read never exceeds its true age. The price: after a scheduler restart, which
+reads every heartbeat anew, a worker that died meanwhile is declared dead one bound later.
 """
 
 from __future__ import annotations
@@ -29,6 +41,7 @@ class FleetView:
             raise ValueError(f"staleness must be > 0, got {staleness}")
         self.staleness = staleness
         self._beats: dict[str, WorkerHeartbeat] = {}
+        self._read_at: dict[str, float] = {}  # our clock when the newest beat was read
 
     def __len__(self) -> int:
         return len(self._beats)
@@ -36,16 +49,19 @@ class FleetView:
     def __contains__(self, worker_id: object) -> bool:
         return worker_id in self._beats
 
-    def observe(self, hb: WorkerHeartbeat) -> bool:
-        """Keep ``hb`` if it is the worker's newest; True when the view changed."""
+    def observe(self, hb: WorkerHeartbeat, read_at: float | None = None) -> bool:
+        """Keep ``hb`` if it is the worker's newest; True when the view changed.
+        ``read_at``: this scheduler's clock as it read the beat (None: its ``ts``)."""
         old = self._beats.get(hb.worker_id)
         if old is not None and (hb.started_at, hb.seq) <= (old.started_at, old.seq):
             return False
         self._beats[hb.worker_id] = hb
+        self._read_at[hb.worker_id] = hb.ts if read_at is None else read_at
         return True
 
     def forget(self, worker_id: str) -> bool:
         """A tombstone: the worker left the fleet. True if it was known."""
+        self._read_at.pop(worker_id, None)
         return self._beats.pop(worker_id, None) is not None
 
     def get(self, worker_id: str) -> WorkerHeartbeat | None:
@@ -59,6 +75,15 @@ class FleetView:
         """Known and heard from within ``staleness`` of its own intervals."""
         hb = self._beats.get(worker_id)
         return hb is not None and self._fresh(hb, now)
+
+    def may_be_alive(self, worker_id: str, now: float) -> bool:
+        """Known, and fresh by its heartbeat's ``ts`` or by the time since this scheduler
+        read it: a worker is declared dead only when both are stale (module docstring)."""
+        hb = self._beats.get(worker_id)
+        if hb is None:
+            return False
+        return self._fresh(hb, now) or \
+            now - self._read_at[worker_id] <= self.staleness * hb.interval_s
 
     def live(self, now: float) -> Iterator[WorkerHeartbeat]:
         return (hb for hb in self._beats.values() if self._fresh(hb, now))

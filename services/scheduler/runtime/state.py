@@ -282,9 +282,10 @@ class SchedulerState:
 
     # -- fleet ------------------------------------------------------------------------
 
-    def observe_heartbeat(self, hb: WorkerHeartbeat) -> bool:
+    def observe_heartbeat(self, hb: WorkerHeartbeat, read_at: float | None = None) -> bool:
+        """A heartbeat, read at ``read_at`` on this scheduler's clock (None: its ``ts``)."""
         old = self.fleet.get(hb.worker_id)
-        changed = self.fleet.observe(hb)
+        changed = self.fleet.observe(hb, read_at)
         if changed and (old is None or old.started_at != hb.started_at):
             self._restarted.add(hb.worker_id)  # work placed on its earlier process is lost
         if hb.renew:
@@ -450,7 +451,7 @@ class SchedulerState:
         attempt's assignment or the terminal event), which releases their bookings.
         """
         effects: list[Effect] = []
-        lost = [w for w in self.log.workers() if not self.fleet.is_alive(w, now)] \
+        lost = [w for w in self.log.workers() if not self.fleet.may_be_alive(w, now)] \
             if handle_losses else []
         held: list[HeldRequeue] = []
         for worker_id in lost:

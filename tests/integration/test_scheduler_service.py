@@ -345,11 +345,13 @@ class FakeWorker:
             )
         self.held[key] = assignment.kv_tokens
         self.taken.append(assignment)
-        self._tasks.append(asyncio.create_task(self._run(assignment)))
+        # ``stream`` as it is now, when the assignment is read: a test that flips it next
+        # must not race the ``event.started`` send below.
+        self._tasks.append(asyncio.create_task(self._run(assignment, self.stream)))
 
-    async def _run(self, assignment: Assignment) -> None:
+    async def _run(self, assignment: Assignment, stream: bool) -> None:
         await self._event(EventStarted, assignment)
-        if self.stream:
+        if stream:
             await self._event(EventFirstToken, assignment, ttft_s=0.01)
         if not self.hold:
             await asyncio.sleep(self.run_s)
@@ -613,9 +615,6 @@ async def test_cancel_of_a_pending_request(cluster: Cluster) -> None:
     assert not obs.assigned("doomed")
 
 
-# Known flaky on a fresh broker (the requeue after 3 missed heartbeats sometimes takes longer
-# than the wait; seen in 2 of ~6 full runs, never alone): retried, and noted in the issue.
-@pytest.mark.flaky(reruns=2)
 async def test_lost_worker_requeues_unstarted_work_and_fails_streamed(cluster: Cluster) -> None:
     await cluster.start()
     a = await cluster.worker("fake-a", 0, stream=False)
@@ -654,7 +653,6 @@ async def _answered_and_unanswered_on(cluster: Cluster, *, stream: bool) -> Fake
     return a
 
 
-@pytest.mark.flaky(reruns=2)  # the same heartbeat-staleness wait as the test above
 async def test_a_lost_worker_that_had_answered_gets_no_second_terminal(
     cluster: Cluster,
 ) -> None:
@@ -680,7 +678,6 @@ async def test_a_lost_worker_that_had_answered_gets_no_second_terminal(
     assert [e.code for e in obs.terminal_events("answered")] == ["worker_lost"]
 
 
-@pytest.mark.flaky(reruns=2)  # the same heartbeat-staleness wait as the tests above
 async def test_a_lost_worker_that_had_answered_before_any_token_gets_no_requeue(
     cluster: Cluster,
 ) -> None:
@@ -705,7 +702,6 @@ async def test_a_lost_worker_that_had_answered_before_any_token_gets_no_requeue(
     assert "unanswered" in b.holding()
 
 
-@pytest.mark.flaky(reruns=2)  # the same heartbeat-staleness wait as the tests above
 async def test_the_scheduler_renews_a_lapsed_lease_only_while_the_work_is_the_workers(
     cluster: Cluster,
 ) -> None:

@@ -338,14 +338,15 @@ class Scheduler:
         checks = [c for c in (e.unless_answered for e in effects) if c is not None]
         checks += [h.check for h in held]
         wanted = {(c[0], c[1]): (c[2], c[3], c[4]) for c in checks}
-        try:
-            found = await answered(self.rt.settings.bootstrap, wanted,
-                                   self.rt.scheduler.send_timeout_s)
-        except Exception:
-            _log.warning("scheduler: could not check %d lost attempt(s) against their reply "
-                         "topics; ending or requeueing them as if unanswered", len(wanted),
-                         exc_info=True)
-            found = set()
+        check = await answered(self.rt.settings.bootstrap, wanted,
+                               self.rt.scheduler.send_timeout_s)
+        found = check.found
+        if not check.complete:
+            _log.warning("scheduler: the reply-topic check of %d lost attempt(s) was cut "
+                         "short (%.0f s limit, or the error above) after %d records, newest "
+                         "first, %d found answered: the rest are ended or requeued as if "
+                         "unanswered", len(wanted), self.rt.scheduler.send_timeout_s,
+                         check.records_read, len(found))
         out = []
         for e in effects:
             if e.unless_answered is not None and e.unless_answered[:2] in found:

@@ -1,5 +1,6 @@
 """``services.scheduler.runtime.answered`` against the real broker: which lost attempts
-already have a terminal reply on their reply partition, among other requests' replies."""
+already have a terminal reply on their reply partition, among other requests' replies,
+read newest window first."""
 
 from __future__ import annotations
 
@@ -11,8 +12,30 @@ from schemas.codec import encode
 from services.common.kafka import TopicRequest, ensure_topics, make_producer
 from services.scheduler.runtime.answered import CLOCK_MARGIN_S, answered
 from tests.builders_schemas import make_chunk, make_done, make_error
+from tests.fakes.ports import free_port
 
 pytestmark = pytest.mark.kafka
+
+Wanted = tuple[tuple[str, int], tuple[str, bytes, float]]
+
+
+async def _produce(bootstrap: str, topic: str, records: list[tuple[str, object]]) -> None:
+    """``records`` ((key, reply)) onto partition 0 of ``topic``, in order."""
+    await ensure_topics(bootstrap, [TopicRequest(topic, 1)])
+    producer = make_producer(bootstrap)
+    await producer.start()
+    try:
+        for key, reply in records:
+            await producer.send(topic, encode(reply), key=key.encode(), partition=0)
+        await producer.flush()
+    finally:
+        await producer.stop()
+
+
+def _chunks(n: int, ts: float) -> list[tuple[str, object]]:
+    """``n`` chunk records of 50 other requests."""
+    return [(f"r{i % 50}", make_chunk(request_id=f"r{i % 50}", attempt=1, seq=i // 50, ts=ts))
+            for i in range(n)]
 
 
 async def test_only_terminals_of_the_wanted_attempts_under_their_key_count(
@@ -35,26 +58,78 @@ async def test_only_terminals_of_the_wanted_attempts_under_their_key_count(
         # not read as this one's (replies are keyed by request_id: DESIGN.md).
         ("r7", make_done(request_id="misfiled", attempt=1, ts=now)),
     ]
-    producer = make_producer(bootstrap)
-    await producer.start()
-    try:
-        for key, reply in records:
-            await producer.send(topic, encode(reply), key=key.encode(), partition=0)
-        await producer.flush()
-    finally:
-        await producer.stop()
+    await _produce(bootstrap, topic, records)
 
-    def wanted(rid: str, attempt: int, assigned_at: float = now) -> tuple[
-            tuple[str, int], tuple[str, bytes, float]]:
+    def wanted(rid: str, attempt: int, assigned_at: float = now) -> Wanted:
         return (rid, attempt), (topic, rid.encode(), assigned_at)
 
-    found = await answered(bootstrap, dict([
+    check = await answered(bootstrap, dict([
         wanted("done-1", 1), wanted("err-2", 2), wanted("old-attempt", 2),
         wanted("chunk-only", 1), wanted("misfiled", 1), wanted("never-seen", 1),
     ]), timeout_s=30)
-    assert found == {("done-1", 1), ("err-2", 2)}
+    assert check.found == {("done-1", 1), ("err-2", 2)}
+    assert check.complete
 
     # Read from the assignment time less the clock margin: a reply written before it
     # is not this attempt's.
     later = now + CLOCK_MARGIN_S + 60
-    assert await answered(bootstrap, dict([wanted("done-1", 1, later)]), timeout_s=30) == set()
+    check = await answered(bootstrap, dict([wanted("done-1", 1, later)]), timeout_s=30)
+    assert check.found == set()
+    assert check.complete
+
+
+async def test_windows_back_from_the_end_read_every_record_once(
+    bootstrap: str, topic_prefix: str
+) -> None:
+    """Windows of 100, 400, 1,600 … records back from the end: terminals on either side of
+    each boundary and at the very first offset are all found, and while one wanted attempt
+    has no terminal, every record is read exactly once, down to the oldest."""
+    topic = f"{topic_prefix}.replies.acme"
+    now = time.time()
+    total = 3_005
+    # offset -> the terminal there: windows are [total-100, total), [total-500, total-100),
+    # [total-2,100, total-500), then down to 0.
+    terminals = {total - 100: "first-window-oldest", total - 101: "second-window-newest",
+                 total - 500: "second-window-oldest", total - 501: "third-window-newest",
+                 0: "very-first"}
+    chunks = iter(_chunks(total - len(terminals), now))
+    records = [(terminals[offset], make_done(request_id=terminals[offset], attempt=1, ts=now))
+               if offset in terminals else next(chunks) for offset in range(total)]
+    await _produce(bootstrap, topic, records)
+    rids = ["first-window-oldest", "second-window-newest", "second-window-oldest",
+            "third-window-newest", "very-first", "never-answered"]
+    check = await answered(
+        bootstrap, {(rid, 1): (topic, rid.encode(), now) for rid in rids},
+        timeout_s=30, first_window=100)
+    assert check.found == {(rid, 1) for rid in rids if rid != "never-answered"}
+    assert check.complete
+    assert check.records_read == len(records)
+
+
+async def test_reading_stops_once_every_wanted_attempt_is_found(
+    bootstrap: str, topic_prefix: str
+) -> None:
+    """A terminal written just before its worker died is at the end of the partition: the
+    check finds it in the first window instead of reading the attempt's whole lifetime."""
+    topic = f"{topic_prefix}.replies.acme"
+    now = time.time()
+    records = [*_chunks(5_000, now), ("late", make_done(request_id="late", attempt=1, ts=now)),
+               *_chunks(20, now)]
+    await _produce(bootstrap, topic, records)
+    check = await answered(bootstrap, {("late", 1): (topic, b"late", now)}, timeout_s=30,
+                           first_window=100)
+    assert check.found == {("late", 1)}
+    assert check.complete
+    assert check.records_read <= 100
+
+
+async def test_an_unreachable_broker_is_an_incomplete_check_not_an_exception(
+    topic_prefix: str,
+) -> None:
+    """The caller treats what was not found as unanswered; it must not crash."""
+    bootstrap = f"127.0.0.1:{free_port()}"
+    check = await answered(
+        bootstrap, {("x", 1): (f"{topic_prefix}.replies.acme", b"x", time.time())},
+        timeout_s=3)
+    assert check.found == set()
+    assert not check.complete

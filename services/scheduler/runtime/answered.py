@@ -13,11 +13,24 @@ partition from shortly before the attempt was assigned to its end; an attempt wi
 terminal there (``done`` or ``error``, any sender) gets only its terminal event (the log,
 the ledger and every replica learn that it ended), not a second reply.
 
-Replies are keyed by request_id (that is how the partition is found), so only records under
-a wanted key are decoded: a busy tenant's partition is mostly other requests' chunks. On
-this project's 2-core VM, 300,000 such records are read in ~0.9 s (2.1–2.6 s decoding every
-one); the check gives up after ``send_timeout_s`` (10 s) and the attempt is then treated
-as unanswered.
+How it reads, so that a busy partition costs as little as it can:
+
+* Replies are keyed by request_id (that is how the partition is found), so only records
+  under a wanted key are decoded: a busy tenant's partition is mostly other requests'
+  chunks.
+* Newest first: the partition is read in windows going back from its end (10,000 records,
+  then 4× more each time). A terminal whose event went missing was written just before its
+  sender died, a few seconds before the check, so it is in the first window however long
+  the attempt ran; a partition is read no further back once all of its wanted attempts
+  are found.
+* The check stops after ``timeout_s`` (``send_timeout_s``, 10 s) and keeps what it found
+  by then: those attempts are answered, the rest are treated as unanswered (which they
+  are, unless their terminal lies further back than the check could read).
+
+Measured on this project's 2-core VM (one partition, 300,201 records, the wanted terminal
+200 records from the end): the whole partition reads in 0.6–0.8 s; the terminal alone is
+found in 0.03–0.06 s (10,000 records read); with a 0.4 s limit the old oldest-first read
+found nothing, this one finds it with the partition two-thirds read.
 """
 
 from __future__ import annotations
@@ -25,8 +38,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
-from aiokafka import TopicPartition
+from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from schemas.codec import SchemaError, decode
 from schemas.messages import REPLY_ADAPTER
@@ -38,31 +52,53 @@ _log = logging.getLogger(__name__)
 
 #: Read this far before the assignment time (record timestamps are the sender's clock).
 CLOCK_MARGIN_S = 60.0
+#: Records in the first window read back from a partition's end; each next one is 4× larger.
+FIRST_WINDOW = 10_000
 
 Attempt = tuple[str, int]  # (request_id, attempt)
 
 
+@dataclass
+class Answered:
+    """What a check found: ``found`` are answered; ``complete`` is False when the check
+    stopped (time up, broker error) before it read every wanted partition back to the
+    attempts' assignment."""
+
+    found: set[Attempt] = field(default_factory=set)
+    complete: bool = False
+    records_read: int = 0
+
+
 async def answered(
-    bootstrap: str, wanted: Mapping[Attempt, tuple[str, bytes, float]], timeout_s: float
-) -> set[Attempt]:
+    bootstrap: str,
+    wanted: Mapping[Attempt, tuple[str, bytes, float]],
+    timeout_s: float,
+    first_window: int = FIRST_WINDOW,
+) -> Answered:
     """Of ``wanted`` ((request_id, attempt) -> (reply topic, record key, assigned_at)), the
-    attempts with a terminal reply on their reply topic. Raises on a broker error or when
-    ``timeout_s`` is up (the caller then ends them as before)."""
-    return await asyncio.wait_for(_answered(bootstrap, wanted), timeout_s)
+    attempts with a terminal reply on their reply topic, as far as ``timeout_s`` allowed.
+    Never raises: a broker error is logged and ends the check where it stands."""
+    result = Answered()
+    try:
+        await asyncio.wait_for(_read(bootstrap, wanted, first_window, result), timeout_s)
+    except TimeoutError:
+        pass
+    except Exception:
+        _log.warning("scheduler: the reply-topic check failed", exc_info=True)
+    return result
 
 
-async def _answered(
-    bootstrap: str, wanted: Mapping[Attempt, tuple[str, bytes, float]]
-) -> set[Attempt]:
+async def _read(bootstrap: str, wanted: Mapping[Attempt, tuple[str, bytes, float]],
+                first_window: int, result: Answered) -> None:
     since: dict[TopicPartition, float] = {}
+    todo: dict[TopicPartition, set[Attempt]] = {}
     partitions: dict[str, list[int]] = {}
-    for topic, key, assigned_at in wanted.values():
+    for attempt, (topic, key, assigned_at) in wanted.items():
         if topic not in partitions:
             partitions[topic] = await topic_partitions(bootstrap, topic)
-        parts = partitions[topic]
-        tp = TopicPartition(topic, key_partition(key, parts))
-        since[tp] = min(since.get(tp, assigned_at), assigned_at) - CLOCK_MARGIN_S
-    found: set[Attempt] = set()
+        tp = TopicPartition(topic, key_partition(key, partitions[topic]))
+        since[tp] = min(since.get(tp, assigned_at), assigned_at - CLOCK_MARGIN_S)
+        todo.setdefault(tp, set()).add(attempt)
     keys = {key for _, key, _ in wanted.values()}
     consumer = make_consumer(bootstrap)
     await consumer.start()
@@ -74,19 +110,36 @@ async def _answered(
             {tp: max(0, int(ts * 1000)) for tp, ts in since.items()})
         for tp in tps:
             start = starts.get(tp)
-            consumer.seek(tp, ends[tp] if start is None else start.offset)
-        while [tp for tp in tps if await consumer.position(tp) < ends[tp]]:
-            for records in (await consumer.getmany(*tps, timeout_ms=500)).values():
-                for record in records:
-                    if record.key not in keys:
-                        continue  # another request's reply (replies are keyed by request)
-                    try:
-                        reply = decode(record.value, REPLY_ADAPTER)
-                    except SchemaError:
-                        continue
-                    if isinstance(reply, Done | Error) \
-                            and (reply.request_id, reply.attempt) in wanted:
-                        found.add((reply.request_id, reply.attempt))
+            low = ends[tp] if start is None else start.offset
+            consumer.assign([tp])
+            await _read_back(consumer, tp, low, ends[tp], first_window, keys, todo[tp], result)
+        result.complete = True
     finally:
         await consumer.stop()
-    return found
+
+
+async def _read_back(consumer: AIOKafkaConsumer, tp: TopicPartition, low: int, high: int,
+                     window: int, keys: set[bytes], todo: set[Attempt],
+                     result: Answered) -> None:
+    """Terminals of ``todo`` in offsets [low, high) of ``tp``, newest window first; found
+    attempts move from ``todo`` to ``result.found`` as they are seen."""
+    top = high
+    while todo and top > low:
+        bottom = max(low, top - window)
+        consumer.seek(tp, bottom)
+        while todo and await consumer.position(tp) < top:
+            for record in (await consumer.getmany(tp, timeout_ms=500)).get(tp, []):
+                if record.offset >= top:
+                    break  # the window above, already read
+                result.records_read += 1
+                if record.key not in keys:
+                    continue  # another request's reply (replies are keyed by request)
+                try:
+                    reply = decode(record.value, REPLY_ADAPTER)
+                except SchemaError:
+                    continue
+                attempt = (reply.request_id, reply.attempt)
+                if isinstance(reply, Done | Error) and attempt in todo:
+                    todo.discard(attempt)
+                    result.found.add(attempt)
+        top, window = bottom, window * 4

@@ -111,7 +111,10 @@ class LifecycleEvent(WireMessage):
     request_id: RequestId = Field(description="Request the event is about.")
     tenant: Tenant = Field(description="Tenant of the request (for per-tenant accounting).")
     attempt: Attempt = Field(description="Attempt the event belongs to; stale ones are ignored.")
-    worker_id: WorkerId = Field(description="Worker running the attempt.")
+    worker_id: WorkerId = Field(
+        description="Worker running the attempt; for an ending the scheduler decided (a lost "
+        "worker's work, a request refused or cancelled before it ran), the scheduler's id."
+    )
     ts: Timestamp = Field(description="Time of the event, Unix seconds.")
 
 

@@ -637,7 +637,7 @@ async def test_lost_worker_requeues_unstarted_work_and_fails_streamed(cluster: C
     assert error.code == "worker_lost" and error.attempt == 1
     await eventually(lambda: bool(obs.terminal_events("chatty")), what="worker_lost event")
     lost = obs.terminal_events("chatty")
-    assert [(e.code, e.worker_id, e.attempt) for e in lost] == [("worker_lost", "fake-a", 1)]
+    assert [(e.code, e.worker_id, e.attempt) for e in lost] == [("worker_lost", SCHEDULER_ID, 1)]
     assert len(obs.assigned("chatty")) == 1
     assert "quiet" in b.holding()
 

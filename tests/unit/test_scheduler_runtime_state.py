@@ -24,6 +24,7 @@ from schemas.workers import (
     EventFailed,
     EventFirstToken,
     EventStarted,
+    LifecycleEvent,
     WorkerHeartbeat,
 )
 from services.scheduler import DEFAULT_PROFILE, QueueConfig, build_pipeline
@@ -221,7 +222,8 @@ def test_worker_loss_requeues_unstreamed_work_and_fails_streamed() -> None:
     assert (error.request_id, error.code, error.attempt) == ("chatty", "worker_lost", 1)
     (event,) = events(result.effects)
     assert isinstance(event, EventFailed)
-    assert (event.code, event.worker_id, event.attempt) == ("worker_lost", "w0", 1)
+    # Signed by the scheduler: the ending is its, not the worker's (``_note_ending``).
+    assert (event.code, event.worker_id, event.attempt) == ("worker_lost", SCHED, 1)
     assert state.reserved_kv("w0") == 0
     assert state.tick(T + 5.1).lost_workers == []  # declared once
 
@@ -645,6 +647,53 @@ def test_a_replica_that_read_a_requeue_refuses_the_lease_once_it_leads() -> None
                                     renew=True))
     (answer,) = lease_answers(follower.tick(T + 3.7).effects)
     assert (answer.worker_id, answer.granted) == (first.worker_id, False)
+
+
+def _follower_of(first: Assignment, *events_read: LifecycleEvent) -> SchedulerState:
+    """A replica that did not lead: it read ``first`` and ``events_read`` from the log."""
+    follower = new_state(control_topic="p.control")
+    follower.observe_heartbeat(beat(first.worker_id, first.partition))
+    follower.observe_assignment(first)
+    follower.restore()
+    for event in events_read:
+        follower.observe_event(event)
+    return follower
+
+
+def _streaming(a: Assignment) -> list[LifecycleEvent]:
+    return [started(a, a.worker_id),
+            EventFirstToken(request_id=a.request_id, tenant="acme", attempt=a.attempt,
+                            worker_id=a.worker_id, ts=T + 1, ttft_s=0.1)]
+
+
+def test_a_replica_that_read_a_worker_lost_ending_refuses_the_lease_once_it_leads() -> None:
+    """The leader declared w0 dead and ended its streamed r1 ``worker_lost`` (nothing is
+    requeued, so the log has no second assignment); then leadership moved. The ending's
+    event is signed by the leader, not by w0: the new leader refuses w0's incarnation."""
+    leader, first = _w0_running_r1()
+    leader.observe_event(_streaming(first)[1])
+    lost = tick_and_release(leader, T + 3.5)
+    assert lost.lost_workers == ["w0"] and lost.requeued == 0
+    (ending,) = events(lost.effects)
+    assert isinstance(ending, EventFailed) and ending.code == "worker_lost"
+    follower = _follower_of(first, *_streaming(first), ending)
+    follower.observe_heartbeat(beat("w0", 0, ts=T + 3.6, seq=9, renew=True))
+    (answer,) = lease_answers(follower.tick(T + 3.6).effects)
+    assert (answer.worker_id, answer.granted) == ("w0", False)
+    assert "declared lost" in answer.reason
+
+
+def test_a_workers_own_ending_does_not_cost_it_the_lease() -> None:
+    """w0 itself ended r1 ``worker_lost`` (its engine failed) and later asks to renew after
+    a pause: its work was never declared lost, so the lease holds."""
+    _, first = _w0_running_r1()
+    own = EventFailed(request_id="r1", tenant="acme", attempt=1, worker_id="w0", ts=T + 2,
+                      code="worker_lost", message="engine died")
+    follower = _follower_of(first, *_streaming(first), own)
+    assert follower.log.status("r1") == "finished"
+    follower.observe_heartbeat(beat("w0", 0, ts=T + 2.9, seq=9, renew=True))
+    (answer,) = lease_answers(follower.tick(T + 2.95).effects)
+    assert (answer.worker_id, answer.granted) == ("w0", True)
 
 
 def test_a_worker_whose_clock_runs_behind_is_not_declared_dead_early() -> None:

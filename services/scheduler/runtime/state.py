@@ -331,6 +331,7 @@ class SchedulerState:
 
     def observe_event(self, event: LifecycleEvent) -> bool:
         """A lifecycle event; True when it freed capacity (worth a dispatch cycle)."""
+        self._note_ending(event)
         news = self.log.observe_event(event)
         if isinstance(event, EventStarted):
             # ``at`` (the worker's clock, like its heartbeats) lets the ledger credit capacity
@@ -349,6 +350,18 @@ class SchedulerState:
             if model is not None:
                 self.drain.add(model, event.ts, usage.total_tokens)
         return freed
+
+    def _note_ending(self, event: LifecycleEvent) -> None:
+        """A terminal event that the worker holding the attempt did not send: a scheduler
+        (this replica, or the one that led then) ended a lost worker's work, and signed the
+        event with its own id. The incarnation that held the attempt may not renew its
+        lease (:meth:`_answer_renewals`), as if its work had been requeued."""
+        if not isinstance(event, EventDone | EventFailed | EventAborted):
+            return
+        holder = self.log.latest(event.request_id)
+        if holder is not None and holder.attempt == event.attempt \
+                and holder.worker_id != event.worker_id:
+            self._lost_incarnation(holder.worker_id, holder.worker_started_at)
 
     def _withdraw_answered_requeue(self, event: LifecycleEvent) -> None:
         """A lost attempt's terminal event came after all (the worker answered, and its
@@ -395,7 +408,7 @@ class SchedulerState:
         if self.cancels.matches(request_id, admitted.request.tenant, now):
             self.cancels.discard(request_id, admitted.request.tenant)
             return [self._end(admitted, 1, "cancelled", "cancelled before it was queued",
-                              self.config.scheduler_id, now, (ticket,), trace=trace)]
+                              now, (ticket,), trace=trace)]
         block = self.fleet.block_size(admitted.request.model) or self.config.default_block_size
         queued = queued_request(admitted, block)
         # Always admitted: the record is in memory already. The pause ladder keeps the
@@ -502,10 +515,10 @@ class SchedulerState:
         """Answer each worker that asked to renew its lapsed lease (a heartbeat with
         ``renew``; ``services.worker.core.lease``) as the core's :func:`lease_refusal`
         decides. Losses were decided just before, from the same fleet view; "lost" counts
-        a stale heartbeat here, or a requeue read from the log (by whichever replica led
-        then). A granted worker is alive (its asking heartbeat is fresh), so no later cycle
-        declares it lost for the gap. Not seen by a replica that did not lead then: a
-        ``worker_lost`` ending of streamed work alone."""
+        a stale heartbeat here, or, read from the log (whichever replica led then), a requeue
+        or an ending that the attempt's worker did not send (:meth:`_note_ending`). A
+        granted worker is alive (its asking heartbeat is fresh), so no later cycle declares
+        it lost for the gap."""
         answered: list[tuple[str, bool]] = []
         for worker_id, hb in self._renewals.items():
             current = self.fleet.get(worker_id)
@@ -533,7 +546,7 @@ class SchedulerState:
         _log.warning("scheduler: %s#%d was answered before its worker was lost (its terminal "
                      "event is missing): not requeued", record.request_id, record.attempt)
         effect = self._end(record.admitted, record.attempt, "worker_lost",
-                           f"{held.fate.reason}; answered before", record.worker_id, now, (),
+                           f"{held.fate.reason}; answered before", now, (),
                            trace=self._active_trace.get(record.request_id, ()))
         return [Effect(then=effect.then)]  # the event only: the reply is there
 
@@ -633,7 +646,7 @@ class SchedulerState:
             )
         return self._end(
             tracked.admitted, tracked.queued.attempt, reject.code, reject.reason,
-            self.config.scheduler_id, now, tuple(tracked.tickets), reject.retry_after_s,
+            now, tuple(tracked.tickets), reject.retry_after_s,
             trace=trace,
         )
 
@@ -679,7 +692,7 @@ class SchedulerState:
             else:
                 record = held[fate.request_id]
                 effect = self._end(record.admitted, record.attempt, fate.code, fate.reason,
-                                   worker_id, now, (),
+                                   now, (),
                                    trace=self._active_trace.get(record.request_id, ()))
                 effects.append(replace(effect, unless_answered=_reply_check(record)))
         return requeues
@@ -695,8 +708,8 @@ class SchedulerState:
         if self.cancels.matches(request.request_id, request.tenant, now):
             self.cancels.discard(request.request_id, request.tenant)
             return [self._end(record.admitted, request.attempt, "cancelled",
-                              "cancelled while its worker was lost", self.config.scheduler_id,
-                              now, (), reply_attempt=request.attempt, trace=trace)]
+                              "cancelled while its worker was lost", now, (),
+                              reply_attempt=request.attempt, trace=trace)]
         self.pending.push(request, force=True)  # already admitted work: past the bound
         self._track(_Tracked(record.admitted, request, "requeue", since=now, trace=trace))
         return []
@@ -707,14 +720,15 @@ class SchedulerState:
         attempt: int,
         code: ErrorCode,
         reason: str,
-        worker_id: str,
         now: float,
         tickets: tuple[Ticket, ...],
         retry_after_s: float | None = None,
         reply_attempt: int | None = None,
         trace: TraceHeaders = (),
     ) -> Effect:
-        """One scheduler-side terminal: recorded first, then the reply, then the event."""
+        """One scheduler-side terminal: recorded first, then the reply, then the event, which
+        carries this scheduler's id as its ``worker_id`` (:meth:`_note_ending` tells such an
+        ending of a worker's attempt from the worker's own)."""
         request_id = admitted.request_id
         if reply_attempt is None:
             # Attempt 1 still pending never reached a worker: Error's attempt is 0 then.
@@ -724,7 +738,7 @@ class SchedulerState:
         self.ended[code] = self.ended.get(code, 0) + 1
         reply, event = terminal(
             admitted, code=code, message=reason, attempt=attempt, reply_attempt=reply_attempt,
-            worker_id=worker_id, events_topic=self.config.events_topic, now=now,
+            worker_id=self.config.scheduler_id, events_topic=self.config.events_topic, now=now,
             retry_after_s=retry_after_s, headers=trace,
         )
         return Effect(first=(reply,), then=(event,), tickets=tickets)

@@ -683,6 +683,22 @@ def test_a_replica_that_read_a_worker_lost_ending_refuses_the_lease_once_it_lead
     assert "declared lost" in answer.reason
 
 
+def test_a_replica_that_read_a_cancelled_requeue_refuses_the_lease_once_it_leads() -> None:
+    """r1 was cancelled while running on w0, and w0 died before aborting it: the leader
+    ends the would-be requeue (attempt 2, never assigned) ``cancelled``. A replica that
+    read only attempt 1's assignment and that ending still knows w0's work was taken."""
+    leader, first = _w0_running_r1()
+    assert not leader.on_cancel(cancel("r1"), T)
+    lost = tick_and_release(leader, T + 3.5)
+    assert assignments(lost.effects) == []
+    (ending,) = events(lost.effects)
+    assert isinstance(ending, EventAborted) and ending.attempt == 2
+    follower = _follower_of(first, started(first, "w0"), ending)
+    follower.observe_heartbeat(beat("w0", 0, ts=T + 3.6, seq=9, renew=True))
+    (answer,) = lease_answers(follower.tick(T + 3.6).effects)
+    assert (answer.worker_id, answer.granted) == ("w0", False)
+
+
 def test_a_workers_own_ending_does_not_cost_it_the_lease() -> None:
     """w0 itself ended r1 ``worker_lost`` (its engine failed) and later asks to renew after
     a pause: its work was never declared lost, so the lease holds."""

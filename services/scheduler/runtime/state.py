@@ -352,14 +352,15 @@ class SchedulerState:
         return freed
 
     def _note_ending(self, event: LifecycleEvent) -> None:
-        """A terminal event that the worker holding the attempt did not send: a scheduler
-        (this replica, or the one that led then) ended a lost worker's work, and signed the
-        event with its own id. The incarnation that held the attempt may not renew its
-        lease (:meth:`_answer_renewals`), as if its work had been requeued."""
+        """A terminal event for the attempt a worker holds, or for a later one, that this
+        worker did not send: a scheduler (this replica, or the one that led then) ended a
+        lost worker's work and signed the event with its own id, or cancelled the requeue
+        (attempt + 1) of it. The incarnation that held the attempt may not renew its lease
+        (:meth:`_answer_renewals`), as if its work had been requeued."""
         if not isinstance(event, EventDone | EventFailed | EventAborted):
             return
         holder = self.log.latest(event.request_id)
-        if holder is not None and holder.attempt == event.attempt \
+        if holder is not None and holder.attempt <= event.attempt \
                 and holder.worker_id != event.worker_id:
             self._lost_incarnation(holder.worker_id, holder.worker_started_at)
 

@@ -103,8 +103,7 @@ async def _read(bootstrap: str, wanted: Mapping[Attempt, tuple[str, bytes, float
     consumer = make_consumer(bootstrap)
     await consumer.start()
     try:
-        tps = list(since)
-        consumer.assign(tps)
+        tps = list(since)  # assigned one at a time below: no fetch before its seek
         ends = await consumer.end_offsets(tps)
         starts = await consumer.offsets_for_times(
             {tp: max(0, int(ts * 1000)) for tp, ts in since.items()})

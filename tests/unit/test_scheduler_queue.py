@@ -34,7 +34,9 @@ def test_effective_priority_gains_one_class_per_interval(waited: float, expected
 @pytest.mark.parametrize(
     ("priority", "waited", "expected"),
     [("low", 0.0, 2), ("low", 29.9, 2), ("low", 30.0, 1), ("low", 59.0, 1), ("low", 60.0, 0),
-     ("low", 500.0, 0), ("normal", 0.0, 1), ("normal", 30.0, 0), ("high", 0.0, 0)],
+     ("low", 500.0, 0), ("normal", 0.0, 1), ("normal", 30.0, 0), ("high", 0.0, 0),
+     # enqueued in the scheduler's future (ingest's clock ahead): never below its class
+     ("low", -0.005, 2), ("normal", -0.005, 1), ("high", -3.0, 0)],
 )
 def test_engine_priority_is_the_class_aged_into(
     priority: Priority, waited: float, expected: int

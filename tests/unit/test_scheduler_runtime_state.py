@@ -721,3 +721,39 @@ def test_a_worker_whose_clock_runs_behind_is_not_declared_dead_early() -> None:
     assert state.tick(T + 4.6).lost_workers == []
     assert state.log.status("r1") == "active"
     assert tick_and_release(state, T + 5.6).lost_workers == ["w0"]
+
+
+def test_a_request_admitted_by_a_clock_ahead_of_the_schedulers_is_placed_at_its_class() -> None:
+    # Ingest stamps admitted_at with its own clock; 5 ms ahead, a low request "waited"
+    # −5 ms and aged into class 3, which no assignment can carry: it was dropped.
+    state = ready_state(("w0", 0))
+    state.on_request(admitted("r-low", priority="low", at=T + 0.005), ("tp", 0), T)
+    result = state.tick(T)
+    [(_, record)] = assignments(result.effects)
+    assert record.engine_priority == 2 and tickets(result.effects) == [("tp", 0)]
+
+
+def test_a_placement_that_cannot_be_sent_goes_back_to_the_queue(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import services.scheduler.runtime.state as module
+
+    real = module.assignment
+    calls = {"n": 0}
+
+    def fails_once(*args: Any, **kwargs: Any) -> Assignment:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise ValueError("a bug building the record")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, "assignment", fails_once)
+    state = ready_state(("w0", 0))
+    state.on_request(admitted("r1"), ("tp", 0), T)
+    first = state.tick(T)
+    assert assignments(first.effects) == [] and tickets(first.effects) == []
+    assert len(state.pending) == 1 and state.tracked() == 1 and state.reserved_kv("w0") == 0
+    second = state.tick(T + 0.1)
+    [(_, record)] = assignments(second.effects)
+    assert record.request_id == "r1" and tickets(second.effects) == [("tp", 0)]
+    assert state.reserved_kv("w0") == record.kv_tokens

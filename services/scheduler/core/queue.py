@@ -150,8 +150,11 @@ class PendingQueue:
         """The class ``request`` has aged into at ``now`` — ``max(0, ceil(effective
         priority))``: 2 low, 1 normal, 0 high — which the worker hands its engine as vLLM's
         request priority. A request at its aging bound gets 0, and the engine breaks ties by
-        arrival, so nothing placed after it overtakes it there either."""
-        return max(0, math.ceil(self.effective_priority(request, now) - 1e-9))
+        arrival, so nothing placed after it overtakes it there either. Never worse than
+        its own class: ``enqueued_at`` is stamped by ingest's clock, which may run ahead of
+        the scheduler's (a low request "waited" −5 ms would otherwise come out as 3)."""
+        aged = math.ceil(self.effective_priority(request, now) - 1e-9)
+        return min(_RANK[request.priority], max(0, aged))
 
     def order_key(self, request: QueuedRequest) -> float:
         """A time-free key with the same order as effective priority at any ``now``."""

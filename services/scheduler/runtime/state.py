@@ -502,10 +502,14 @@ class SchedulerState:
                     label = defer_reason(decision.reason)
                     deferred[label] = deferred.get(label, 0) + 1
             except Exception:
-                # A bug translating one decision must not lose the others of the cycle.
+                # A bug translating one decision must not lose the others of the cycle,
+                # nor the request itself: a placement that could not be sent goes back to
+                # the queue (still tracked, its offset still held) to be tried again.
                 _log.exception("scheduler: could not publish %r", decision)
                 if isinstance(decision, Placement):
                     self.ledger.release(decision.request.request_id, decision.attempt)
+                    if decision.request.request_id in self._tracked:
+                        self.pending.push(decision.request, force=True)
         placed_n = len(placements)
         self.drain.waiting(now, [m for m, (n, _) in self._pending_models.items() if n > 0])
         more = self.config.max_placements is not None and placed_n >= self.config.max_placements
@@ -612,11 +616,11 @@ class SchedulerState:
 
     def _placed(self, placement: Placement, now: float, schedule_s: float) -> tuple[Effect, Placed]:
         request = placement.request
-        tracked = self._untrack(request.request_id)
         hb = self.fleet.get(placement.worker_id)
-        record = assignment(tracked.admitted, placement, now,
+        record = assignment(self._tracked[request.request_id].admitted, placement, now,
                             engine_priority=self.pending.engine_priority(request, now),
                             worker_started_at=None if hb is None else hb.started_at)
+        tracked = self._untrack(request.request_id)  # only once the record could be built
         self.log.observe_assignment(record)
         trace = tracked.trace
         if self.spans.active:

@@ -757,3 +757,75 @@ def test_a_placement_that_cannot_be_sent_goes_back_to_the_queue(
     [(_, record)] = assignments(second.effects)
     assert record.request_id == "r1" and tickets(second.effects) == [("tp", 0)]
     assert state.reserved_kv("w0") == record.kv_tokens
+
+
+def _requeue_waiting_on(leader: SchedulerState, follower: SchedulerState,
+                        timeout_s: float = 600.0) -> Assignment:
+    """q placed on w0 (both replicas read it); w0 dies with nothing else alive, so the
+    leader's requeue of q at attempt 2 waits in its queue. Returns attempt 1's record."""
+    leader.on_request(admitted("q", timeout_s=timeout_s), ("tp", 0), T)
+    [(_, first)] = assignments(leader.tick(T).effects)
+    follower.observe_assignment(first)
+    tick_and_release(leader, T + 5)
+    assert leader.pending.get("q") is not None and leader.pending.get("q").attempt == 2
+    return first
+
+
+def test_a_replica_that_stops_leading_leaves_its_unplaced_requeues_to_the_new_leader() -> None:
+    # Both replicas used to requeue q: the old leader kept its requeue ("requeues stay")
+    # and the new one, whose log still showed attempt 1 on dead w0, made its own. When
+    # capacity came both placed q#2, on two workers.
+    a, b = ready_state(("w0", 0)), ready_state(("w0", 0))
+    _requeue_waiting_on(a, b)
+    a.tick(T + 6, handle_losses=False)  # a rebalance: b leads now
+    assert a.pending.get("q") is None and a.log.status("q") == "active"
+    tick_and_release(b, T + 6)
+    for replica in (a, b):
+        replica.observe_heartbeat(beat("w1", 1, ts=T + 7))
+        replica.observe_heartbeat(beat("w2", 2, ts=T + 7))
+    from_a = assignments(a.tick(T + 7, handle_losses=False).effects)
+    from_b = assignments(b.tick(T + 7).effects)
+    assert from_a == [] and [(r.request_id, r.attempt) for _, r in from_b] == [("q", 2)]
+    [(_, second)] = from_b
+    a.observe_assignment(second)
+    assert a.reserved_by_worker() == b.reserved_by_worker() == {
+        "w0": 0, "w1": second.kv_tokens, "w2": 0}
+
+
+def test_a_requeue_check_that_returns_after_leadership_moved_requeues_nothing() -> None:
+    a = ready_state(("w0", 0))
+    a.on_request(admitted("q"), ("tp", 0), T)
+    a.tick(T)
+    [held] = a.tick(T + 5).held  # the reply-topic check is out...
+    a.tick(T + 5.5, handle_losses=False)  # ...when another replica takes over
+    assert a.release(held, False, T + 6) == [] and a.pending.get("q") is None
+    assert a.log.status("q") == "active" and a.reserved_kv("w0") > 0  # the leader's to decide
+
+
+def test_a_follower_that_reads_the_requeues_events_first_frees_the_lost_attempt() -> None:
+    # Events are keyed by request, assignments by worker slot: a follower may read attempt
+    # 2's terminal event before attempt 2's assignment. Attempt 1 stayed booked on w0.
+    a, b = ready_state(("w0", 0), ("w1", 1)), ready_state(("w0", 0), ("w1", 1))
+    a.observe_heartbeat(beat("w1", 1, kv_free_tokens=0, kv_total_tokens=10_000))
+    a.on_request(admitted("q"), ("tp", 0), T)
+    [(_, first)] = assignments(a.tick(T).effects)
+    assert first.worker_id == "w0"
+    b.observe_assignment(first)
+    for replica in (a, b):
+        replica.observe_heartbeat(beat("w1", 1, ts=T + 5))
+    [(_, second)] = assignments(tick_and_release(a, T + 5).effects)
+    assert (second.attempt, second.worker_id) == (2, "w1")
+    b.observe_event(started(second, "w1"))
+    b.observe_event(done(second, "w1"))
+    b.observe_assignment(second)
+    assert b.reserved_by_worker() == {"w0": 0, "w1": 0} and len(b.ledger) == 0
+
+
+def test_a_follower_frees_the_lost_attempt_when_its_requeue_ends_in_the_queue() -> None:
+    a, b = ready_state(("w0", 0)), ready_state(("w0", 0))
+    _requeue_waiting_on(a, b, timeout_s=10.0)
+    ended = events(a.tick(T + 11).effects)  # the deadline passes in the queue
+    assert [(e.request_id, e.attempt) for e in ended] == [("q", 2)]
+    for event in ended:
+        b.observe_event(event)
+    assert b.reserved_kv("w0") == 0 and len(b.ledger) == 0

@@ -107,6 +107,14 @@ class AssignmentLog:
         entry.lost.add(attempt)
         self._settle(request_id, entry)
 
+    def unmark_lost(self, request_id: str, attempt: int) -> None:
+        """The requeue was given up (this replica stopped leading): active again, for the
+        leader to decide."""
+        entry = self._entries.get(request_id)
+        if entry is not None and attempt in entry.lost:
+            entry.lost.discard(attempt)
+            self._settle(request_id, entry)
+
     def mark_ended(self, request_id: str, attempt: int, expires_at: float) -> None:
         """The scheduler itself ended the request (its terminal event is on its way)."""
         entry = self._entry(request_id)

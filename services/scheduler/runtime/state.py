@@ -268,6 +268,9 @@ class SchedulerState:
         self.cancels = RecentCancels(config.cancel_memory_s)
         #: True once the ledger was rebuilt from the log (:meth:`restore`).
         self.restored = False
+        #: Whether the last cycle acted on lost workers (this replica led): requeues are
+        #: the leader's alone (:meth:`_give_up_requeues`).
+        self.leading = False
         self._tracked: dict[str, _Tracked] = {}
         # Workers whose heartbeat showed a new process since the last loss check: work
         # stamped for an earlier process (Assignment.worker_started_at) is lost (tick).
@@ -305,6 +308,11 @@ class SchedulerState:
             # Requeued (by us, or by the replica that led then): the incarnation that held
             # the earlier attempt may not renew its lease (``_answer_renewals``).
             self._lost_incarnation(previous.worker_id, previous.worker_started_at)
+        if self.restored:
+            # Earlier attempts are over, whatever this record's own status: a follower
+            # may read the new attempt's terminal event before its assignment.
+            for older in range(1, record.attempt):
+                self.ledger.release(record.request_id, older)
         if not self.log.observe_assignment(record):
             return []
         hb = self.fleet.get(record.worker_id)
@@ -324,8 +332,6 @@ class SchedulerState:
             self._untrack(record.request_id)
             effects.append(Effect(tickets=tuple(tracked.tickets)))
         if self.restored:
-            for older in range(1, record.attempt):
-                self.ledger.release(record.request_id, older)
             self._book(record)
         return effects
 
@@ -341,6 +347,11 @@ class SchedulerState:
         if not isinstance(event, EventDone | EventFailed | EventAborted):
             return False
         freed = self.ledger.release(event.request_id, event.attempt, at=event.ts) > 0
+        for older in range(1, event.attempt):
+            # A later attempt ended, so every earlier one is over too: a follower that read
+            # no assignment of it (requeue ended while queued, or the record comes later)
+            # would otherwise keep the lost attempt booked on its dead worker.
+            freed = self.ledger.release(event.request_id, older) > 0 or freed
         if self.log.status(event.request_id) == "finished":
             self._active_trace.pop(event.request_id, None)
             self._withdraw_answered_requeue(event)
@@ -433,8 +444,9 @@ class SchedulerState:
 
     def drop_sources(self, revoked: set[Hashable], now: float) -> int:
         """Partitions were revoked: their pending requests go to the new owner (they were
-        not acked). Requeues stay: nothing on Kafka would bring them back. Returns how many
-        requests left the queue.
+        not acked). Requeues stay while this replica leads: nothing on Kafka would bring
+        them back (a replica that stops leading gives them back to the log instead,
+        :meth:`_give_up_requeues`). Returns how many requests left the queue.
 
         A request cancelled here but not yet answered (the next cycle would have) goes too,
         unanswered: its record comes back to the new owner, and one terminal must come from
@@ -465,6 +477,9 @@ class SchedulerState:
         attempt's assignment or the terminal event), which releases their bookings.
         """
         effects: list[Effect] = []
+        if self.leading and not handle_losses:
+            self._give_up_requeues()
+        self.leading = handle_losses
         lost = [w for w in self.log.workers() if not self.fleet.may_be_alive(w, now)] \
             if handle_losses else []
         held: list[HeldRequeue] = []
@@ -546,6 +561,9 @@ class SchedulerState:
         record = held.record
         if self.log.status(record.request_id) == "finished":
             return []  # the worker's terminal event came meanwhile: nothing to add
+        if not self.leading:
+            self._undo_loss(record)  # leadership moved during the check: the leader decides
+            return []
         if not answered:
             return self._requeue(record, held.fate, now)
         _log.warning("scheduler: %s#%d was answered before its worker was lost (its terminal "
@@ -690,6 +708,13 @@ class SchedulerState:
         only = None if records is None else [(a.request_id, a.attempt) for a in records]
         requeues: list[HeldRequeue] = []
         for fate in requeue_lost(self.ledger, worker_id, streamed, only):
+            rid = fate.request.request_id if isinstance(fate, Requeue) else fate.request_id
+            if rid not in held:
+                # Booked with no active assignment here (already ended or requeued as the
+                # log shows): dropping the booking is all there is to do.
+                _log.warning("scheduler: %s was booked on lost worker %s without an active "
+                             "assignment; booking dropped", rid, worker_id)
+                continue
             if isinstance(fate, Requeue):
                 record = held[fate.request.request_id]
                 self.log.mark_lost(record.request_id, record.attempt)
@@ -701,6 +726,28 @@ class SchedulerState:
                                    trace=self._active_trace.get(record.request_id, ()))
                 effects.append(replace(effect, unless_answered=_reply_check(record)))
         return requeues
+
+    def _give_up_requeues(self) -> None:
+        """This replica stopped leading: requeues it decided but did not place are the new
+        leader's to decide, or two replicas would place the same attempt. Each goes back to
+        what the log showed before (its lost attempt active on the dead worker, booked),
+        so whoever leads requeues it once; its record on Kafka never left the log."""
+        for request_id, tracked in list(self._tracked.items()):
+            if tracked.origin != "requeue":
+                continue
+            record = self.log.latest(request_id)
+            self.pending.remove(request_id)
+            self.pending.withdraw_cancelled(request_id)
+            self._untrack(request_id)
+            if record is not None and record.attempt == tracked.queued.attempt - 1:
+                self._undo_loss(record)
+            _log.info("scheduler: no longer leading; requeue of %s#%d left to the leader",
+                      request_id, tracked.queued.attempt)
+
+    def _undo_loss(self, record: Assignment) -> None:
+        self.log.unmark_lost(record.request_id, record.attempt)
+        if self.ledger.worker_of(record.request_id, record.attempt) is None:
+            self._book(record)  # every active assignment is booked
 
     def _lost_incarnation(self, worker_id: str, started_at: float | None) -> None:
         if started_at is not None:

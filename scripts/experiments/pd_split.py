@@ -10,31 +10,42 @@ same metrics code (``services.sim.metrics.summarize``). llmq does not do this: i
 workers cannot hand a request's KV cache to another worker (docs/benchmarks.md, "Eleventh
 round", says what building it would take).
 
-The model, deliberately simple:
+The model, deliberately simple (every engine is the same calibrated ``sim`` engine core):
 
 * ``--prefill N`` engines run each prompt (short lane before long, as llmq's engine
-  priority does; otherwise FCFS) and produce the first token; a request goes to the
-  prefill engine with the fewest prompt tokens queued or running.
+  priority does; otherwise FCFS) and sample one token, as a vLLM prefill instance does
+  (``max_tokens`` 1); a request goes to the prefill engine with the fewest prompt tokens
+  queued or running.
 * The KV cache then moves to a decode engine: 1 ms + 128 KiB a token at ``--gbps``
   (25 GB/s by default, one 200 Gb/s link; the figure hardly matters, see the docs).
-* The other engines decode: the same calibrated engine with β1 ≈ 0 (the transferred
-  prompt takes its KV blocks and step slots but is not computed again); a request goes to
-  the decode engine with the fewest sequences. No admission control, no classes.
-* The driver moves in 5 ms steps; arrivals and hand-offs happen at their exact times,
-  an engine may be up to one step ahead (as in ``services.sim.simulator``).
+* The other engines decode. A hand-off arrives as the whole request with all but the last
+  prompt token already in KV (``SimRequest.cached_tokens``): it takes the prompt's blocks,
+  recomputes the last prompt token and samples every output token, the first one
+  included, as vLLM's decode instance does behind its P/D proxy (the prefill's token is
+  discarded). A request goes to the decode engine with the fewest sequences.
+* ``--overflow Q`` (Splitwise's mixed pool, one simple form): when every prefill engine
+  has at least Q prompt tokens queued, a long-lane request goes whole to a decode engine
+  that has no prompt of its own to compute (the one with the fewest sequences), which
+  prefills and decodes it there. Without it the roles are fixed.
+* No admission control, no classes. The driver moves in 5 ms steps; arrivals and
+  hand-offs happen at their exact times, an engine may be up to one step ahead (as in
+  ``services.sim.simulator``).
 
 Run from the repository root::
 
     .venv/bin/python scripts/experiments/pd_split.py --trace code --load 0.85 --prefill 7
+    .venv/bin/python scripts/experiments/pd_split.py --trace conv --load 0.95 --prefill 6 \\
+        --overflow 8192
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import heapq
 import sys
+from collections.abc import Iterable
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -50,65 +61,81 @@ KV_BYTES_PER_TOKEN = 131_072  # Llama-3-8B: 32 layers x 8 KV heads x 128 x 2 (K,
 
 
 def run_split(workload: Workload, config: BenchConfig, n_prefill: int, gbps: float,
-              dt: float = 0.005) -> tuple[list[Job], int]:
-    """Every job through prefill engines then decode engines; (jobs, KV preemptions)."""
+              overflow: int | None = None, dt: float = 0.005) -> tuple[list[Job], Split]:
+    """Every job through a prefill engine then a decode engine (or, with ``overflow``,
+    whole on a decode engine); the jobs, and what the engines did."""
     jobs = _jobs(workload.requests, workload.profile, config)
-    decode_profile = dataclasses.replace(workload.profile, beta1_s_per_prefill_tok=1e-9)
-    prefill = [SimEngineCore(workload.profile) for _ in range(n_prefill)]
-    decode = [SimEngineCore(decode_profile) for _ in range(config.workers - n_prefill)]
-    queued_prompt = [0] * n_prefill
-    handoffs: list[tuple[float, int]] = []  # (KV arrives at the decode engine, job index)
-    preemptions = 0
-    next_arrival, remaining, now = 0, len(jobs), 0.0
+    engines = [SimEngineCore(workload.profile) for _ in range(config.workers)]
+    prefill, decode = range(n_prefill), range(n_prefill, config.workers)
+    to_compute = [0] * config.workers  # prompt tokens placed on the engine, not yet computed
+    whole: set[int] = set()  # jobs an overflow sent whole to a decode engine
+    handoffs: list[tuple[float, int]] = []  # (KV arrives at the decode side, job index)
+    remaining, next_arrival, now = len(jobs), 0, 0.0
 
-    def prefill_events(k: int, events: list[SeqEvent]) -> None:
+    def on_events(k: int, events: list[SeqEvent]) -> None:
         nonlocal remaining
         for ev in events:
             job = jobs[ev.seq_id]
-            if ev.kind != "finished":
-                continue
-            job.first_token_s = ev.time_s
-            queued_prompt[k] -= job.prompt
-            if job.output <= 1:
+            on_decode_side = k >= n_prefill
+            if ev.kind == "first_token" and on_decode_side:
+                job.first_token_s = ev.time_s
+                if ev.seq_id in whole:
+                    to_compute[k] -= job.prompt
+            elif ev.kind == "finished" and on_decode_side:
                 job.finished_s, job.state = ev.time_s, COMPLETED
                 remaining -= 1
-            else:
-                delay = 0.001 + job.prompt * KV_BYTES_PER_TOKEN / (gbps * 1e9)
-                heapq.heappush(handoffs, (ev.time_s + delay, ev.seq_id))
+            elif ev.kind == "finished":  # the prompt is computed: ship its KV
+                to_compute[k] -= job.prompt
+                transfer = 0.001 + job.prompt * KV_BYTES_PER_TOKEN / (gbps * 1e9)
+                heapq.heappush(handoffs, (ev.time_s + transfer, ev.seq_id))
 
-    def decode_events(events: list[SeqEvent]) -> None:
-        nonlocal remaining, preemptions
-        for ev in events:
-            if ev.kind == "preempted":
-                preemptions += 1
-            elif ev.kind == "finished":
-                job = jobs[ev.seq_id]
-                job.finished_s, job.state = ev.time_s, COMPLETED
-                remaining -= 1
+    def place(k: int, request: SimRequest, at: float) -> None:
+        on_events(k, engines[k].advance(at))
+        engines[k].add(request, at)
+
+    def fewest_sequences(candidates: Iterable[int]) -> int:
+        return min(candidates, key=lambda e: engines[e].running + engines[e].waiting)
 
     while remaining:
         until = now + dt
         while next_arrival < len(jobs) and jobs[next_arrival].arrival_s < until:
             job = jobs[next_arrival]
-            k = min(range(n_prefill), key=lambda i: (queued_prompt[i], prefill[i].running))
-            prefill_events(k, prefill[k].advance(job.arrival_s))
-            prefill[k].add(SimRequest(job.idx, job.prompt, 1, job.arrival_s,
-                                      0 if job.lane == "short" else 1), job.arrival_s)
-            queued_prompt[k] += job.prompt
+            rank = 0 if job.lane == "short" else 1
+            k = min(prefill, key=lambda i: (to_compute[i], engines[i].running))
+            idle = [d for d in decode if to_compute[d] == 0]
+            if overflow is not None and job.lane == "long" and to_compute[k] >= overflow \
+                    and idle:
+                k = fewest_sequences(idle)
+                whole.add(job.idx)
+                place(k, SimRequest(job.idx, job.prompt, job.output, job.arrival_s, rank),
+                      job.arrival_s)
+            else:
+                place(k, SimRequest(job.idx, job.prompt, 1, job.arrival_s, rank), job.arrival_s)
+            to_compute[k] += job.prompt
             job.dispatched_s, job.worker = job.arrival_s, k
             next_arrival += 1
-        for k, engine in enumerate(prefill):
-            prefill_events(k, engine.advance(until))
+        for k, engine in enumerate(engines):
+            on_events(k, engine.advance(until))
         while handoffs and handoffs[0][0] < until:
             at, i = heapq.heappop(handoffs)
             job = jobs[i]
-            d = min(range(len(decode)), key=lambda e: decode[e].running + decode[e].waiting)
-            decode_events(decode[d].advance(at))
-            decode[d].add(SimRequest(i, job.prompt, job.output - 1, at), at)
-        for engine in decode:
-            decode_events(engine.advance(until))
+            place(fewest_sequences(decode), SimRequest(i, job.prompt, job.output, at,
+                                                       cached_tokens=job.prompt - 1), at)
+        for k in decode:
+            on_events(k, engines[k].advance(until))
         now = until
-    return jobs, preemptions
+    return jobs, Split(sum(e.preemptions for e in engines), len(whole))
+
+
+class Split(NamedTuple):
+    """What the engines did besides serving: KV preemptions, overflows sent whole."""
+
+    preemptions: int
+    overflowed: int
+
+
+def _overflow(value: str) -> int | None:
+    return None if value == "off" else int(value)
 
 
 def main() -> None:
@@ -120,6 +147,10 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, nargs="+", default=[7],
                         help="prefill engines (the rest decode); several values: one run each")
     parser.add_argument("--gbps", type=float, default=25.0, help="KV transfer, GB/s")
+    parser.add_argument("--overflow", type=_overflow, nargs="+", default=[None],
+                        help="prompt tokens queued on every prefill engine above which a "
+                             "long request goes whole to a decode engine, or 'off' (fixed "
+                             "roles, the default); several values: one run each")
     args = parser.parse_args()
     config = BenchConfig(trace=TRACES / f"azure_llm_2023_{args.trace}.csv",
                          workers=args.workers, load=args.load, seed=args.seed)
@@ -131,15 +162,18 @@ def main() -> None:
           f"fifo-rr short p99 {fifo['short']['e2e_p99_s']:.2f} s, best other {best:.2f} s, "
           f"fifo-rr long {fifo['long']['completed_tokens_per_s']:,.0f} tokens/s")
     for n_prefill in args.prefill:
-        jobs, preempted = run_split(workload, config, n_prefill, args.gbps)
-        lanes = summarize(jobs, config.llmq.timeout_s)["lanes"]
-        short_p99, long_p99 = lanes["short"]["e2e_p99_s"], lanes["long"]["e2e_p99_s"]
-        long_ratio = (lanes["long"]["completed_tokens_per_s"]
-                      / fifo["long"]["completed_tokens_per_s"])
-        print(f"  {n_prefill} prefill / {args.workers - n_prefill} decode: short p99 "
-              f"{short_p99:.2f} s (÷ fifo {short_p99 / fifo['short']['e2e_p99_s']:.3f}, "
-              f"÷ best {short_p99 / best:.3f}), long tokens/s ÷ fifo {long_ratio:.3f}, "
-              f"long p99 {long_p99:.2f} s, KV preemptions {preempted}", flush=True)
+        for overflow in args.overflow:
+            jobs, split = run_split(workload, config, n_prefill, args.gbps, overflow)
+            lanes = summarize(jobs, config.llmq.timeout_s)["lanes"]
+            short_p99, long_p99 = lanes["short"]["e2e_p99_s"], lanes["long"]["e2e_p99_s"]
+            long_ratio = (lanes["long"]["completed_tokens_per_s"]
+                          / fifo["long"]["completed_tokens_per_s"])
+            print(f"  {n_prefill} prefill / {args.workers - n_prefill} decode, overflow "
+                  f"{overflow}: short p99 {short_p99:.2f} s (÷ fifo "
+                  f"{short_p99 / fifo['short']['e2e_p99_s']:.3f}, ÷ best {short_p99 / best:.3f}), "
+                  f"long tokens/s ÷ fifo {long_ratio:.3f}, long p99 {long_p99:.2f} s, "
+                  f"sent whole {split.overflowed}, KV preemptions {split.preemptions}",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -409,3 +409,60 @@ def test_profile_rejects_nonpositive_fields(field: str, value: float) -> None:
 def test_profile_needs_a_budget_for_every_decode() -> None:
     with pytest.raises(ValueError, match="max_num_batched_tokens must be >= max_num_seqs"):
         make_profile(max_num_seqs=64, max_num_batched_tokens=32)
+
+
+# ---- cached_tokens: a prompt whose KV was computed elsewhere (remote prefill) ---------------
+
+
+def test_cached_prompt_computes_only_its_last_token() -> None:
+    # Prompt 100 with 99 cached: step 1 computes 1 token (1000 + 10 = 1010 µs) and samples
+    # token 1; two decodes of 1002 → 3014. Its blocks cover all 100 prompt tokens at once.
+    core = SimEngineCore(make_profile())
+    core.add(SimRequest(1, 100, 3, cached_tokens=99), 0.0)
+    first = core.step(0.0)
+    assert first.duration_s == pytest.approx(1010 * US)
+    assert (first.prefill_tokens, first.first_tokens) == (1, (1,))
+    assert core.free_blocks == 10_000 - 7 == 10_000 - core.blocks_held()  # ⌈100 / 16⌉
+    rest = [core.step(core.next_step_s or 0.0) for _ in range(2)]
+    assert rest[-1].finished == (1,) and not core.has_work
+    assert rest[-1].start_s + rest[-1].duration_s == pytest.approx(3014 * US)
+    assert core.prefill_tokens == 1 and core.free_blocks == 10_000
+
+
+@MODES
+def test_cached_tokens_take_no_step_budget_but_do_take_blocks(mode: str) -> None:
+    # Budget 64. A (200 in, 199 cached) computes 1 token, so B (60 in) joins the same step:
+    # 1000 + 10·61 = 1610 for both. Without the cache A's first chunk would fill the budget.
+    profile = make_profile(max_num_batched_tokens=64, max_num_seqs=8)
+    recs = run(profile, [SimRequest(1, 200, 1, cached_tokens=199), SimRequest(2, 60, 1)], mode)
+    assert recs[1].finish_s == recs[2].finish_s == pytest.approx(1610 * US)
+    # 4 blocks of 4: A (13 in, 12 cached) needs all 4 at admission, so B (1 in) waits for
+    # A to finish: A 1000 + 10 → 1010, decode of token 14 (its 4th block) 1001 → 2011;
+    # then B 1000 + 10 → 3021.
+    tiny = tiny_pool(max_num_seqs=8)
+    recs = run(tiny, [SimRequest(1, 13, 2, cached_tokens=12), SimRequest(2, 1, 1)], mode)
+    assert recs[1].finish_s == pytest.approx(2011 * US)
+    assert recs[2].first_token_s == recs[2].finish_s == pytest.approx(3021 * US)
+
+
+@MODES
+def test_a_preempted_cached_sequence_recomputes_its_whole_prompt(mode: str) -> None:
+    # As the KV-exhaustion case above, but B's prompt (4) has 3 tokens cached: step 1 is
+    # 1000 + 10·(4 + 1) = 1050, steps 2-5 two decodes of 1002 → 5058, where both need a 3rd
+    # block and B, the newest, is preempted with 5 tokens generated. A decodes 4 more alone
+    # (1001 each → 9062). B then recomputes 4 + 5 = 9 tokens, its cache gone with its
+    # blocks (1000 + 90 → 10152; 6 tokens, 1060, had the cache survived), and decodes 3
+    # more → 13155.
+    profile = tiny_pool(max_num_seqs=8)
+    recs = run(profile, [SimRequest(1, 4, 9), SimRequest(2, 4, 9, cached_tokens=3)], mode)
+    a, b = recs[1], recs[2]
+    assert a.first_token_s == b.first_token_s == pytest.approx(1050 * US)
+    assert a.finish_s == pytest.approx(9062 * US)
+    assert b.preempted_at == pytest.approx([5058 * US])
+    assert b.preemptions == 1 and b.finish_s == pytest.approx(13_155 * US)
+
+
+@pytest.mark.parametrize("cached", [-1, 5, 6])
+def test_cached_tokens_leave_one_prompt_token_to_compute(cached: int) -> None:
+    with pytest.raises(ValueError, match="cached_tokens must be in"):
+        SimEngineCore(make_profile()).add(SimRequest(1, 5, 2, cached_tokens=cached), 0.0)

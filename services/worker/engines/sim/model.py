@@ -33,7 +33,9 @@ that is vLLM's FCFS policy exactly:
    exactly vLLM's FCFS (``running.pop()``, ``prepend_request``).
 3. If nothing was preempted, waiting sequences are admitted in that order while
    ``len(running) < max_num_seqs``, budget remains, and the blocks for their first chunk
-   are free (no watermark). The head blocks the queue: no skipping.
+   are free (no watermark). The head blocks the queue: no skipping. A sequence admitted
+   with ``cached_tokens`` (KV computed elsewhere) holds their blocks from admission on and
+   computes only the rest of its prompt; the cached tokens use no budget.
 4. At the end of the step every sequence whose prefill is complete samples one token; the
    first one sets ``first_token``; reaching ``max_output_tokens`` finishes the sequence
    and frees its blocks.
@@ -144,6 +146,13 @@ class SimRequest:
     #: vLLM's request priority under ``--scheduling-policy priority``: lower runs first.
     #: All equal (the default 0) is exactly FCFS.
     priority: int = 0
+    #: Prompt tokens whose KV is already there when the sequence is admitted (a prefill
+    #: computed by another engine and shipped over, as vLLM's KV connectors do, or a
+    #: prefix-cache hit): they take blocks from the pool but no compute and no step
+    #: budget. At most ``prompt_tokens - 1``: the last prompt token is always computed,
+    #: its logits give the first output token. A preempted sequence loses them and
+    #: recomputes its whole prompt, as vLLM does.
+    cached_tokens: int = 0
 
 
 EventKind = Literal["first_token", "finished", "preempted"]
@@ -182,6 +191,7 @@ class _Seq:
 
     __slots__ = (
         "G_base",
+        "cached",
         "computed",
         "decoding",
         "epoch",
@@ -201,6 +211,7 @@ class _Seq:
         self.priority = req.priority
         self.order = order  # add order: FCFS within a priority
         self.prompt = req.prompt_tokens
+        self.cached = req.cached_tokens  # KV present at admission; 0 after a preemption
         self.target = req.max_output_tokens
         self.generated = 0
         self.computed = 0
@@ -285,6 +296,11 @@ class SimEngineCore:
             raise ValueError(f"sequence {req.seq_id} is already in this engine")
         if req.prompt_tokens < 1 or req.max_output_tokens < 1:
             raise ValueError(f"sequence {req.seq_id}: prompt and output must be >= 1 token")
+        if not 0 <= req.cached_tokens < req.prompt_tokens:
+            raise ValueError(
+                f"sequence {req.seq_id}: cached_tokens must be in [0, prompt_tokens - 1], "
+                f"got {req.cached_tokens} of {req.prompt_tokens}"
+            )
         if req.prompt_tokens + req.max_output_tokens > self.profile.max_seq_tokens():
             # Its KV could never fit even alone: vLLM rejects it (max_model_len); so do we.
             raise ValueError(
@@ -403,6 +419,7 @@ class SimEngineCore:
         if handed_back:
             self._free += 1
         victim.computed = 0
+        victim.cached = 0  # its shipped KV went with its blocks: recompute everything
         victim.preemptions += 1
         self.preemptions += 1
         self._enqueue(victim)  # all priorities equal: the front, as vLLM's FCFS does
@@ -457,12 +474,14 @@ class SimEngineCore:
             waiting = self._waiting
             while waiting and budget > 0 and len(self._running) < self._max_seqs:
                 head = waiting[0]
-                chunk = min(head.prompt + head.generated, budget)
-                need = _ceil_div(chunk, bs)
+                cached = head.cached
+                chunk = min(head.prompt + head.generated - cached, budget)
+                need = _ceil_div(cached + chunk, bs)
                 if need > self._free:
                     break  # FCFS: the head blocks the queue
                 waiting.popleft()
                 self._free -= need
+                head.computed = cached
                 self._running[head.seq_id] = head
                 chunks.append((head, chunk))
                 budget -= chunk
@@ -542,7 +561,7 @@ class SimEngineCore:
             return 0  # the very next step preempts
         if self._waiting and n < self._max_seqs:
             head = self._waiting[0]
-            chunk = min(head.prompt + head.generated, self._max_tokens - n)
+            chunk = min(head.prompt + head.generated - head.cached, self._max_tokens - n)
             if _ceil_div(chunk, bs) <= free_after_first:
                 return 0  # the head is admitted next step; free blocks only shrink later
         # Steps before the pool runs dry: each B-step cycle takes exactly one block per

@@ -39,9 +39,13 @@ a span under the context its assignment record carried (:mod:`services.worker.ru
 
 Drain (SIGTERM or ``DrainWorker``): a draining heartbeat goes out at once so the scheduler
 stops placing work here; the worker keeps reading its partition and serves whatever still
-arrives (nothing is dropped), and exits once nothing is in flight, no assignment arrived
-for ``drain_quiet_s`` and the draining heartbeat was acknowledged that long ago. Then: a
-final heartbeat, a final commit, leave the group, exit 0.
+arrives (nothing is dropped), and exits once nothing is in flight (no run, no record being
+handled), no assignment arrived for ``drain_quiet_s`` and the draining heartbeat was
+acknowledged that long ago. Then: a final heartbeat, a final commit, leave the group, exit 0.
+
+A dead engine (its capacity says it can run nothing more) stops the worker at once, exit 1:
+its heartbeats end, so the scheduler declares it lost and requeues or ends its work, rather
+than placing more on it.
 """
 
 from __future__ import annotations
@@ -185,6 +189,7 @@ class Worker:
         self._seq = 0
         self._last_commit: tuple[int, str] | None = None
         self._last_record_at = time.monotonic()
+        self._records_in_hand = 0  # being handled by _on_record (a run not started yet)
         self._draining_acked_at: float | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._max_in_flight = ws.max_in_flight or engine.capacity().max_num_seqs
@@ -231,7 +236,8 @@ class Worker:
             await m.serve_when_free(self.metrics.serve, self.ws.metrics_port)
         self.lease.restart(time.monotonic())  # nothing was placed on this process yet
         for coro in (self._control.run(), self._heartbeats(), self._commits(),
-                     self._consume(), self._drain_watch(), self._lease_watch()):
+                     self._consume(), self._drain_watch(), self._lease_watch(),
+                     self._engine_watch()):
             self._spawn(coro)
         self._serving = True  # only a worker that holds its slot heartbeats and commits
         _log.info("worker %s: slot %d (%s), pool %s, engine %s, model %s, group %s",
@@ -407,7 +413,11 @@ class Worker:
         if not self.tracker.begin(record.offset):
             return  # redelivered after a rebalance or restart: already handled
         assert self._guard is not None
-        state = await self._guard.run(record, lambda: self._admit(record))
+        self._records_in_hand += 1  # the drain waits for it (it may yet start a run)
+        try:
+            state = await self._guard.run(record, lambda: self._admit(record))
+        finally:
+            self._records_in_hand -= 1
         if state in (None, "finished"):  # None: dead-lettered (the guard counts it)
             self.tracker.finish(record.offset)
             self._commit_wake.set()
@@ -467,7 +477,8 @@ class Worker:
             outcome = await run.run()
         except Exception:  # run() answers every ending itself; this is a bug in it
             _log.exception("request %s: the run failed without an answer; offset %d stays "
-                           "uncommitted (a restart runs it again)", run.engine_id, offset)
+                           "uncommitted and the request open until this worker is declared "
+                           "lost", run.engine_id, offset)
             return
         finally:
             if self.runs.get(run.request_id) is run:
@@ -480,8 +491,11 @@ class Worker:
             self.tracker.finish(offset)
             self._commit_wake.set()
         else:
+            # The run sends its terminal until it is acknowledged or the run is fenced
+            # (then it is acked: the scheduler takes over); only a bug ends up here.
             _log.error("request %s: its answer was not acknowledged; offset %d stays "
-                       "uncommitted (a restart runs it again)", run.engine_id, offset)
+                       "uncommitted and the request open until this worker is declared "
+                       "lost", run.engine_id, offset)
 
     def _count_tokens(self, n: int) -> None:
         self.rate.add(n, time.monotonic())
@@ -672,12 +686,19 @@ class Worker:
         self._last_commit = (point, metadata)
         return True
 
+    # ---- the engine --------------------------------------------------------------------
+    async def _engine_watch(self) -> None:
+        """Raise once the engine died: ``_task_ended`` then stops the worker, exit 1."""
+        while self.engine.capacity().alive:
+            await asyncio.sleep(min(0.5, self.ws.heartbeat_interval_s))
+        raise RuntimeError(f"the {self.id.engine} engine died: it can run nothing more")
+
     # ---- drain -------------------------------------------------------------------------
     async def _drain_watch(self) -> None:
         quiet = self.ws.resolved_drain_quiet_s()
         while True:
             await asyncio.sleep(0.05)
-            if not self.draining or self.runs or self._run_tasks:
+            if not self.draining or self.runs or self._run_tasks or self._records_in_hand:
                 continue
             now = time.monotonic()
             if self._draining_acked_at is None or now - self._draining_acked_at < quiet:

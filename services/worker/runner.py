@@ -16,13 +16,20 @@ Fencing: every record but the terminal event is sent only once ``await may_send(
 it (the worker's lease, ``services.worker.core.lease``: while a lapsed lease is being asked
 about, it waits for the scheduler's answer). Once it does not, the run stops
 there, as a superseded one does: nothing more is sent, and the scheduler requeues or ends
-the request. The terminal event after a durable reply always goes out (it is the news
-that the reply is there).
+the request. The terminal event after a durable reply goes out without asking (it is the
+news that the reply is there); only sending it again asks.
 
 The terminal reply is sent once every chunk was acknowledged, and the terminal event once
-the reply was: ``event.done`` means "the done reply is durable". :meth:`run` returns an
-:class:`Outcome` whose ``acked`` tells the app whether the assignment's offset may be
-committed. Any unexpected error still ends the request with ``Error(worker_lost)``.
+the reply was: ``event.done`` means "the done reply is durable". Neither is given up on a
+failed send or a missing ack: without them the client has no answer, the scheduler's KV
+reservation here never ends and the offset is never committed (and a restarted process
+would not run the assignment again: it drops what was placed on an earlier one). So the
+run sends again, from the first record not acknowledged on (a lost chunk goes again ahead
+of the reply, the reply again if it was lost; clients drop the duplicates), with a growing
+wait between tries, until the broker acknowledges, the run may no longer send (fenced) or
+the worker stops hard (the run is cancelled). :meth:`run` returns an :class:`Outcome` whose
+``acked`` tells the app whether the assignment's offset may be committed. Any unexpected
+error still ends the request with ``Error(worker_lost)``.
 
 Everything the run waits on comes through one inbox (deltas, the end of the stream, a
 failure, a stop), so timeouts, cancels and tokens are handled in one loop without
@@ -37,12 +44,14 @@ run produces (events, chunks, the terminal) carries the span's context, computed
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from aiokafka.errors import KafkaError
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
@@ -84,6 +93,9 @@ class RunConfig:
     events_topic: str
     chunk_tokens: int = 16
     chunk_delay_s: float = 0.05
+    #: Wait before sending a terminal record again; doubles per try up to ``retry_max_s``.
+    retry_first_s: float = 0.1
+    retry_max_s: float = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +122,26 @@ class _Stop:
 
 class Fenced(Exception):
     """This process may no longer answer the run (its lease lapsed, ``may_send``)."""
+
+
+@dataclass(slots=True)
+class _Sent:
+    """A record the run sent (or is about to send), kept until the broker acknowledged it."""
+
+    topic: str
+    msg: Any
+    future: asyncio.Future[Any] | None = None
+
+    @property
+    def acked(self) -> bool:
+        f = self.future
+        return f is not None and f.done() and not f.cancelled() and f.exception() is None
+
+    @property
+    def lost(self) -> bool:
+        """Not sent, or the broker refused it (a pending one may still be acknowledged)."""
+        f = self.future
+        return f is None or (f.done() and not self.acked)
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,7 +204,7 @@ class RequestRun:
         self._headers: tracing.Headers = []
         self._inbox: asyncio.Queue[_Item] = asyncio.Queue()
         self._batcher = ChunkBatcher(cfg.chunk_tokens, cfg.chunk_delay_s)
-        self._futures: list[asyncio.Future[Any]] = []
+        self._sent: list[_Sent] = []  # what may still need sending again
         self._started_at: float | None = None
         self._first_token_at: float | None = None
         self._tokens = 0
@@ -310,17 +342,18 @@ class RequestRun:
 
     async def _send(self, topic: str, msg: Any) -> None:
         await self._check_fence()
-        self._futures.append(await self.publisher.send(topic, msg, self._headers))
-        if len(self._futures) > 64:
-            # Keep only what is still in flight; failures stay so the terminal sees them.
-            self._futures = [f for f in self._futures if not f.done() or f.exception()]
+        self._sent.append(_Sent(topic, msg, await self.publisher.send(topic, msg, self._headers)))
+        if len(self._sent) > 64:
+            # Keep only what is still in flight; failures stay so the terminal resends them.
+            self._sent = [s for s in self._sent if not s.acked]
 
     async def _send_chunk(self, chunk: Chunk | None) -> None:
-        if chunk is None:
-            return
-        msg = TokenChunk(request_id=self.request_id, attempt=self.attempt, seq=chunk.seq,
-                         text=chunk.text, tokens=chunk.tokens, ts=self._clock())
-        await self._send(self.assignment.admitted.reply_topic, msg)
+        if chunk is not None:
+            await self._send(self.assignment.admitted.reply_topic, self._chunk(chunk))
+
+    def _chunk(self, chunk: Chunk) -> TokenChunk:
+        return TokenChunk(request_id=self.request_id, attempt=self.attempt, seq=chunk.seq,
+                          text=chunk.text, tokens=chunk.tokens, ts=self._clock())
 
     async def _terminal(self, ending: _Stop | _Failed | _Ended) -> Outcome:
         try:
@@ -338,26 +371,58 @@ class RequestRun:
 
     async def _send_terminal(self, ending: _Stop | _Failed | _Ended) -> Outcome:
         await self._check_fence()
-        await self._send_chunk(self._batcher.flush(self._clock(), force=True))
+        last = self._batcher.flush(self._clock(), force=True)
         if isinstance(ending, _Stop) and ending.reason == "superseded":
-            # A newer attempt runs; the client keeps that one, so this one says nothing more.
+            # A newer attempt runs; the client keeps that one, so this one says nothing more
+            # and nothing it sent is needed any more: its offset may be committed.
             self._span.set_attribute(tracing.LLMQ_OUTCOME, "superseded")
-            return Outcome("superseded", self._tokens, await self.publisher.acked(self._futures))
+            return Outcome("superseded", self._tokens, acked=True)
         reply, event, kind = self._ending(ending)
         label = "done" if isinstance(reply, Done) else str(reply.code)
         self._annotate(label, event.usage)
         if isinstance(reply, Done):
             self._span.set_attribute(tracing.GEN_AI_RESPONSE_FINISH, [reply.finish_reason])
         e2e = max(0.0, self._clock() - self.assignment.request.created_at)
-        await self._check_fence()
-        replied = await self.publisher.acked(
-            [*self._futures, await self.publisher.send(self.assignment.admitted.reply_topic,
-                                                       reply, self._headers)]
-        )
-        if not replied:
-            return Outcome(kind, self._tokens, acked=False, terminal=label, e2e_s=e2e)
-        acked = await self.publisher.send_acked(self.cfg.events_topic, event, self._headers)
-        return Outcome(kind, self._tokens, acked, terminal=label, e2e_s=e2e)
+        if last is not None:  # buffered text goes ahead of the reply, and as surely
+            self._sent.append(_Sent(self.assignment.admitted.reply_topic, self._chunk(last)))
+        await self._until_acked(self.assignment.admitted.reply_topic, reply, ask_first=True)
+        try:
+            await self._until_acked(self.cfg.events_topic, event, ask_first=False)
+        except Fenced:
+            # The reply is durable; the scheduler ends or requeues the request on its own.
+            _log.warning("request %s: fenced before its terminal event was acknowledged",
+                         self.engine_id)
+        return Outcome(kind, self._tokens, acked=True, terminal=label, e2e_s=e2e)
+
+    async def _until_acked(self, topic: str, msg: Any, *, ask_first: bool) -> None:
+        """Send ``msg`` after the run's records not yet acknowledged, again and again, until
+        the broker acknowledged them all (module docstring). Each try waits at most the
+        publisher's timeout. Every try but a first one with ``ask_first`` False asks
+        ``may_send`` first and raises :class:`Fenced` once it says no: the terminal event
+        after a durable reply goes out at once, as that reply's news."""
+        records = [*(s for s in self._sent if not s.acked), _Sent(topic, msg)]
+        wait = self.cfg.retry_first_s
+        for tries in itertools.count(1):
+            if ask_first or tries > 1:
+                await self._check_fence()
+            if await self._try_send(records):
+                self._sent = []
+                return
+            _log.warning("request %s: %s not acknowledged (try %d); sending again in %.2f s",
+                         self.engine_id, msg.kind, tries, wait)
+            await asyncio.sleep(wait)
+            wait = min(2 * wait, self.cfg.retry_max_s)
+
+    async def _try_send(self, records: list[_Sent]) -> bool:
+        """(Re)send ``records`` from the first lost one on, in order; True once all are acked."""
+        first_lost = next((i for i, s in enumerate(records) if s.lost), len(records))
+        try:
+            for s in records[first_lost:]:
+                s.future = await self.publisher.send(s.topic, s.msg, self._headers)
+        except (KafkaError, TimeoutError, OSError) as exc:
+            _log.error("request %s: could not send %s: %r", self.engine_id, s.msg.kind, exc)
+            return False
+        return await self.publisher.acked(s.future for s in records if s.future)
 
     def _annotate(self, outcome: str, usage: Usage | None) -> None:
         span = self._span

@@ -184,8 +184,9 @@ def test_timing(args: tuple[float, float, float | None, float],
 
 # ---- offsets -------------------------------------------------------------------------------
 
-# Operations: ("b", offset) begin → expect bool; ("f", offset) finish. Then the commit point
-# and the finished offsets above it.
+# Operations: ("b", offset) begin → expect bool; ("f", offset) finish; ("m",) build commit
+# metadata (done_above); ("c", offset) the commit succeeded. Then the commit point and the
+# finished offsets above it.
 OFFSET_CASES = {
     "nothing seen": ((None, None), [], None, []),
     "in order": ((None, None), [("b", 0, True), ("f", 0), ("b", 1, True), ("f", 1)], 2, []),
@@ -204,6 +205,16 @@ OFFSET_CASES = {
     ),
     "restart hints do not advance the point alone": ((10, {12}), [], 10, [12]),
     "below the committed point is refused": ((10, None), [("b", 9, False)], 10, []),
+    "a failed commit still refuses what finished": (
+        (0, None), [("b", 0, True), ("b", 1, True), ("f", 0), ("f", 1), ("m",),
+                    ("b", 1, False)],  # the commit failed; a rebalance redelivers 1
+        2, [],
+    ),
+    "a commit covers what finished below it": (
+        (0, None), [("b", 0, True), ("b", 1, True), ("b", 2, True), ("f", 0), ("f", 2),
+                    ("m",), ("c", 1), ("b", 0, False), ("b", 2, False), ("f", 1)],
+        3, [],
+    ),
 }
 
 
@@ -216,8 +227,12 @@ def test_offset_tracker(start: tuple[int | None, set[int] | None],
     for op in ops:
         if op[0] == "b":
             assert tracker.begin(int(str(op[1]))) is op[2], op
-        else:
+        elif op[0] == "f":
             tracker.finish(int(str(op[1])))
+        elif op[0] == "m":
+            tracker.done_above()
+        else:
+            tracker.committed(int(str(op[1])))
     assert tracker.commit_point() == point
     assert tracker.done_above() == above
 

@@ -12,6 +12,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -28,20 +29,28 @@ REPLIES, EVENTS = "p.replies.acme", "p.events"
 
 class _Producer:
     """Stand-in for the aiokafka producer: records what is sent; the sends numbered in
-    ``fail`` (0-based) raise as a broker that does not answer in time makes them."""
+    ``fail`` (0-based) raise as a broker that does not answer in time makes them, those in
+    ``nack`` are taken but their delivery fails (the record is lost), and from send
+    ``fail_from`` on every send raises."""
 
-    def __init__(self, fail: frozenset[int] = frozenset()) -> None:
+    def __init__(self, fail: frozenset[int] = frozenset(), nack: frozenset[int] = frozenset(),
+                 fail_from: int | None = None) -> None:
         self.records: list[tuple[str, dict[str, Any]]] = []
         self.fail = fail
+        self.nack = nack
+        self.fail_from = fail_from
         self.sends = 0
 
     async def send(self, topic: str, value: bytes, *, key: bytes,
                    headers: list[tuple[str, bytes]] | None = None) -> asyncio.Future[None]:
         n, self.sends = self.sends, self.sends + 1
-        if n in self.fail:
+        if n in self.fail or (self.fail_from is not None and n >= self.fail_from):
             raise KafkaTimeoutError()
-        self.records.append((topic, json.loads(value)))
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if n in self.nack:
+            done.set_exception(KafkaTimeoutError())
+            return done
+        self.records.append((topic, json.loads(value)))
         done.set_result(None)
         return done
 
@@ -93,9 +102,13 @@ def _assignment(timeout_s: float = 600.0) -> Assignment:
                            kv_tokens=16, deadline=now + timeout_s, assigned_at=now)
 
 
-async def _run(engine: Any, producer: _Producer) -> Outcome:
-    run = RequestRun(_assignment(), engine, Publisher(producer, 5.0),
-                     RunConfig(worker_id="w", model="m", events_topic=EVENTS, chunk_tokens=1))
+#: Terminal records are sent again after 1 ms, 2 ms, ... (production: 0.1 s, 0.2 s, ...).
+_CFG = RunConfig(worker_id="w", model="m", events_topic=EVENTS, chunk_tokens=1,
+                 retry_first_s=0.001, retry_max_s=0.01)
+
+
+async def _run(engine: Any, producer: _Producer, cfg: RunConfig = _CFG) -> Outcome:
+    run = RequestRun(_assignment(), engine, Publisher(producer, 5.0), cfg)
     # The deadline is 600 s away: a run that waits for it fails this bound instead.
     return await asyncio.wait_for(run.run(), 10.0)
 
@@ -166,9 +179,7 @@ class _HoldingGate(_Gate):
 
 
 async def _gated_run(engine: Any, producer: _Producer, gate: _Gate) -> Outcome:
-    run = RequestRun(_assignment(), engine, Publisher(producer, 5.0),
-                     RunConfig(worker_id="w", model="m", events_topic=EVENTS, chunk_tokens=1),
-                     may_send=gate)
+    run = RequestRun(_assignment(), engine, Publisher(producer, 5.0), _CFG, may_send=gate)
     return await asyncio.wait_for(run.run(), 10.0)
 
 
@@ -234,3 +245,64 @@ async def test_a_run_held_for_the_lease_ends_unanswered_when_it_is_refused() -> 
     assert (outcome.kind, outcome.terminal, outcome.acked) == ("superseded", None, True)
     assert producer.terminals() == []
     assert [r["kind"] for _, r in producer.records] == ["event.started", "event.first_token"]
+
+
+# Sends of the normal path: 0 event.started, 1 event.first_token, 2 chunk, 3 the done
+# reply, 4 event.done (then more for every try again).
+@pytest.mark.parametrize(("fail", "nack"), [
+    (frozenset({3}), frozenset()),  # the reply's send raises once
+    (frozenset({3, 4, 5}), frozenset()),  # ... three times
+    (frozenset(), frozenset({3, 4})),  # the reply is lost twice (no ack)
+    (frozenset({4, 5}), frozenset()),  # the event's send raises twice
+    (frozenset(), frozenset({4})),  # the event is lost once
+    (frozenset({3}), frozenset({5})),  # the reply raises once, then the event is lost
+])
+async def test_a_terminal_that_fails_to_go_out_is_sent_again_until_acknowledged(
+    fail: frozenset[int], nack: frozenset[int],
+) -> None:
+    producer = _Producer(fail=fail, nack=nack)
+    outcome = await _run(_FineEngine(tokens=0), producer)
+    assert (outcome.kind, outcome.terminal, outcome.acked) == ("done", "done", True)
+    assert producer.terminals() == [("done", None), ("event.done", None)]
+    assert [r["kind"] for _, r in producer.records] == [
+        "event.started", "event.first_token", "chunk", "done", "event.done"]
+
+
+async def test_a_lost_chunk_goes_again_ahead_of_the_reply() -> None:
+    producer = _Producer(nack=frozenset({2}))  # the one chunk is lost
+    outcome = await _run(_FineEngine(tokens=0), producer)
+    assert (outcome.terminal, outcome.acked) == ("done", True)
+    assert [r["kind"] for _, r in producer.records] == [
+        "event.started", "event.first_token", "chunk", "done", "event.done"]
+    assert producer.sends == 6  # the chunk twice
+
+
+async def test_buffered_text_whose_send_fails_goes_again_ahead_of_the_reply() -> None:
+    """The 2 tokens stay buffered (16 per chunk) until the end; that chunk's send raises."""
+    producer = _Producer(fail=frozenset({2}))  # started, first_token, the buffered chunk
+    outcome = await _run(_FineEngine(tokens=0), producer, replace(_CFG, chunk_tokens=16))
+    assert (outcome.terminal, outcome.acked) == ("done", True)
+    assert [r["kind"] for _, r in producer.records] == [
+        "event.started", "event.first_token", "chunk", "done", "event.done"]
+
+
+async def test_a_fenced_run_stops_sending_its_reply_again() -> None:
+    """Every send from the reply on fails; the lease lapses after two tries: the run ends
+    unanswered (the scheduler requeues or ends it), its offset may be committed."""
+    producer = _Producer(fail_from=3)
+    gate = _Gate(opens=6)  # started, first_token, chunk, the terminal's check, two tries
+    outcome = await _gated_run(_FineEngine(tokens=0), producer, gate)
+    assert (outcome.kind, outcome.terminal, outcome.acked) == ("superseded", None, True)
+    assert producer.terminals() == []
+    assert producer.sends == 5  # two tries of the reply, none after the gate closed
+
+
+async def test_a_fenced_run_stops_sending_its_event_again() -> None:
+    """The reply is durable, the event's sends fail: the first try goes out unasked, the
+    next asks and is refused. The client has its answer; the offset may be committed."""
+    producer = _Producer(fail_from=4)
+    gate = _Gate(opens=5)  # started, first_token, chunk, the terminal's two checks
+    outcome = await _gated_run(_FineEngine(tokens=0), producer, gate)
+    assert (outcome.kind, outcome.terminal, outcome.acked) == ("done", "done", True)
+    assert producer.terminals() == [("done", None)]
+    assert producer.sends == 5 and gate.calls == 6

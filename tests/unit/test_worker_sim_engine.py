@@ -228,3 +228,27 @@ async def test_a_failed_driver_fails_running_and_new_requests_at_once() -> None:
         assert later.value.code == "worker_lost" and "not running" in later.value.message
     finally:
         await engine.close()
+
+
+async def test_a_dead_engine_reports_no_free_kv() -> None:
+    """Fail closed: once the driver died, capacity says so and offers no KV, so the
+    scheduler places nothing more here (each such request would end worker_lost)."""
+    engine = await started(time_scale=0.01)
+    try:
+        assert engine.capacity().alive
+        assert engine.capacity().kv_free_tokens == engine.capacity().kv_total_tokens
+
+        def broken_step(start: float) -> object:
+            raise RuntimeError("core bug")
+
+        engine._core.step = broken_step  # type: ignore[method-assign,assignment]
+        with pytest.raises(EngineError):
+            await asyncio.wait_for(collect(engine.generate(make_req("a"))), 5)
+        assert engine._driver is not None
+        await asyncio.wait_for(asyncio.gather(engine._driver, return_exceptions=True), 5)
+        cap = engine.capacity()
+        assert not cap.alive
+        assert (cap.kv_free_tokens, cap.kv_free_bytes) == (0, 0)
+        assert cap.kv_total_tokens == PROFILE.num_blocks * PROFILE.block_size
+    finally:
+        await engine.close()

@@ -11,6 +11,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -137,6 +138,23 @@ async def test_a_value_error_after_output_is_not_a_refusal() -> None:
                               prompt="x")
     with pytest.raises(ValueError, match="internal"):  # the runner answers it worker_lost
         [d async for d in _engine(llm).generate(request)]
+
+
+class _ConfiguredAsyncLLM:
+    """Stand-in for AsyncLLM's configuration and its ``errored`` (the engine core died)."""
+
+    def __init__(self, errored: bool) -> None:
+        self.errored = errored
+        self.vllm_config = SimpleNamespace(
+            cache_config=SimpleNamespace(block_size=16, num_gpu_blocks=100),
+            scheduler_config=SimpleNamespace(max_num_seqs=8),
+        )
+
+
+@pytest.mark.parametrize(("errored", "free"), [(False, 1600), (True, 0)])
+def test_capacity_of_a_dead_vllm_offers_no_kv(errored: bool, free: int) -> None:
+    cap = _engine(_ConfiguredAsyncLLM(errored)).capacity()
+    assert (cap.kv_total_tokens, cap.kv_free_tokens, cap.alive) == (1600, free, not errored)
 
 
 class _StrictTokenizer:

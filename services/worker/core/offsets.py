@@ -67,13 +67,14 @@ class OffsetTracker:
         point = self.commit_point()
         if point is None:
             return []
-        # Finished offsets below the commit point are covered by it: forget them.
-        self._finished = {o for o in self._finished if o >= point}
-        return sorted(self._finished)
+        return sorted(o for o in self._finished if o >= point)
 
     def committed(self, offset: int) -> None:
         """Record that ``offset`` was committed."""
         self._floor = max(self._floor, offset)
+        # Finished offsets below it are covered by it now: forget them. Not before: until a
+        # commit succeeds, a rebalance may deliver them again, and they must be skipped.
+        self._finished = {o for o in self._finished if o >= self._floor}
 
 
 def encode_done(point: int, done: list[int], max_chars: int = 4000) -> str:

@@ -88,7 +88,9 @@ class TokenDelta:
 @dataclass(frozen=True, slots=True)
 class EngineCapacity:
     """An engine's load and capacity now. KV in tokens and bytes; VRAM in bytes (0/0 when
-    the engine does not know it); ``gpu_util`` in [0, 1] or None."""
+    the engine does not know it); ``gpu_util`` in [0, 1] or None. ``alive`` is False once
+    the engine died and can run nothing more: fail closed, it then reports no free KV, and
+    the worker exits so that the scheduler declares it lost."""
 
     kv_total_tokens: int
     kv_free_tokens: int
@@ -102,6 +104,7 @@ class EngineCapacity:
     vram_used_bytes: int = 0
     gpu_util: float | None = None
     tokens_per_s: float = 0.0
+    alive: bool = True
 
 
 class EngineError(Exception):

@@ -20,7 +20,8 @@ Capacity: pool size from ``vllm_config.cache_config`` (``num_gpu_blocks`` × ``b
 batch limit from ``scheduler_config.max_num_seqs``; AsyncLLM exposes no live KV figure to
 an in-process caller, so free KV is estimated from the requests in flight (computed tokens
 so far, rounded up to blocks), and running/waiting are split at ``max_num_seqs``. VRAM and
-utilisation come from NVML in the worker app.
+utilisation come from NVML in the worker app. Once ``AsyncLLM.errored`` (its engine core
+died), capacity reads as dead with no free KV (fail closed).
 """
 
 from __future__ import annotations
@@ -178,7 +179,8 @@ class VllmEngine:
             max_seqs = int(self._llm.vllm_config.scheduler_config.max_num_seqs or max_seqs)
         total = blocks * block_size
         used = sum(_ceil_div(n, block_size) for n in self._tokens.values()) * block_size
-        free = max(0, total - used)
+        alive = self._llm is None or not self._llm.errored  # None: not started, or closed
+        free = max(0, total - used) if alive else 0
         per_token = p.kv_bytes_per_token
         n = len(self._tokens)
         return EngineCapacity(
@@ -186,6 +188,7 @@ class VllmEngine:
             kv_total_bytes=total * per_token, kv_free_bytes=free * per_token,
             block_size=block_size, running=min(n, max_seqs), waiting=max(0, n - max_seqs),
             max_num_seqs=max_seqs, tokens_per_s=self._rate.rate(time.monotonic()),
+            alive=alive,
         )
 
 

@@ -128,17 +128,22 @@ class SimEngine:
             self._end(stream, EngineAborted(f"request {request_id} aborted"))
 
     def capacity(self) -> EngineCapacity:
+        """The core's figures; no free KV once the driver died (fail closed: ``_admit``
+        refuses everything then)."""
         core, per_token = self._core, self.profile.kv_bytes_per_token
+        alive = self._driver is None or not self._driver.done()  # None: not started yet
+        free = core.kv_free_tokens if alive else 0
         return EngineCapacity(
             kv_total_tokens=core.kv_total_tokens,
-            kv_free_tokens=core.kv_free_tokens,
+            kv_free_tokens=free,
             kv_total_bytes=core.kv_total_tokens * per_token,
-            kv_free_bytes=core.kv_free_tokens * per_token,
+            kv_free_bytes=free * per_token,
             block_size=self.profile.block_size,
             running=core.running,
             waiting=core.waiting,
             max_num_seqs=self.profile.max_num_seqs,
             tokens_per_s=self._rate.rate(self._clock()),
+            alive=alive,
         )
 
     # ---- internals -------------------------------------------------------------------

@@ -31,7 +31,10 @@ reservation (prompt + max_tokens) to ``llmq_admitted_tokens_total`` of the tenan
 
 Failure rules (docs/live-system.md, "Guards"): an undecodable intake record raises
 ``SchemaError`` to the guard (dead letter) after an ``invalid`` Error is sent if the raw
-JSON names a request_id and an authorized reply target. An exception while deciding or
+JSON names a request_id and an authorized reply target. A request of a tenant with no
+policy (keyed mode: not in the tenants file) is dead-lettered the same way, with no reply:
+its reply topic would be created for it, and the tenant name is the sender's choice, so
+any client could make ingest create topics without bound. An exception while deciding or
 while writing the decision to the tables (before anything was published for the request)
 sends an ``overloaded`` Error to the request's reply topic and re-raises (dead letter), so
 the client is never left waiting.
@@ -58,7 +61,7 @@ from schemas.base import (
     Timestamp,
     WireMessage,
 )
-from schemas.codec import MAX_RECORD_BYTES, SchemaError, decode, encode
+from schemas.codec import MAX_RECORD_BYTES, FieldError, SchemaError, decode, encode
 from schemas.common import ErrorCode
 from schemas.messages import EVENT_ADAPTER
 from schemas.replies import Error
@@ -189,6 +192,10 @@ class IntakeHandler:
             tracing.LLMQ_REQUEST_ID: req.request_id, tracing.LLMQ_TENANT: req.tenant,
             tracing.GEN_AI_MODEL: req.model, tracing.GEN_AI_MAX_TOKENS: req.max_tokens,
         }))
+        policy = self._tenancy.policy_for(req.tenant)
+        if policy is None:
+            span.set_attribute(tracing.LLMQ_OUTCOME, "unknown_tenant")
+            raise _unknown_tenant(req.tenant)
         tenant_key = req.tenant.encode()
         if not self._owns(record, tenant_key):
             # Tenant state lives on the tenant's partition: move the record there (with
@@ -215,7 +222,7 @@ class IntakeHandler:
             ))
             return
         try:
-            decision = self._decide(req, now)
+            decision = self._decide(req, policy, now)
             self._record(req, decision)
         except Exception:
             # Nothing was published for it yet: this Error is its one terminal reply.
@@ -239,7 +246,7 @@ class IntakeHandler:
             record.partition == self._owner_partition(tenant_key)
         )
 
-    def _decide(self, req: InferenceRequest, now: float) -> _Decision:
+    def _decide(self, req: InferenceRequest, policy: TenantPolicy, now: float) -> _Decision:
         prefix = self._topics.prefix
         target = authorized_reply_topic(req, prefix)
         if target is None:
@@ -254,10 +261,6 @@ class IntakeHandler:
                 f"created_at is {ahead:.0f} s ahead of ingest's clock (at most "
                 f"{MAX_CLOCK_AHEAD_S:.0f} s allowed): check the client's clock", now,
             ))
-        policy = self._tenancy.policy_for(req.tenant)
-        if policy is None:
-            return _Decision(target, _error(req.request_id, "invalid",
-                                            f"unknown tenant {req.tenant!r}", now))
         state = self._state(req.tenant, policy, now)
         result = admit(
             admission_request(req, self._counter(req.model)), policy, state,
@@ -303,7 +306,7 @@ class IntakeHandler:
 
     async def _refuse_undecodable(self, raw: Any, exc: SchemaError) -> None:
         """Send ``invalid``/``too_large`` if the raw JSON says who is waiting; never raises."""
-        target = _salvage_target(raw, self._topics.prefix)
+        target = _salvage_target(raw, self._topics.prefix, self._has_policy)
         if target is None:
             return
         request_id, topic = target
@@ -357,6 +360,9 @@ class IntakeHandler:
                                    reason="expired", ts=now)
 
     # -- helpers ---------------------------------------------------------------------------
+    def _has_policy(self, tenant: str) -> bool:
+        return self._tenancy.policy_for(tenant) is not None
+
     def _state(self, tenant: str, policy: TenantPolicy, now: float) -> TenantState:
         stored = self._buckets.get(tenant)
         return TenantState.full(policy, now) if stored is None else TenantState.from_dict(stored)
@@ -438,6 +444,17 @@ def _error(
                  retry_after_s=retry_after_s, ts=now)
 
 
+def _unknown_tenant(tenant: str) -> SchemaError:
+    """The dead-letter reason for a tenant with no policy. A SchemaError, though the record
+    decodes: its ``tenant`` is not valid here, and the guard then names the field in the
+    dead letter and logs one line rather than a traceback per forged record."""
+    return SchemaError((FieldError(
+        "tenant", "unknown_tenant",
+        f"unknown tenant {tenant!r}: no policy in the tenants file, so no reply "
+        "(its reply topic is not created)",
+    ),))
+
+
 def _same_caller(held: Mapping[str, Any], req: InferenceRequest, prefix: str) -> bool:
     """Whether ``req`` is a redelivery of the in-flight request ``held`` (its reservation):
     same tenant, same reply topic (a reservation written before the reply topic was kept
@@ -452,8 +469,11 @@ def _fallback_target(req: InferenceRequest, prefix: str) -> str:
     return authorized_reply_topic(req, prefix) or reply_topic(prefix, req.tenant)
 
 
-def _salvage_target(raw: Any, prefix: str) -> tuple[str, str] | None:
-    """``(request_id, reply topic)`` from a record that failed validation, if it names them."""
+def _salvage_target(
+    raw: Any, prefix: str, has_policy: Callable[[str], bool]
+) -> tuple[str, str] | None:
+    """``(request_id, reply topic)`` from a record that failed validation, if it names them;
+    a tenant's own reply topic only for a tenant with a policy (module docstring)."""
     if not isinstance(raw, bytes | bytearray) or len(raw) > MAX_RECORD_BYTES:
         return None
     try:
@@ -467,6 +487,6 @@ def _salvage_target(raw: Any, prefix: str) -> tuple[str, str] | None:
         return None
     if isinstance(reply_to, str) and _instance_reply_topic(reply_to, prefix):
         return request_id, reply_to
-    if isinstance(tenant, str) and _TENANT_RE.fullmatch(tenant):
+    if isinstance(tenant, str) and _TENANT_RE.fullmatch(tenant) and has_policy(tenant):
         return request_id, reply_topic(prefix, tenant)
     return None

@@ -80,7 +80,7 @@ REJECTS = [
      make_state(POLICY, NOW, in_flight=2), make_cluster(make_capacity(max_usable_kv_tokens=16)),
      "too_large", "kv_capacity", None),
     ("concurrency cap", make_request(), POLICY, make_state(POLICY, NOW, in_flight=2), None,
-     "rate_limited", "concurrency", None),
+     "rate_limited", "concurrency", 1.0),
     ("token bucket", make_request(prompt_tokens=150, max_tokens=50), POLICY,
      make_state(POLICY, NOW, tokens=0.0), None, "rate_limited", "tokens", 0.2),
     ("request bucket", make_request(), POLICY, make_state(POLICY, NOW, requests=0.25), None,

@@ -81,6 +81,9 @@ def test_api_error_can_be_raised_through_context_managers() -> None:
             pass
 
 
-def test_a_lost_worker_is_a_503_with_a_retry_after() -> None:
-    lost = from_reply(_error("worker_lost")).response()
-    assert lost.status_code == 503 and lost.headers["retry-after"] == "1"
+@pytest.mark.parametrize(("code", "status"),
+                         [("worker_lost", 503), ("overloaded", 503), ("rate_limited", 429)])
+def test_a_retryable_error_without_retry_after_gets_one(code: ErrorCode, status: int) -> None:
+    # A worker's engine server that refused (429/503) sends no retry_after_s.
+    response = from_reply(_error(code)).response()
+    assert response.status_code == status and response.headers["retry-after"] == "1"

@@ -200,13 +200,35 @@ async def test_undecodable_request_is_refused_when_someone_waits_then_raised() -
     assert len(h.sent) == 1  # nobody to tell about pure garbage: the dead letter has it
 
 
-async def test_unauthorized_reply_to_and_unknown_tenant_are_invalid() -> None:
+async def test_unauthorized_reply_to_is_invalid_on_the_tenants_own_topic() -> None:
     h = Harness(parse_tenants(Path("t.toml"), KEYED))
     await h.submit(request("r1", "acme", reply_to="llmq.replies.other"))
-    await h.submit(request("r2", "stranger"))
     codes = [(e.request_id, e.code) for e in h.replies()]
-    assert codes == [("r1", "invalid"), ("r2", "invalid")]
-    assert [t for t, _, _ in h.sent] == ["llmq.replies.acme", "llmq.replies.stranger"]
+    assert codes == [("r1", "invalid")]
+    assert [t for t, _, _ in h.sent] == ["llmq.replies.acme"]
+
+
+@pytest.mark.parametrize("reply_to", [None, "llmq.replies.other", "llmq.replies.ingest-a"])
+async def test_a_tenant_with_no_policy_is_dead_lettered_and_no_topic_is_made(
+    reply_to: str | None,
+) -> None:
+    # The tenant name is the sender's choice: a reply topic per name would let any Kafka
+    # client make ingest create topics without bound.
+    h = Harness(parse_tenants(Path("t.toml"), KEYED))
+    for i in range(3):
+        with pytest.raises(SchemaError, match="unknown tenant") as raised:
+            await h.submit(request(f"r{i}", f"stranger{i}", reply_to=reply_to))
+        assert raised.value.field == "tenant"
+    assert h.sent == [] and h.ensured == []
+    assert h.buckets == {} and h.reservations == {}
+
+
+async def test_an_undecodable_request_of_a_tenant_with_no_policy_gets_no_topic() -> None:
+    h = Harness(parse_tenants(Path("t.toml"), KEYED))
+    bad = encode(request(tenant="stranger")).replace(b'"max_tokens":10', b'"max_tokens":0')
+    with pytest.raises(SchemaError):
+        await h.handler.on_request(Record(bad, b"stranger"))
+    assert h.sent == [] and h.ensured == []
 
 
 @pytest.mark.parametrize("reply_to", [

@@ -134,6 +134,27 @@ def test_oversized_prompt_is_413() -> None:
     assert (err.status, err.param, err.code) == (413, "prompt", "too_large")
 
 
+def test_a_prompt_of_many_emoji_within_the_character_limit_is_accepted() -> None:
+    # 4 bytes each in UTF-8 (3.2 MB), 12 bytes each ASCII-escaped: over the 8 MiB record limit.
+    prompt = "\U0001F600" * 800_000
+    assert _map({"model": "m", "prompt": prompt}).request.prompt == prompt
+
+
+@pytest.mark.parametrize(
+    ("raw", "kind", "param"),
+    [
+        (rb'{"model": "m", "prompt": "a\ud800b"}', "completion", "prompt"),
+        (rb'{"model": "m", "prompt": "x", "stop": ["ok", "\ud83d"]}', "completion", "stop"),
+        (rb'{"model": "m", "messages": [{"role": "user", "content": "\udfff"}]}', "chat",
+         "messages.0.content"),
+    ],
+)
+def test_a_lone_surrogate_is_refused_naming_the_field(raw: bytes, kind: Kind, param: str) -> None:
+    err = _refused(dict(parse_json(raw)), kind)
+    assert (err.status, err.param, err.code) == (400, param, "invalid")
+    assert "surrogate" in err.message
+
+
 @pytest.mark.parametrize("raw", [b"{nope", b"[1, 2]", b"", b'"text"'])
 def test_body_must_be_a_json_object(raw: bytes) -> None:
     with pytest.raises(ApiError) as err:

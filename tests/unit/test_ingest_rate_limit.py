@@ -23,7 +23,7 @@ POLICY = make_policy(rpm=60.0, tpm=60_000.0, max_concurrency=2)
     ("state", "tokens", "limit", "retry_after_s"),
     [
         (make_state(POLICY), 60_001, "burst", None),
-        (make_state(POLICY, in_flight=2), 10, "concurrency", None),
+        (make_state(POLICY, in_flight=2), 10, "concurrency", 1.0),  # a slot frees unannounced
         (make_state(POLICY, tokens=500.0), 1_500, "tokens", 1.0),
         (make_state(POLICY, tokens=0.0), 250, "tokens", 0.25),
         (make_state(POLICY, requests=0.0), 10, "requests", 1.0),

@@ -13,8 +13,9 @@ data; the ingest agent publishes them). Checks, first failure wins:
    the smaller), or the KV reservation ``kv_tokens_for(prompt, max_tokens, block_size)``
    exceeds the usable KV of the largest live worker for the model, or the request needs
    more tokens than the tenant's token bucket can ever hold (retrying would never help).
-4. ``rate_limited`` (429): concurrency cap (no Retry-After: release time unknown), request
-   or token bucket (exact Retry-After, see :mod:`.rate_limit`).
+4. ``rate_limited`` (429): concurrency cap (Retry-After ``CONCURRENCY_RETRY_AFTER_S``, 1 s:
+   when a slot frees is unknown, so the client polls), request or token bucket (exact
+   Retry-After, see :mod:`.rate_limit`).
 5. ``overloaded`` (503), fail closed: no live worker for the model (empty fleet =
    saturated); or a non-empty queue that the fleet could not start at once
    (``queued + need > kv_headroom_tokens``) and that, with no measured drain rate, gets

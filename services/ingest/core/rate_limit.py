@@ -29,6 +29,10 @@ from services.ingest.core.errors import ConfigError
 
 #: Clock resolution of the buckets: refill shortfalls smaller than this much time are ignored.
 RESOLUTION_S: Final = 1e-6
+#: Retry-After of a concurrency-cap refusal. When a slot frees is unknown (at the end of
+#: one of the tenant's requests in flight), so this is a polling interval, not a promise:
+#: one second, the shortest Retry-After a header can say.
+CONCURRENCY_RETRY_AFTER_S: Final = 1.0
 
 ThrottleLimit = Literal["burst", "concurrency", "requests", "tokens"]
 
@@ -170,8 +174,8 @@ class Throttle:
 
     ``limit`` is ``burst`` (needs more tokens than the bucket can ever hold: retrying never
     helps, ``retry_after_s`` is None), ``concurrency`` (too many in flight: the release time
-    is unknown, ``retry_after_s`` is None), or ``requests``/``tokens`` (the bucket that
-    refills last; ``retry_after_s`` is exact).
+    is unknown, ``retry_after_s`` is :data:`CONCURRENCY_RETRY_AFTER_S`), or
+    ``requests``/``tokens`` (the bucket that refills last; ``retry_after_s`` is exact).
     """
 
     limit: ThrottleLimit
@@ -206,7 +210,7 @@ def try_consume(
         )
     if state.in_flight >= policy.max_concurrency:
         return state, Throttle(
-            "concurrency", None,
+            "concurrency", CONCURRENCY_RETRY_AFTER_S,
             f"tenant {policy.tenant!r} has {state.in_flight} requests in flight "
             f"(max {policy.max_concurrency})",
         )

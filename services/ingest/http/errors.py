@@ -3,7 +3,8 @@
 Every refusal of the API goes through :class:`ApiError`: terminal ``Error`` replies (status
 from ``schemas.common.HTTP_STATUS``), validation failures (400/413 naming the field),
 authentication (401). ``Retry-After`` is the reply's ``retry_after_s`` rounded up to whole
-seconds (RFC 9110 allows only integers); it is omitted when the reply has none.
+seconds (RFC 9110 allows only integers); a retryable reply without one (``worker_lost``,
+``overloaded``, ``rate_limited``) gets a default, any other omits it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any, Final
 from fastapi.responses import JSONResponse
 
 from schemas.codec import SchemaError
+from schemas.common import ErrorCode
 from schemas.replies import Error
 
 #: OpenAI's ``error.type`` per status (clients branch on the status; this is for humans).
@@ -78,16 +80,22 @@ def retry_after_header(seconds: float) -> str:
     return str(max(1, math.ceil(round(seconds, 6))))
 
 
-#: Retry-After for a request whose worker was lost (503): nothing to wait for but a live
-#: worker, and the fleet has others (the scheduler requeues what had not started).
-WORKER_LOST_RETRY_AFTER_S = 1.0
+#: Retry-After for a retryable ``Error`` that carries none: a worker lost (503: the fleet
+#: has others, the scheduler requeues what had not started), or a worker's engine server
+#: that refused it (``overloaded`` 503 or ``rate_limited`` 429: one engine's queue, not the
+#: fleet's, which admission already measured). One second: the shortest Retry-After a
+#: header can say, and about how often the figures behind a refusal refresh.
+DEFAULT_RETRY_AFTER_S: Final[dict[ErrorCode, float]] = {
+    "worker_lost": 1.0, "overloaded": 1.0, "rate_limited": 1.0,
+}
 
 
 def from_reply(error: Error) -> ApiError:
-    """The HTTP refusal for a terminal ``Error`` reply."""
+    """The HTTP refusal for a terminal ``Error`` reply; a retryable one always has a
+    Retry-After (:data:`DEFAULT_RETRY_AFTER_S` when the reply has none)."""
     retry = error.retry_after_s
-    if retry is None and error.code == "worker_lost":
-        retry = WORKER_LOST_RETRY_AFTER_S
+    if retry is None:
+        retry = DEFAULT_RETRY_AFTER_S.get(error.code)
     return ApiError(error.http_status, error.message, error.code, retry_after_s=retry)
 
 

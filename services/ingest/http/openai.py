@@ -4,8 +4,9 @@ Request mapping (``to_inference_request``): the body of ``/v1/completions`` or
 ``/v1/chat/completions`` becomes an ``InferenceRequest``; validation is the schema's own
 (``schemas.codec.decode``), and a ``SchemaError`` comes back as 400/413 naming the field as
 the client spelled it (``sampling.temperature`` → ``temperature``, ``timeout_s`` →
-``timeout``). Fields llmq cannot honour are refused by name (``n`` > 1, ``logprobs``,
-``echo``, ``best_of`` > 1, ``tools``); fields that do not change the result (``user``,
+``timeout``); so does a string UTF-8 cannot carry (a lone surrogate, ``"\\ud800"``).
+Fields llmq cannot honour are refused by name (``n`` > 1, ``logprobs``, ``echo``,
+``best_of`` > 1, ``tools``); fields that do not change the result (``user``,
 ``logit_bias``, ``response_format`` text, ...) are ignored, so any OpenAI SDK works.
 llmq extras: ``priority``, ``lane``, ``timeout`` (seconds) in the body or as headers
 ``x-llmq-priority``, ``x-llmq-lane``, ``x-llmq-timeout`` (the body wins).
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
@@ -113,7 +114,15 @@ def to_inference_request(
         wire["prompt"] = _prompt(body["prompt"])
     wire = {k: v for k, v in wire.items() if v is not None}  # absent: the schema says so
     try:
-        request = decode(json.dumps(wire).encode(), InferenceRequest)
+        # Not ASCII-escaped: the record limit is on bytes, and an escaped emoji takes 12
+        # (\ud83d\ude00) where its UTF-8 takes 4.
+        raw = json.dumps(wire, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        field = _unencodable_field(wire)
+        raise invalid("must be valid Unicode text (a lone surrogate is not)",
+                      client_field(field, max_field) if field else None) from None
+    try:
+        request = decode(raw, InferenceRequest)
     except SchemaError as exc:
         raise from_schema_error(exc, client_field(exc.field, max_field)) from None
     include_usage = _flag(options, "include_usage", "stream_options.include_usage")
@@ -138,6 +147,28 @@ def client_field(field: str, max_field: str = "max_tokens") -> str | None:
         "model_version": "model_version",
         "prefix_hash": "prefix_hash",
     }.get(head)
+
+
+def _unencodable_field(value: Any, path: str = "") -> str | None:
+    """The dotted path of the first string in ``value`` that UTF-8 cannot encode (a lone
+    surrogate, which JSON's ``\\ud800`` escapes let a client send)."""
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return path
+        return None
+    if isinstance(value, Mapping):
+        items: Iterable[tuple[Any, Any]] = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        found = _unencodable_field(item, f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
 
 
 def _refuse_unsupported(body: Mapping[str, Any]) -> None:

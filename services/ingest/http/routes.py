@@ -13,8 +13,10 @@ carries the span's context, so admission, queueing and generation hang below it;
 when the call does, with the outcome and, for a finished request, its token usage.
 
 Time bound: the request's ``timeout_s`` plus ``reply_grace_s``; past it the client gets
-504 and the request is cancelled. A client that goes away (disconnect mid-stream, or while a
-non-streaming call waits) also cancels it (``CancelRequest`` on ``llmq.control``).
+504 and the request is cancelled. A client that goes away (while its call waits for a reply,
+a stream's first one included, or mid-stream) also cancels it (``CancelRequest`` on
+``llmq.control``). A stream that ends in an error (an ``Error`` reply, or the deadline, after
+it started) sends the error event, then ``data: [DONE]`` like any other stream.
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ from services.ingest.http.openai import (
 )
 from services.ingest.tenants import AuthFailure, Tenancy
 
-#: How often a waiting non-streaming call checks whether its client is still there.
+#: How often a call that waits for a reply checks that its client is still there (a
+#: started stream is watched by its response instead).
 _DISCONNECT_POLL_S = 1.0
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -82,6 +85,11 @@ class _Waiter:
         self._stream = stream
         self._request = request  # None: do not poll (a streaming response polls itself)
         self._deadline = deadline
+
+    def without_polling(self) -> _Waiter:
+        """The same wait, for a started streaming response: it watches for disconnects
+        itself, and a second reader of the ASGI receive channel would compete with it."""
+        return _Waiter(self._stream, None, self._deadline)
 
     async def next(self) -> Reply:
         while True:
@@ -248,8 +256,9 @@ class _Call:
         self._created = int(call.request.created_at)
         self._finished = False
         deadline = time.monotonic() + call.request.timeout_s + deps.reply_grace_s
-        # A streaming response watches for disconnects itself; polling would compete.
-        self.waiter = _Waiter(stream, None if call.stream else request, deadline)
+        # Polls for a vanished client: before the first reply a stream has not started, so
+        # nothing else would notice (the relay of a started stream uses without_polling()).
+        self.waiter = _Waiter(stream, request, deadline)
         self.headers = {"x-request-id": call.request.request_id}
 
     def finish(self, cancel_reason: str | None) -> None:
@@ -313,12 +322,13 @@ class _Call:
     async def _events(self, first: Reply) -> AsyncIterator[bytes]:
         """SSE bytes; a disconnect (cancelled here) or the deadline cancels the request."""
         try:
-            async for data in self._relay(first, self.waiter):
+            async for data in self._relay(first, self.waiter.without_polling()):
                 yield data
             self.finish(None)
         except ApiError as exc:  # the deadline passed mid-stream
             self.finish("no answer within the timeout")
             yield sse(exc.body())
+            yield SSE_DONE
         finally:
             self.finish("stream ended before the request finished")
 
@@ -330,8 +340,9 @@ class _Call:
             opened = True
             msg = self.seen(await waiter.next())
         if isinstance(msg, Error):
-            # Headers are sent: OpenAI's convention is an error event, then the end.
+            # Headers are sent: an error event, then the end every stream has.
             yield sse(from_reply(msg).body())
+            yield SSE_DONE
             return
         if not opened and call.kind == "chat":
             yield sse(chunk_object(call, created, "", first=True))

@@ -1,0 +1,150 @@
+"""How a call ends, driven through the ASGI app: streams that end in an error still end
+with ``[DONE]``, and a streaming client that leaves before its first reply cancels at once.
+
+As in test_ingest_http_disconnect.py the gateway is the real one and its Kafka producer a
+stand-in; here the stand-in answers each submitted request with a script of replies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from schemas.codec import decode
+from schemas.control import CancelRequest
+from schemas.replies import TokenChunk
+from schemas.requests import InferenceRequest
+from services.common.replies import Reply, ReplyRouter
+from services.ingest.cluster import ClusterTracker, Freshness
+from services.ingest.http import HttpDeps, create_api, routes
+from services.ingest.http.gateway import Gateway
+from services.ingest.http.openai import ApiDefaults
+from services.ingest.tenants import load_tenancy
+from services.ingest.topics import IngestTopics
+from tests.builders_schemas import make_error, make_heartbeat
+
+TOPICS = IngestTopics.of("llmq", "llmq-ingest", "a")
+#: (delay in seconds, reply for a request id)
+Script = list[tuple[float, Callable[[str], Reply]]]
+
+
+def chunk(rid: str) -> Reply:
+    return TokenChunk(request_id=rid, attempt=1, seq=0, text="hi", tokens=1, ts=1.0)
+
+
+class _Producer:
+    """Stand-in for the gateway's producer: plays ``script`` for each submitted request."""
+
+    def __init__(self, router: ReplyRouter, script: Script) -> None:
+        self.router, self.script = router, script
+        self.cancels: list[CancelRequest] = []
+
+    async def send_and_wait(self, topic: str, value: bytes, key: bytes | None = None,
+                            headers: Any = None) -> None:
+        if topic == TOPICS.intake:
+            rid = decode(value, InferenceRequest).request_id
+            for delay, reply in self.script:
+                asyncio.get_running_loop().call_later(delay, self.router.route, reply(rid))
+        elif topic == TOPICS.control:
+            self.cancels.append(decode(value, CancelRequest))
+
+    async def stop(self) -> None: ...
+
+
+class Api:
+    def __init__(self, script: Script, reply_grace_s: float = 1.0) -> None:
+        tenancy = load_tenancy(None)
+        tracker = ClusterTracker(tenancy.config.admission.registry, Freshness())
+        tracker.observe_heartbeat(make_heartbeat(worker_id="w", model="m"))
+        gateway = Gateway("127.0.0.1:9", TOPICS, instance_id="a")  # never connects
+        self.router = gateway._router = ReplyRouter("127.0.0.1:9", TOPICS.reply)
+        self.producer = gateway._producer = _Producer(self.router, script)
+        watcher = SimpleNamespace(tracker=tracker, running=True, caught_up=asyncio.Event())
+        self.app = create_api(HttpDeps(gateway=gateway, tenancy=tenancy, watcher=watcher,  # type: ignore[arg-type]
+                                       defaults=ApiDefaults(), reply_grace_s=reply_grace_s))
+
+    async def post(self, body: dict[str, Any], leave_after_s: float | None = None) -> Any:
+        """Status and body of one call to /v1/completions; the client leaves after
+        ``leave_after_s`` (None: it stays)."""
+        raw = json.dumps(body).encode()
+        gone = asyncio.Event()
+        if leave_after_s is not None:
+            asyncio.get_running_loop().call_later(leave_after_s, gone.set)
+        received = 0
+        out = SimpleNamespace(status=None, body=b"")
+
+        async def receive() -> dict[str, Any]:
+            nonlocal received
+            received += 1
+            if received == 1:
+                return {"type": "http.request", "body": raw, "more_body": False}
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                out.status = message["status"]
+            elif message["type"] == "http.response.body":
+                out.body += message.get("body", b"")
+
+        scope = {
+            "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": "1.1", "method": "POST", "scheme": "http",
+            "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
+            "root_path": "", "headers": [(b"content-type", b"application/json")],
+            "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8080),
+        }
+        await asyncio.wait_for(self.app(scope, receive, send), 10)
+        return out
+
+
+def events(body: bytes) -> list[Any]:
+    """The SSE events' data: parsed JSON, or the literal ``[DONE]``."""
+    out = []
+    for event in body.split(b"\n\n"):
+        if event:
+            data = event.removeprefix(b"data: ")
+            out.append("[DONE]" if data == b"[DONE]" else json.loads(data))
+    return out
+
+
+async def test_a_stream_ended_by_an_error_reply_ends_with_done() -> None:
+    api = Api([(0.01, chunk), (0.02, lambda rid: make_error(
+        request_id=rid, attempt=1, code="worker_lost", retry_after_s=None))])
+    out = await api.post({"model": "m", "prompt": "x", "stream": True})
+    assert out.status == 200
+    sent = events(out.body)
+    assert sent[0]["choices"][0]["text"] == "hi"
+    assert sent[1]["error"]["code"] == "worker_lost"
+    assert sent[2:] == ["[DONE]"]
+
+
+async def test_a_stream_ended_by_its_deadline_ends_with_done() -> None:
+    api = Api([(0.01, chunk)], reply_grace_s=0.0)
+    out = await api.post({"model": "m", "prompt": "x", "stream": True, "timeout": 0.3})
+    assert out.status == 200
+    sent = events(out.body)
+    assert sent[1]["error"]["code"] == "timeout"
+    assert sent[2:] == ["[DONE]"]
+    assert [c.reason for c in api.producer.cancels] == ["no answer within the timeout"]
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_client_leaving_while_its_request_is_queued_cancels_it(
+    stream: bool, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # No reply comes (queued for long): the only way to notice is to poll the client.
+    monkeypatch.setattr(routes, "_DISCONNECT_POLL_S", 0.05)
+    api = Api([])
+    call = api.post({"model": "m", "prompt": "x", "stream": stream, "timeout": 30},
+                    leave_after_s=0.1)
+    out = await asyncio.wait_for(call, 3)  # long before the request's own deadline
+    assert out.status == 499
+    assert [(c.reason, c.issued_by) for c in api.producer.cancels] == [
+        ("client disconnected", "ingest")]
+    assert api.router.open_requests == 0

@@ -112,6 +112,11 @@ def invalid(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, "invalid", param)
 
 
+def too_large(message: str, param: str | None = None) -> ApiError:
+    """413 for input larger than llmq carries."""
+    return ApiError(413, message, "too_large", param)
+
+
 def unauthorized(message: str) -> ApiError:
     return ApiError(401, message, "invalid_api_key")
 

@@ -35,11 +35,18 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from schemas.codec import MAX_RECORD_BYTES
 from schemas.replies import Done, Error, TokenChunk
 from services.common import tracing
 from services.common.replies import Reply, ReplyStream
 from services.ingest.cluster import ClusterWatcher
-from services.ingest.http.errors import ApiError, from_reply, timed_out, unauthorized
+from services.ingest.http.errors import (
+    ApiError,
+    from_reply,
+    timed_out,
+    too_large,
+    unauthorized,
+)
 from services.ingest.http.gateway import Gateway
 from services.ingest.http.openai import (
     SSE_DONE,
@@ -55,6 +62,11 @@ from services.ingest.http.openai import (
     usage_chunk,
 )
 from services.ingest.tenants import AuthFailure, Tenancy
+
+#: The largest body read. A request becomes one Kafka record of at most MAX_RECORD_BYTES
+#: (8 MiB); 4x that leaves room for a body that spells its text in JSON escapes (6 bytes
+#: for "\u00e9", 2 in the record). Past it the body is refused before it is all read.
+MAX_BODY_BYTES = 4 * MAX_RECORD_BYTES
 
 #: How often a call that waits for a reply checks that its client is still there (a
 #: started stream is watched by its response instead).
@@ -189,11 +201,28 @@ def _http_span(request: Request, kind: Kind) -> Span:
     )
 
 
+async def _read_body(request: Request) -> bytes:
+    """The request body, refused (413) as soon as it is known to exceed ``MAX_BODY_BYTES``:
+    from Content-Length before reading, or while streaming it in, never after holding it
+    all (one oversized body would otherwise stall every agent of this event loop)."""
+    limit = MAX_BODY_BYTES
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large(f"request body of {int(declared):,} bytes exceeds {limit:,}")
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise too_large(f"request body exceeds {limit:,} bytes")
+        parts.append(part)
+    return b"".join(parts)
+
+
 async def _complete(deps: HttpDeps, request: Request, kind: Kind) -> Response:
     span = _http_span(request, kind)
     try:
         tenant = _tenant(deps, request)
-        body = parse_json(await request.body())
+        body = parse_json(await _read_body(request))
         origin = Origin(
             request_id=request.headers.get("x-request-id") or f"cmpl-{uuid.uuid4().hex}",
             tenant=tenant,

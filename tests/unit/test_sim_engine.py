@@ -466,3 +466,22 @@ def test_a_preempted_cached_sequence_recomputes_its_whole_prompt(mode: str) -> N
 def test_cached_tokens_leave_one_prompt_token_to_compute(cached: int) -> None:
     with pytest.raises(ValueError, match="cached_tokens must be in"):
         SimEngineCore(make_profile()).add(SimRequest(1, 5, 2, cached_tokens=cached), 0.0)
+
+
+def test_a_cached_head_that_cannot_fit_does_not_stop_fast_forward() -> None:
+    # 16 blocks of 16. A (192 in, 40 out) holds 12 after its prefill and 13 after its first
+    # decode (token 193), so 3 are free; B (56 in, 55 cached) needs 4 at admission and
+    # waits for A to finish. Until then every step is a quiet decode: the 37 before A's
+    # last one (tokens 3..39; its blocks 14 and 15 fit in the 3 free) are skipped at once.
+    # Counting B's chunk (1 token, 1 block) without its cached blocks saw it admitted next
+    # step and stepped one by one (results unchanged, only slower).
+    core = SimEngineCore(make_profile(num_blocks=16))
+    core.add(SimRequest(1, 192, 40), 0.0)
+    core.step(0.0)
+    core.add(SimRequest(2, 56, 5, cached_tokens=55), 0.0)
+    core.step(core.next_step_s or 0.0)
+    assert (core.free_blocks, core.waiting) == (3, 1)
+    quiet = 37 * (1000 + 2) * US  # decodes of one sequence
+    assert core.quiet_until_s() == pytest.approx((core.next_step_s or 0.0) + quiet)
+    finished = records(core.advance(None))
+    assert finished[1].finish_s is not None and finished[2].finish_s is not None

@@ -562,7 +562,7 @@ class SimEngineCore:
         if self._waiting and n < self._max_seqs:
             head = self._waiting[0]
             chunk = min(head.prompt + head.generated - head.cached, self._max_tokens - n)
-            if _ceil_div(chunk, bs) <= free_after_first:
+            if _ceil_div(head.cached + chunk, bs) <= free_after_first:
                 return 0  # the head is admitted next step; free blocks only shrink later
         # Steps before the pool runs dry: each B-step cycle takes exactly one block per
         # sequence, then walk the phases of the last partial cycle.

@@ -1,14 +1,16 @@
-"""``services.common.kafka.Producer`` against the real broker: a topic created after the
-producer started must not strand what is waiting for the others (aiokafka 0.14 narrows
-its metadata to the new topic; see the class)."""
+"""``services.common.kafka`` against the real broker: a topic created after the producer
+started must not strand what is waiting for the others (aiokafka 0.14 narrows its metadata
+to the new topic; see the class), and batches compressed with any codec Kafka offers are
+read (the aiokafka extras in pyproject.toml)."""
 
 from __future__ import annotations
 
 import asyncio
 
 import pytest
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
-from services.common.kafka import TopicRequest, ensure_topics, make_producer
+from services.common.kafka import TopicRequest, ensure_topics, fetch_forever, make_producer
 
 pytestmark = pytest.mark.kafka
 
@@ -31,3 +33,38 @@ async def test_a_topic_created_after_start_does_not_strand_batches_for_others(
         assert metadata.topic == old
     finally:
         await producer.stop()
+
+
+@pytest.mark.parametrize("codec", ["lz4", "snappy", "zstd", "gzip"])
+async def test_a_batch_compressed_by_another_producer_is_read(
+    bootstrap: str, topic_prefix: str, codec: str
+) -> None:
+    # Java and librdkafka clients often compress (compression.type). Without the codec
+    # aiokafka raises UnsupportedCodecError at that offset on every fetch, and the loops
+    # that read llmq's topics (fetch_forever, the health feed) retried it forever.
+    topic = f"{topic_prefix}.{codec}"
+    await ensure_topics(bootstrap, [TopicRequest(topic, 1)])
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, compression_type=codec)
+    await producer.start()
+    try:
+        for i in range(3):
+            await producer.send(topic, f"record {i}".encode())
+        await producer.flush()
+    finally:
+        await producer.stop()
+    consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest",
+                                enable_auto_commit=False)
+    await consumer.start()
+    seen: list[bytes] = []
+
+    async def read() -> None:
+        async for batches in fetch_forever(consumer, 200, f"test {codec}"):
+            seen.extend(r.value for records in batches.values() for r in records)
+            if len(seen) >= 3:
+                return
+
+    try:
+        await asyncio.wait_for(read(), 15)
+    finally:
+        await consumer.stop()
+    assert seen == [b"record 0", b"record 1", b"record 2"]

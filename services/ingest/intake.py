@@ -42,6 +42,7 @@ the client is never left waiting.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -49,6 +50,7 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMappi
 from dataclasses import dataclass
 from typing import Any, Final, Literal, Protocol
 
+from aiokafka.errors import KafkaError, KafkaTimeoutError
 from opentelemetry.trace import Span, SpanKind
 from pydantic import Field
 
@@ -88,6 +90,9 @@ from services.ingest.tenants import Tenancy
 from services.ingest.topics import INSTANCE_REPLIES, IngestTopics
 
 _log = logging.getLogger(__name__)
+#: Waits between tries of a transient failure (``IntakeHandler._ensure_until_done``).
+_RETRY_FIRST_S: Final = 0.1
+_RETRY_MAX_S: Final = 5.0
 #: How far a client's ``created_at`` may be ahead of ingest's clock (clock skew).
 MAX_CLOCK_AHEAD_S: Final = 300.0
 _ID_RE = re.compile(ID_PATTERN)
@@ -374,11 +379,36 @@ class IntakeHandler:
     async def _send(self, topic: str, message: AdmittedRequest | Error) -> None:
         if topic not in self._known_topics:
             # A tenant's default reply topic may not exist yet; requests topics do.
-            await self._ensure_topic(topic)
+            await self._ensure_until_done(topic)
             self._known_topics.add(topic)
         # The current span (admission) is the parent of whatever handles this record next.
         await self._publish(topic, message.request_id.encode(), encode(message),
                             tracing.inject())
+
+
+    async def _ensure_until_done(self, topic: str) -> None:
+        """Make sure of ``topic``, again after a transient failure (the broker or its
+        controller away), with a doubling wait: the request's decision is already taken
+        (and recorded), so raising would dead-letter a valid request with no answer for
+        its client. This agent waits meanwhile, as it would for any send: backpressure.
+        A failure a retry cannot mend (an authorization error, say) still raises."""
+        wait = _RETRY_FIRST_S
+        while True:
+            try:
+                await self._ensure_topic(topic)
+                return
+            except (KafkaError, TimeoutError, OSError) as exc:
+                if isinstance(exc, KafkaError) and not _transient(exc):
+                    raise
+                _log.warning("reply topic %s: %r; trying again in %.1f s", topic, exc, wait)
+            await asyncio.sleep(wait)
+            wait = min(2 * wait, _RETRY_MAX_S)
+
+
+def _transient(exc: KafkaError) -> bool:
+    """A Kafka error that a later try may not meet (a client-side timeout is one, though
+    aiokafka does not mark it ``retriable``)."""
+    return exc.retriable or isinstance(exc, KafkaTimeoutError)
 
 
 def _count_refusal(code: ErrorCode) -> None:

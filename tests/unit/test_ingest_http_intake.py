@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from aiokafka.errors import KafkaTimeoutError, TopicAuthorizationFailedError
 
 from schemas.codec import SchemaError, decode, encode
 from schemas.messages import REPLY_ADAPTER, REQUEST_ADAPTER
@@ -325,3 +326,28 @@ def test_ingest_creates_its_table_changelogs_before_faust_does() -> None:
         assert changelog.config == {"cleanup.policy": "compact"}
     assert wanted["llmq-ingest-__assignor-__leader"].partitions == 1
 
+
+
+async def test_a_reply_topic_that_fails_to_be_made_is_tried_again_not_dead_lettered() -> None:
+    # The refusal is decided; a broker blip while making the tenant's reply topic sure
+    # raised to the guard, which dead-lettered the valid request: no answer for its client.
+    h = Harness(parse_tenants(Path("t.toml"), KEYED))
+    await h.submit(request("r1", "acme"))
+    failures: list[Exception] = [KafkaTimeoutError(), TimeoutError()]
+    ensure = h.handler._ensure_topic
+
+    async def flaky(topic: str) -> None:
+        if failures:
+            h.ensured.append(f"failed: {topic}")
+            raise failures.pop(0)
+        await ensure(topic)
+
+    h.handler._ensure_topic = flaky
+    await h.submit(request("r2", "acme"))  # request_burst 1: refused
+    assert [r.request_id for r in h.replies()] == ["r2"]
+    assert h.ensured == ["failed: llmq.replies.acme"] * 2 + ["llmq.replies.acme"]
+    # What no retry can mend still goes to the guard.
+    h.handler._known_topics.discard("llmq.replies.acme")
+    failures.append(TopicAuthorizationFailedError())
+    with pytest.raises(TopicAuthorizationFailedError):
+        await h.submit(request("r3", "acme"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -388,28 +389,56 @@ def up(ctx: click.Context, detach: bool, short_workers: int, long_workers: int,
     In the foreground, Ctrl-C also stops the broker and Jaeger if this command started
     them (`--keep-kafka` leaves the broker); `--detach` leaves all to `llmq down`.
     """
-    from services.stack import StackConfig
+    from services.stack import StackConfig, running_services
 
     settings: Settings = ctx.obj
+    running = running_services(settings)
+    if running and not kafka_only:
+        raise click.ClickException(
+            f"a stack is already running here ({', '.join(running)}); stop it with "
+            "`llmq down` first")
     started_kafka = not settings.kafka_bootstrap and not _broker(settings).status().running
-    if not settings.kafka_bootstrap:
-        ctx.invoke(kafka_up, timeout=90.0, as_json=False)
-    started_jaeger = with_jaeger and _start_jaeger(settings)
+    started_jaeger = False
+    # Until the stack's own handlers take over, SIGTERM, SIGHUP and SIGQUIT end this command
+    # through the `finally` below (and the broker's and Jaeger's own failure handling), so
+    # nothing this run started is left behind: their default action would kill it outright.
+    previous = {sig: signal.signal(sig, _exit_on_signal) for sig in _STOP_SIGNALS}
     try:
+        if not settings.kafka_bootstrap:
+            ctx.invoke(kafka_up, timeout=90.0, as_json=False)
+        started_jaeger = with_jaeger and _start_jaeger(settings)
         _up(ctx, settings, detach, StackConfig(
             short_workers=short_workers, long_workers=long_workers, any_workers=any_workers,
             http_port=http_port, health_port=health_port, metrics_base_port=metrics_base_port,
             profile=profile, model=model), kafka_only)
     finally:
-        if not detach and not kafka_only:
-            if started_jaeger:
-                _jaeger_of(settings).down()
-                click.echo("jaeger stopped")
-            if started_kafka and not keep_kafka:
-                ctx.invoke(kafka_down)
-        elif started_jaeger:  # detached: `llmq down` stops the Jaeger this command started
-            _jaeger_marker(settings).parent.mkdir(parents=True, exist_ok=True)
-            _jaeger_marker(settings).touch()
+        for sig in _STOP_SIGNALS:  # the clean-up below is bounded: let it finish
+            signal.signal(sig, signal.SIG_IGN)
+        _stop_what_up_started(ctx, settings, detach, kafka_only, started_kafka,
+                              started_jaeger, keep_kafka)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+
+
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _stop_what_up_started(ctx: click.Context, settings: Settings, detach: bool,
+                          kafka_only: bool, started_kafka: bool, started_jaeger: bool,
+                          keep_kafka: bool) -> None:
+    if not detach and not kafka_only:
+        if started_jaeger:
+            _jaeger_of(settings).down()
+            click.echo("jaeger stopped")
+        if started_kafka and not keep_kafka:
+            ctx.invoke(kafka_down)
+    elif started_jaeger:  # detached: `llmq down` stops the Jaeger this command started
+        _jaeger_marker(settings).parent.mkdir(parents=True, exist_ok=True)
+        _jaeger_marker(settings).touch()
 
 
 def _jaeger_marker(settings: Settings) -> Path:

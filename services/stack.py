@@ -205,7 +205,9 @@ def settings_env(settings: Settings) -> dict[str, str]:
 
 
 def run_foreground(stack: Stack, on_started: Callable[[], object] | None = None) -> int:
-    """Run until Ctrl-C / SIGTERM or until a child dies; returns the exit status."""
+    """Run until Ctrl-C / SIGTERM or until a child dies; returns the exit status. A worker
+    that exits 0 was drained (``llmq drain``: it finished its work and left the fleet on
+    purpose); the rest of the stack runs on without it."""
     # A plain flag, not a threading.Event: the handler runs in the main thread between two
     # bytecodes, possibly while that thread holds the Event's lock inside Event.wait(), and
     # Event.set() would then wait on it forever (seen: `timeout … make up` hung, its
@@ -224,8 +226,15 @@ def run_foreground(stack: Stack, on_started: Callable[[], object] | None = None)
         stack.start()
         if on_started is not None:
             on_started()
+        drained: set[str] = set()
         while not stopping:
-            dead = stack.failed()
+            dead = [(name, code) for name, code in stack.failed() if name not in drained]
+            for name, code in dead:
+                if name.startswith("worker-") and code == 0:
+                    print(f"llmq up: {name} drained and left; the rest runs on",
+                          file=sys.stderr)
+                    drained.add(name)
+            dead = [(name, code) for name, code in dead if name not in drained]
             if dead:
                 name, code = dead[0]
                 print(f"llmq up: {name} exited with status {code}; stopping the stack",
@@ -292,6 +301,15 @@ def stop_detached(settings: Settings, grace_s: float = 20.0) -> list[str]:
                 process.send(pid, signal.SIGKILL)
     path.unlink(missing_ok=True)
     return list(alive)
+
+
+def running_services(settings: Settings) -> list[str]:
+    """Services of a stack recorded in services.json that still run (by pid and command)."""
+    try:
+        data = json.loads((stack_dir(settings) / "services.json").read_text())
+        return [n for n, info in data.items() if _is_ours(int(info["pid"]), info.get("argv", []))]
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return []
 
 
 def _is_ours(pid: int, argv: list[str]) -> bool:

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -132,3 +133,30 @@ def test_llmq_down_drains_detached_workers_before_the_other_services(tmp_path: P
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
+
+
+def test_a_drained_worker_leaves_and_the_stack_runs_on(tmp_path: Path) -> None:
+    # `llmq drain` makes a worker finish its work and exit 0; that used to stop the whole
+    # foreground stack (and `make up` with status 1) as if it had crashed.
+    drained = ServiceSpec("worker-1", (sys.executable, "-c", "import sys; sys.exit(0)"))
+    stack = Stack([_spec(tmp_path, "ingest"), _spec(tmp_path, "worker-0"), drained], {})
+    fired: list[float] = []
+
+    def stop_later() -> None:
+        fired.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    timer = threading.Timer(2.5, stop_later)  # worker-1 is long gone by then
+    try:
+        assert run_foreground(stack, on_started=timer.start) == 0
+    finally:
+        timer.cancel()  # the old code returned early: no stray SIGTERM for the next test
+    terms = dict(line.split() for line in (tmp_path / "terms.log").read_text().splitlines())
+    assert float(terms["ingest"]) >= fired[0]  # stopped by the signal, not by the drain
+
+
+def test_a_worker_that_fails_still_stops_the_stack(tmp_path: Path) -> None:
+    crashed = ServiceSpec("worker-1", (sys.executable, "-c", "import sys; sys.exit(3)"))
+    stack = Stack([_spec(tmp_path, "ingest"), crashed], {})
+    assert run_foreground(stack) == 1
+    assert all(p.poll() is not None for _, p in stack.procs)

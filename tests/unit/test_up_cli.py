@@ -1,0 +1,96 @@
+"""``llmq up`` stops what it started however it ends, and will not start a second stack
+over a running one. The broker and Jaeger are stand-ins (their starts and stops are
+recorded); nothing listens."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import services.cli as cli
+from services.common.settings import Settings
+from services.dev.jaeger import Jaeger, JaegerStatus
+from services.dev.kafka_broker import BrokerStatus, KafkaBroker
+from services.stack import stack_dir
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record the broker's and Jaeger's ups and downs; neither runs before ``up``."""
+    made: list[str] = []
+    stopped = BrokerStatus(False, False, None, "127.0.0.1:1", "d", "l")
+    running = BrokerStatus(True, True, 1, "127.0.0.1:1", "d", "l")
+    monkeypatch.setattr(KafkaBroker, "status", lambda self: stopped)
+    monkeypatch.setattr(KafkaBroker, "up",
+                        lambda self, *a, **k: (made.append("kafka up"), running)[1])
+    monkeypatch.setattr(KafkaBroker, "down",
+                        lambda self, *a, **k: (made.append("kafka down"), True)[1])
+    monkeypatch.setattr(Jaeger, "status",
+                        lambda self: JaegerStatus(False, False, None, False, "b", "l"))
+    monkeypatch.setattr(Jaeger, "down", lambda self, *a, **k: made.append("jaeger down"))
+    return made
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("LLMQ_HOME", str(tmp_path))
+    monkeypatch.setenv("LLMQ_KAFKA_PORT", "1")
+    return tmp_path
+
+
+@pytest.mark.parametrize("ending", ["ctrl-c", "sigterm"])
+def test_a_start_cut_short_stops_the_broker_it_started(
+    calls: list[str], home: Path, monkeypatch: pytest.MonkeyPatch, ending: str,
+) -> None:
+    # Jaeger's first start builds it with Go (minutes): Ctrl-C or `timeout make up` then
+    # left the broker this run had started running, holding its ports.
+    def jaeger_up(self: Jaeger, *args: object, **kwargs: object) -> None:
+        calls.append("jaeger up")
+        if ending == "ctrl-c":
+            raise KeyboardInterrupt
+        os.kill(os.getpid(), signal.SIGTERM)  # its default action killed llmq outright
+
+    monkeypatch.setattr(Jaeger, "up", jaeger_up)
+    before = signal.getsignal(signal.SIGTERM)
+    result = CliRunner().invoke(cli.main, ["up", "--jaeger"])
+    assert calls == ["kafka up", "jaeger up", "kafka down"]
+    assert result.exit_code != 0
+    assert signal.getsignal(signal.SIGTERM) is before  # handlers are given back
+
+
+@pytest.fixture
+def first_stack(home: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """A detached stack's one service, recorded as `llmq up --detach` records it."""
+    argv = [sys.executable, "-c", "import time; time.sleep(60)"]
+    proc = subprocess.Popen(argv)
+    deadline = time.monotonic() + 10
+    while not Path(f"/proc/{proc.pid}/cmdline").read_bytes():  # empty for a moment after exec
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    path = stack_dir(Settings(home=home)) / "services.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"ingest": {"pid": proc.pid, "argv": argv}}))
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def test_a_second_stack_is_refused_while_one_runs(
+    calls: list[str], home: Path, first_stack: subprocess.Popen[bytes],
+) -> None:
+    # It used to start anyway, fail on the taken ports and delete the first stack's
+    # services.json on its way out: `llmq down` then stopped nothing.
+    result = CliRunner().invoke(cli.main, ["up", "--detach"])
+    assert result.exit_code == 1 and "already running" in result.output
+    assert calls == []  # nothing started, the first stack's record kept
+    assert (stack_dir(Settings(home=home)) / "services.json").exists()
+    assert first_stack.poll() is None

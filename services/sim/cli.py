@@ -27,6 +27,7 @@ from services.common.settings import PROJECT_ROOT
 from services.sim.bench import BenchConfig, ProgressFactory, run_bench
 from services.sim.llmq import LlmqConfig
 from services.sim.policies import POLICIES
+from services.sim.simulator import check_heartbeat
 
 TRACES = PROJECT_ROOT.parent / "shared" / "traces"
 DEFAULT_TRACE = TRACES / "azure_llm_2023_conv.csv"
@@ -104,6 +105,10 @@ def policies(
     if unknown or not names:
         raise click.BadParameter(f"unknown {unknown}; known: {', '.join(POLICIES)}",
                                  param_hint="--policies")
+    try:
+        check_heartbeat(heartbeat_s)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--heartbeat-s") from None
     if not synthetic and not matrix and not trace.exists():
         raise click.BadParameter(f"{trace} does not exist", param_hint="--trace")
     llmq = LlmqConfig(heartbeat_s=heartbeat_s, timeout_s=timeout_s, kv_safety_margin=kv_margin,

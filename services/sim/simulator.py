@@ -68,6 +68,17 @@ class SimulationError(RuntimeError):
     """The run broke an invariant or cannot make progress (a bug, never a result)."""
 
 
+def check_heartbeat(period_s: float) -> None:
+    """Refuse a heartbeat period the clock cannot step by: one that is not finite, or that
+    rounds to under 1 ns on the nanosecond grid (each heartbeat would then schedule the next
+    at the same instant, forever). ``ValueError`` names it."""
+    if not (math.isfinite(period_s) and to_ns(period_s) >= 1):
+        raise ValueError(
+            f"{period_s!r} s: a heartbeat period must be finite and at least 1 ns (the "
+            "simulator's clock resolution)"
+        )
+
+
 class Policy(Protocol):
     """What a policy implements; :mod:`.policies` has the four compared in the bench."""
 
@@ -179,8 +190,7 @@ class Simulator:
         policy, jobs, heap = self.policy, self.jobs, self._heap
         policy.start(self)
         if policy.heartbeat_s is not None:
-            if not policy.heartbeat_s > 0:
-                raise ValueError("heartbeat_s must be > 0")
+            check_heartbeat(policy.heartbeat_s)
             self._push(0.0, _HEARTBEAT, None)
         n, i = len(jobs), 0
         heappop = heapq.heappop
@@ -284,7 +294,18 @@ class Simulator:
                 )
             interval = self.policy.heartbeat_s
             assert interval is not None
-            self._push(to_s(to_ns(self.now + interval)), _HEARTBEAT, None)
+            self._push(self._next_heartbeat_s(interval), _HEARTBEAT, None)
+
+    def _next_heartbeat_s(self, interval: float) -> float:
+        """``now + interval`` on the nanosecond grid, at least 1 ns after now: a heartbeat
+        due at ``now`` would fire again and again without the clock moving."""
+        t = to_s(max(to_ns(self.now + interval), to_ns(self.now) + 1))
+        if t <= self.now:
+            raise SimulationError(
+                f"t={self.now:.0f} s is past the clock's nanosecond resolution: the simulated "
+                "span is too long for this heartbeat period"
+            )
+        return t
 
     def _finish_run(self, arrived: int) -> SimStats:
         in_flight = sum(w.in_flight for w in self.workers)

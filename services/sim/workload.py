@@ -52,6 +52,9 @@ TimeUnit = Literal["s", "ms", "us", "ns"]
 _NS_PER_UNIT: Final[dict[str, int]] = {"s": 10**9, "ms": 10**6, "us": 10**3, "ns": 1}
 CSV_COLUMNS: Final = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 JSONL_KEYS: Final = ("timestamp", "input_length", "output_length")
+#: A numeric timestamp past ±10^30 ns (~3·10^13 years) is refused: no trace spans that, and
+#: arrivals in seconds must stay finite floats.
+_MAX_NS: Final = 10**30
 DEFAULT_CLASS_MIX: Final[Mapping[Priority, float]] = {"high": 0.1, "normal": 0.6, "low": 0.3}
 
 
@@ -76,10 +79,20 @@ def _fail(path: Path, line: int, column: str, problem: str) -> TraceFormatError:
     return TraceFormatError(f"{path}:{line}: column {column!r}: {problem}")
 
 
+def _digits(text: str) -> int | None:
+    """``text`` as an integer when it is ASCII digits only, else None. (``str.isdigit``
+    alone takes '²', which ``int`` refuses; ``int`` refuses over 4,300 digits too.)"""
+    if not (text.isascii() and text.isdigit()):
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
 def _tokens(path: Path, line: int, column: str, raw: object) -> int:
     if isinstance(raw, str):
-        text = raw.strip()
-        value = int(text) if text.isdigit() else None
+        value = _digits(raw.strip())
     else:
         value = raw if isinstance(raw, int) and not isinstance(raw, bool) else None
     if value is None or value < 1:
@@ -87,26 +100,37 @@ def _tokens(path: Path, line: int, column: str, raw: object) -> int:
     return value
 
 
-def _number_ns(raw: float, unit: str) -> int:
-    return round(raw * _NS_PER_UNIT[unit])
+def _number_ns(path: Path, line: int, column: str, raw: float, unit: str) -> int:
+    """``raw`` ``unit``s in integer ns: exact for an int, a float rounded."""
+    scaled = raw * _NS_PER_UNIT[unit]
+    if not -_MAX_NS <= scaled <= _MAX_NS:
+        raise _fail(path, line, column, f"{raw!r} {unit} is out of range")
+    return round(scaled)
 
 
 def _timestamp_ns(path: Path, line: int, raw: str, unit: str) -> int:
-    """``YYYY-MM-DD HH:MM:SS[.fraction]`` (space or ``T``), or a plain number in ``unit``."""
+    """``YYYY-MM-DD HH:MM:SS[.fraction]`` (space or ``T``), or a plain number in ``unit``.
+    An integer is taken exactly: as a float, epochs in ns or µs that differ by under
+    ~200 ns would collapse into one arrival."""
     text = raw.strip()
+    exact = _digits(text)
+    if exact is not None:
+        return _number_ns(path, line, CSV_COLUMNS[0], exact, unit)
     try:
         value = float(text)
     except ValueError:
         pass
     else:
         if math.isfinite(value):
-            return _number_ns(value, unit)
+            return _number_ns(path, line, CSV_COLUMNS[0], value, unit)
     try:
         day, clock = text.replace("T", " ").split(" ")
         y, mo, d = (int(x) for x in day.split("-"))
         hms, _, frac = clock.partition(".")
         h, mi, s = (int(x) for x in hms.split(":"))
-        if not (0 <= h < 24 and 0 <= mi < 60 and 0 <= s < 61) or (frac and not frac.isdigit()):
+        if not (0 <= h < 24 and 0 <= mi < 60 and 0 <= s < 61) or (
+            frac and not (frac.isascii() and frac.isdigit())  # '²' is a digit to isdigit
+        ):
             raise ValueError
         days = date(y, mo, d).toordinal()
     except ValueError:
@@ -172,17 +196,24 @@ def load_jsonl_trace(path: Path, *, time_unit: TimeUnit = "ms") -> list[TraceReq
                 obj: Any = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise TraceFormatError(f"{path}:{line_no}: not JSON: {exc.msg}") from None
+            except (ValueError, RecursionError) as exc:
+                # JSON past what Python reads: an integer over 4,300 digits, deep nesting.
+                raise TraceFormatError(f"{path}:{line_no}: unreadable JSON: {exc}") from None
             if not isinstance(obj, dict):
                 raise TraceFormatError(f"{path}:{line_no}: expected a JSON object")
             for key in JSONL_KEYS:
                 if key not in obj:
                     raise _fail(path, line_no, key, "missing")
             ts = obj["timestamp"]
-            if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts):
+            if (
+                isinstance(ts, bool)
+                or not isinstance(ts, int | float)
+                or (isinstance(ts, float) and not math.isfinite(ts))  # isfinite(10**400) raises
+            ):
                 raise _fail(path, line_no, "timestamp", f"expected a number, got {ts!r}")
             rows.append(
                 (
-                    _number_ns(ts, time_unit),
+                    _number_ns(path, line_no, "timestamp", ts, time_unit),
                     _tokens(path, line_no, "input_length", obj["input_length"]),
                     _tokens(path, line_no, "output_length", obj["output_length"]),
                 )

@@ -6,11 +6,13 @@ import random
 from collections.abc import Sequence
 
 import pytest
+from click.testing import CliRunner
 
 from schemas.common import Pool
 from services.scheduler import Ledger, PlacementContext, Snapshot
 from services.scheduler.policies.pickers.round_robin import RoundRobin
 from services.sim.bench import BenchConfig, run_bench
+from services.sim.cli import policies as bench_policies
 from services.sim.fleet import COMPLETED, REJECTED, Job, make_jobs
 from services.sim.llmq import LlmqConfig, LlmqPolicy
 from services.sim.policies import (
@@ -287,3 +289,69 @@ def test_a_span_past_the_clocks_resolution_is_an_error_not_a_hang() -> None:
     requests = [TraceRequest(0, 0.0, 100, 10), TraceRequest(1, 2e7, 100, 10)]
     with pytest.raises(SimulationError, match="nanosecond resolution"):
         run("fifo-rr", requests)
+
+
+def _no_livelock(limit: int = 10_000) -> object:
+    """A ``check`` hook that fails a run once it passes ``limit`` events."""
+    events = 0
+
+    def check(sim: Simulator) -> None:
+        nonlocal events
+        events += 1
+        assert events <= limit, f"livelock: {events} events, clock at t={sim.now}"
+
+    return check
+
+
+@pytest.mark.parametrize("heartbeat_s", [1e-10, 4e-10, float("inf")])
+def test_a_heartbeat_period_off_the_nanosecond_grid_is_refused(heartbeat_s: float) -> None:
+    # Under 0.5 ns the period rounds to 0 and each heartbeat re-fires at the same instant.
+    requests = [TraceRequest(0, 0.0, 100, 10), TraceRequest(1, 1.0, 100, 10)]
+    with pytest.raises(ValueError, match="at least 1 ns"):
+        run("llmq", requests, config=LlmqConfig(heartbeat_s=heartbeat_s), check=_no_livelock())
+
+
+class _ShrinkingHeartbeat:
+    """Beats at 0 and 2e7 s, then asks for one every nanosecond; rejects every job. At
+    2e7 s a nanosecond is below a double's resolution: now + 1 ns is now."""
+
+    name = "shrinking"
+
+    def __init__(self) -> None:
+        self.heartbeat_s: float | None = 2e7
+        self._sim: Simulator | None = None
+
+    def start(self, sim: Simulator) -> None:
+        self._sim = sim
+
+    def on_arrival(self, job: Job, now: float) -> None:
+        assert self._sim is not None
+        self._sim.reject(job, "test")
+
+    def on_finished(self, job: Job, now: float) -> None:
+        raise AssertionError("nothing is dispatched")
+
+    def on_heartbeat(self, now: float) -> None:
+        if now > 0:
+            self.heartbeat_s = 1e-9
+
+    def queued(self) -> int:
+        return 0
+
+
+def test_a_heartbeat_that_cannot_move_the_clock_is_an_error_not_a_livelock() -> None:
+    jobs = make_jobs([TraceRequest(0, 0.0, 10, 5), TraceRequest(1, 3e7, 10, 5)], TIGHT)
+    sim = Simulator(jobs, TIGHT, ["any"], _ShrinkingHeartbeat(), check=_no_livelock())  # type: ignore[arg-type]
+    with pytest.raises(SimulationError, match="nanosecond resolution"):
+        sim.run()
+
+
+@pytest.mark.timeout(30)
+def test_bench_refuses_a_sub_nanosecond_heartbeat_naming_the_option() -> None:
+    result = CliRunner().invoke(
+        bench_policies,
+        ["--synthetic", "--requests", "10", "--policies", "llmq", "--heartbeat-s", "1e-10", "-q"],
+    )
+    assert result.exit_code == 2, result.output
+    assert "--heartbeat-s" in result.output and "at least 1 ns" in result.output
+    assert "Traceback" not in result.output

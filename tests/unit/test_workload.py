@@ -68,6 +68,21 @@ def test_seven_fractional_digits_are_kept(tmp_path: Path) -> None:
     assert [r.arrival_s for r in trace] == pytest.approx([0.0, 0.4999999, 0.5000001], abs=1e-12)
 
 
+@pytest.mark.parametrize(("unit", "step_s"), [("ns", 1e-9), ("us", 1e-6)])
+def test_integer_timestamps_are_exact(tmp_path: Path, unit: str, step_s: float) -> None:
+    """Epochs in ns or µs are past a float's 53 bits: parsed through float, arrivals
+    1 ns (or 1 µs) apart would collapse or be off by up to 256 ns."""
+    base = 1_700_000_000_000_000_000 // {"ns": 1, "us": 1000}[unit]
+    f = tmp_path / "epoch.csv"
+    f.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        f"{base + 3},8,1\n{base + 1},6,1\n{base},5,1\n"
+    )
+    trace = load_csv_trace(f, time_unit=unit)  # type: ignore[arg-type]
+    assert [r.prompt_tokens for r in trace] == [5, 6, 8]
+    assert [r.arrival_s for r in trace] == pytest.approx([0.0, step_s, 3 * step_s], rel=1e-9)
+
+
 def test_any_csv_with_the_columns_loads(tmp_path: Path) -> None:
     f = tmp_path / "other.csv"
     f.write_text(
@@ -106,6 +121,11 @@ def test_jsonl_in_mooncake_format(tmp_path: Path) -> None:
         ("2023-13-16 18:00:00.0,5,3", r"bad\.csv:3: column 'TIMESTAMP'"),
         ("yesterday,5,3", r"bad\.csv:3: column 'TIMESTAMP'"),
         ("2023-11-16 18:00:00.0,5", r"bad\.csv:3: .*expected 3 cells, got 2"),
+        # str.isdigit takes '²', which int() refuses; int() refuses over 4,300 digits too.
+        ("2023-11-16 18:00:00.0,\u00b2,3", r"bad\.csv:3: column 'ContextTokens'"),
+        ("2023-11-16 18:00:00.\u00b2,5,3", r"bad\.csv:3: column 'TIMESTAMP'"),
+        ("2023-11-16 18:00:00.0,5," + "9" * 5000, r"bad\.csv:3: column 'GeneratedTokens'"),
+        ("1" + "0" * 300 + ",5,3", r"bad\.csv:3: column 'TIMESTAMP'.*out of range"),
     ],
 )
 def test_bad_csv_rows_name_file_line_and_column(tmp_path: Path, row: str, message: str) -> None:
@@ -124,6 +144,11 @@ def test_bad_csv_rows_name_file_line_and_column(tmp_path: Path, row: str, messag
         ('{"timestamp": "x", "input_length": 5, "output_length": 1}', "column 'timestamp'"),
         ('{"timestamp": 1, "input_length": 5.5, "output_length": 1}', "column 'input_length'"),
         ('{"timestamp": 1, "input_length": 5, "output_length": true}', "column 'output_length'"),
+        # JSON that Python's parser gives up on: over 4,300 digits, nesting past recursion.
+        ('{"timestamp": 1' + "0" * 5000 + "}", r"bad\.jsonl:2: unreadable JSON"),
+        ("[" * 100_000 + "]" * 100_000, r"bad\.jsonl:2: unreadable JSON"),
+        ('{"timestamp": 1' + "0" * 400 + ', "input_length": 5, "output_length": 1}',
+         r"column 'timestamp'.*out of range"),
     ],
 )
 def test_bad_jsonl_lines_name_file_line_and_key(tmp_path: Path, line: str, message: str) -> None:

@@ -11,6 +11,13 @@ outside. Phases:
   the same worker id (the drained one exited and was restarted), or no fresh heartbeat
   (:func:`services.health.core.is_fresh`).
 
+A newer process is one whose ``started_at`` is at least :data:`SAME_PROCESS_S` later. A
+worker that fences itself (``services.worker.app``) goes on in the same process as a new
+incarnation whose ``started_at`` is 1 ms later per fence, and keeps draining: its beats
+are still the drained process's. A restarted process starts after the drained one exited,
+i.e. later by that process's whole life (it was beating before the drain was asked for)
+plus the restart, far more than a few fences' milliseconds.
+
 Outcome once stopped: ``drained`` when the last heartbeat of the drained process had
 nothing running or waiting and said draining (or a tombstone followed it); otherwise
 ``lost`` — it stopped with work in flight, or never acknowledged the drain. Fail closed:
@@ -27,6 +34,10 @@ from schemas.workers import WorkerHeartbeat
 from services.health.core import HealthPolicy, is_fresh
 
 DrainPhase = Literal["requested", "draining", "stopped"]
+
+#: A heartbeat whose ``started_at`` is less than this much later than the drained
+#: process's is that process, fenced meanwhile (module docstring).
+SAME_PROCESS_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +74,7 @@ class DrainProgress:
         """A heartbeat of the worker (others and older ones are ignored)."""
         if hb.worker_id != self.worker_id:
             return
-        if hb.started_at > self._incarnation:
+        if hb.started_at - self._incarnation >= SAME_PROCESS_S:
             # A new process under the same id: the drained one has exited.
             self.replaced = True
             return

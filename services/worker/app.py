@@ -339,6 +339,14 @@ class Worker:
         self._done.set()
 
     async def _shutdown(self) -> None:
+        """Stop every task; after a drain, a final heartbeat (draining, nothing running).
+
+        A hard stop sends no final heartbeat: the runs cancelled here are aborted in the
+        engine without a terminal, so a beat now would read "draining, nothing running",
+        which ``llmq drain --wait`` and the health service take for a clean drain. The last
+        periodic beat, with the work still in flight, stays this process's last word, and
+        both report it lost (fail closed), as the scheduler does once it goes stale.
+        """
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -346,7 +354,8 @@ class Worker:
             task.cancel()  # only left on a hard stop: their offsets stay uncommitted
         await asyncio.gather(*self._run_tasks, return_exceptions=True)
         if self._serving:
-            await self._heartbeat()  # final: draining, nothing running
+            if not self._hard_stop:
+                await self._heartbeat()
             await self.commit()
         await self._close_clients()
 

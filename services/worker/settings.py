@@ -11,7 +11,7 @@ import socket
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from schemas.base import ID_PATTERN, MODEL_PATTERN, NAME_PATTERN
@@ -70,10 +70,11 @@ class WorkerSettings(BaseSettings):
     )
     heartbeat_interval_s: float = Field(default=1.0, gt=0, le=60)
     lease_beats: float = Field(
-        default=2.75, ge=1.5, le=100.0,
+        default=2.75, ge=1.5, lt=3.0,
         description="Answer work only while the newest acknowledged heartbeat is younger "
         "than this many intervals; past it the process fences itself (services.worker.core."
-        "lease). Keep it a little under the scheduler's heartbeat_staleness (3).",
+        "lease). Under the scheduler's heartbeat_staleness (3, DESIGN.md), so that the lease "
+        "lapses before the scheduler can declare this worker dead and give its work away.",
     )
     lease_ask_beats: float = Field(
         default=2.0, ge=0.0, le=100.0,
@@ -103,8 +104,10 @@ class WorkerSettings(BaseSettings):
         "(default 2 heartbeat intervals, so the scheduler saw the draining heartbeat).",
     )
     session_timeout_ms: int = Field(
-        default=10_000, ge=1_000, le=300_000,
-        description="Slot group session timeout: how long a dead worker holds its slot.",
+        default=10_000, ge=6_000, le=300_000,
+        description="Slot group session timeout: how long a dead worker holds its slot. At "
+        "least Kafka's group.min.session.timeout.ms (6000 by default, also on the dev "
+        "broker), which refuses a shorter one when the worker joins; longer than the lease.",
     )
     nvml: Literal["auto", "off"] = Field(
         default="auto", description="auto: read VRAM/utilisation from NVML when a GPU is "
@@ -118,6 +121,21 @@ class WorkerSettings(BaseSettings):
         description="Serve Prometheus metrics on 127.0.0.1:<port> when set.",
     )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @model_validator(mode="after")
+    def _lease_ends_before_the_slot(self) -> WorkerSettings:
+        # A process dropped from its slot group (paused or cut off past the session
+        # timeout) must have lost its lease already: the slot's rules (services.worker.slot)
+        # and on_assigned end its work unanswered on that assumption.
+        lease_s, session_s = self.lease_s(), self.session_timeout_ms / 1000
+        if lease_s >= session_s:
+            raise ValueError(
+                f"the lease (lease_beats × heartbeat_interval_s = {self.lease_beats:g} × "
+                f"{self.heartbeat_interval_s:g} s = {lease_s:g} s) must be shorter than the "
+                f"slot group's session timeout (session_timeout_ms = "
+                f"{self.session_timeout_ms} ms): lower heartbeat_interval_s or lease_beats, "
+                f"or raise session_timeout_ms above {lease_s * 1000:.0f}")
+        return self
 
     def resolved_worker_id(self) -> str:
         """``worker_id``, or ``<host>-slot<N>`` made safe for an id."""

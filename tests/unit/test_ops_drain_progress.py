@@ -13,10 +13,13 @@ from services.health.core import HealthPolicy
 from services.health.fleet import FleetTracker
 from services.ops.drain import _follow
 from services.ops.drain_progress import DrainProgress
+from services.worker.app import INCARNATION_STEP_S
 from tests.fakes.heartbeat_worker import heartbeat
 
 T0 = 1_000_000.0
 STARTED = T0 - 600.0
+#: The drained process after a fence: the same process, as a new incarnation.
+FENCED = STARTED + INCARNATION_STEP_S
 
 
 def hb(seq: int, at: float, **changes: Any) -> WorkerHeartbeat:
@@ -58,6 +61,19 @@ def follow(*beats: WorkerHeartbeat, tombstone: bool = False) -> DrainProgress:
         # restarted under the same id after draining: the drained process is gone
         (follow(hb(1, T0 + 1, draining=True, running=0),
                 hb(0, T0 + 2, started_at=T0 + 1.5, running=0)), T0 + 2, "stopped", "drained"),
+        # fenced mid-drain: the same process goes on draining, it is not a restart
+        (follow(hb(1, T0 + 1, draining=True, running=2),
+                hb(2, T0 + 2, started_at=FENCED, draining=True, running=0)), T0 + 2,
+         "draining", None),
+        (follow(hb(1, T0 + 1, draining=True, running=0),
+                hb(2, T0 + 2, started_at=FENCED, draining=True, running=0)), T0 + 2,
+         "draining", None),
+        (follow(hb(1, T0 + 1, draining=True, running=2),
+                hb(2, T0 + 2, started_at=FENCED, draining=True, running=1)), T0 + 6,
+         "stopped", "lost"),
+        (follow(hb(1, T0 + 1, draining=True, running=2),
+                hb(2, T0 + 2, started_at=FENCED, draining=True, running=0)), T0 + 6,
+         "stopped", "drained"),
         # an older, out-of-order beat changes nothing
         (follow(hb(2, T0 + 1, draining=True, running=0), hb(1, T0 + 0.5, running=3)),
          T0 + 4.5, "stopped", "drained"),
@@ -67,6 +83,13 @@ def test_progress(progress: DrainProgress, now: float, phase: str,
                   outcome: str | None) -> None:
     assert progress.phase(now) == phase
     assert progress.outcome(now) == outcome
+
+
+def test_many_fences_stay_the_same_process() -> None:
+    progress = follow(hb(1, T0 + 1, draining=True, running=2),
+                      hb(2, T0 + 2, started_at=STARTED + 100 * INCARNATION_STEP_S,
+                         draining=True, running=1))
+    assert (progress.phase(T0 + 2), progress.update(T0 + 2).running) == ("draining", 1)
 
 
 def test_other_workers_are_ignored() -> None:

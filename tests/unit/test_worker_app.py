@@ -1,5 +1,5 @@
-"""The worker app's own watches, without a broker: a dead engine stops the worker, and a
-drain waits for the record being handled.
+"""The worker app's own watches, without a broker: a dead engine stops the worker, a
+drain waits for the record being handled, and only a drain ends with a final heartbeat.
 
 The worker is built as ``python -m services.worker`` builds it; the Kafka side is not
 started, so only the tasks under test run. The full loop runs against a real broker in
@@ -9,15 +9,22 @@ tests/integration/test_worker_kafka.py and test_ops_drain.py.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Awaitable, Callable
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
+from schemas.workers import WorkerHeartbeat
+from services.ops.drain_progress import DrainProgress
 from services.worker.__main__ import build
 from services.worker.app import Worker
 from services.worker.engines.base import EngineError, GenerateRequest
 from services.worker.engines.sim.engine import SimEngine
+from services.worker.kafka_io import Publisher
+from tests.builders_schemas import make_admitted, make_assignment, make_request
 
 
 def _worker(**overrides: Any) -> Worker:
@@ -86,3 +93,56 @@ async def test_a_drain_waits_for_the_record_being_handled() -> None:
         assert not worker._hard_stop
     finally:
         await _stop(worker)
+
+
+class _Producer:
+    """Stand-in for the aiokafka producer: every send is acknowledged and kept."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple[str, dict[str, Any]]] = []
+
+    async def send(self, topic: str, value: bytes, *, key: bytes,
+                   headers: list[tuple[str, bytes]] | None = None) -> asyncio.Future[None]:
+        self.records.append((topic, json.loads(value)))
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        done.set_result(None)
+        return done
+
+
+@pytest.mark.parametrize(("hard_stop", "outcome"), [(False, "drained"), (True, "lost")])
+async def test_only_a_finished_drain_ends_with_a_final_heartbeat(hard_stop: bool,
+                                                                  outcome: str) -> None:
+    # A second signal mid-drain cancels the run, which aborts it in the engine: a final
+    # beat would then say "draining, nothing running" and `llmq drain --wait` would report
+    # a clean drain though the request got no terminal. Its last word must be the beat
+    # that still shows the run.
+    worker = _worker(time_scale=1.0)  # real time: the run is still going when stopped
+    await worker.engine.start()
+    producer = _Producer()
+    worker._publisher = Publisher(producer, 5.0)
+    worker._serving = True  # as once it holds its slot; the Kafka side is not started
+    worker.lease.restart(time.monotonic())
+    await worker._heartbeat()  # what `llmq drain` reads first
+    if hard_stop:
+        now = time.time()
+        request = make_request(request_id="r1", model=worker.id.model, max_tokens=4000,
+                               timeout_s=600, created_at=now)
+        admitted = make_admitted(request=request, reply_topic="p.replies.acme",
+                                 admitted_at=now)
+        worker._start_run(make_assignment(admitted=admitted, worker_id="w0", partition=0,
+                                          deadline=now + 600, assigned_at=now), 0, None)
+        await asyncio.sleep(0.2)
+        assert worker.engine.capacity().running == 1
+    worker.begin_drain("SIGTERM")
+    await worker._heartbeat()  # the draining beat
+    if hard_stop:
+        worker.stop_now()
+    await worker._shutdown()
+
+    beats = [WorkerHeartbeat.model_validate(record) for topic, record in producer.records
+             if topic == worker.topics.heartbeats]
+    assert len(beats) == (2 if hard_stop else 3)
+    progress = DrainProgress(beats[0])
+    for beat in beats[1:]:
+        progress.observe(beat)
+    assert progress.outcome(beats[-1].ts + 60) == outcome

@@ -58,10 +58,27 @@ def test_environment_and_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("bad", [{"slot": -1}, {"slot": 0, "pool": "huge"},
                                  {"slot": 0, "worker_id": "bad id"},
                                  {"slot": 0, "time_scale": -1},
-                                 {"slot": 0, "lease_beats": 1.0}])  # would fence between beats
+                                 {"slot": 0, "lease_beats": 1.0},  # would fence between beats
+                                 # would answer work the scheduler declared lost (3 beats)
+                                 {"slot": 0, "lease_beats": 3.0},
+                                 # under Kafka's group.min.session.timeout.ms: the join fails
+                                 {"slot": 0, "session_timeout_ms": 5_999},
+                                 # a 13.75 s lease outlives the 10 s session: a process
+                                 # dropped from its group could still answer its work
+                                 {"slot": 0, "heartbeat_interval_s": 5}])
 def test_bad_settings_are_refused(bad: dict[str, object]) -> None:
     with pytest.raises(ValidationError):
         WorkerSettings(**bad)  # type: ignore[arg-type]  # deliberately wrong
+
+
+def test_a_lease_longer_than_the_session_says_what_to_change() -> None:
+    assert WorkerSettings(slot=0, heartbeat_interval_s=2.0, session_timeout_ms=6_000)
+    with pytest.raises(ValidationError) as refused:
+        WorkerSettings(slot=0, heartbeat_interval_s=2.5, session_timeout_ms=6_000)
+    message = str(refused.value)
+    assert "lease_beats × heartbeat_interval_s = 2.75 × 2.5 s = 6.875 s" in message
+    assert "session_timeout_ms = 6000 ms" in message
+    assert "raise session_timeout_ms above 6875" in message
 
 
 def test_build_wires_profile_model_and_engine() -> None:

@@ -44,6 +44,7 @@ from aiokafka.errors import (
     CoordinatorLoadInProgressError,
     GroupCoordinatorNotAvailableError,
     NotCoordinatorError,
+    for_code,
 )
 
 _log = logging.getLogger(__name__)
@@ -82,26 +83,40 @@ async def slot_members(
     deadline = time.monotonic() + retry_s
     while True:
         try:
-            responses = await admin.describe_consumer_groups([group])
+            groups = await _describe(admin, group)
             break
-        except (
-            GroupCoordinatorNotAvailableError,
-            CoordinatorLoadInProgressError,
-            NotCoordinatorError,
-        ):
+        except _TRANSIENT:
             if time.monotonic() >= deadline:
                 raise
             await asyncio.sleep(0.5)
     members: list[SlotMember] = []
-    for response in responses:
-        for desc in response.to_object()["groups"]:
-            if desc["group"] != group or desc["state"] in ("Dead", "Empty"):
-                continue
+    for desc in groups:
+        if desc["state"] not in ("Dead", "Empty"):
             members += [
                 SlotMember(m["member_id"], m["client_id"], m["client_host"])
                 for m in desc["members"]
             ]
     return members
+
+
+_TRANSIENT = (GroupCoordinatorNotAvailableError, CoordinatorLoadInProgressError,
+              NotCoordinatorError)
+
+
+async def _describe(admin: AIOKafkaAdminClient, group: str) -> list[dict[str, Any]]:
+    """``group``'s descriptions. A coordinator that is loading or moved answers with an
+    error code in the group's entry (aiokafka raises only for finding the coordinator),
+    with no state and no members: read as "empty", a live holder's slot looked free. Such
+    an entry raises its error here, like the others."""
+    found = []
+    for response in await admin.describe_consumer_groups([group]):
+        for desc in response.to_object()["groups"]:
+            if desc["group"] != group:
+                continue
+            if desc["error_code"]:
+                raise for_code(desc["error_code"])(f"describing consumer group {group!r}")
+            found.append(desc)
+    return found
 
 
 async def check_slot_free(admin: AIOKafkaAdminClient, group: str, slot: int, worker_id: str,

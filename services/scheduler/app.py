@@ -20,7 +20,8 @@ What runs (one process, one event loop):
    otherwise commit past a pending record). A redelivered request that was already
    assigned or finished is acked and skipped. After a rebalance the agent first waits
    until the reader has caught up with the assignments and events topics, so a request
-   the previous owner assigned is recognised.
+   the previous owner assigned is recognised (a failing read is tried again; a record
+   that waited through yet another rebalance is left to its partition's owner).
 3. **agent ``scheduler-control``** on ``llmq.control`` (a group: each command once):
    cancels go to the state; drains need nothing here (the worker's heartbeat says
    ``draining`` and the core's not-draining filter does the rest).
@@ -221,6 +222,9 @@ class Scheduler:
         self._known_topics = {t.name for t in topics.to_create()}
         self._paused: set[Any] = set()
         self._barrier_needed = False
+        # Bumped by every rebalance: a record that waited through one (in the barrier) is
+        # no longer ours to handle; its partition's owner reads it again.
+        self._generation = 0
         self._producer: Any = None
         self._main_task: asyncio.Task[None] | None = None
         # worker_lost endings being checked against their reply topics (runtime.answered)
@@ -422,13 +426,14 @@ class Scheduler:
     # -- agents -------------------------------------------------------------------------
 
     async def on_request_event(self, event: Any) -> None:
+        generation = self._generation
         if self._barrier_needed:
-            self._barrier_needed = False
-            topics = self.rt.topics
-            if not await self.reader.barrier(
-                {topics.assignments, topics.events}, self.rt.scheduler.catchup_timeout_s
-            ):
-                _log.warning("scheduler: assignments/events not caught up after rebalance")
+            await self._catch_up(generation)
+            if self._generation != generation:
+                # Another rebalance while this record waited: its partition was revoked
+                # (and maybe given back), so it is redelivered to whoever owns it now.
+                # Handling it here too could place it twice.
+                return
         message = event.message
         if not self.acks.received(message.tp, message.offset, event):
             return  # a copy of a record already received (redelivery after a seek)
@@ -437,6 +442,36 @@ class Scheduler:
         if handled is None:  # dead-lettered: the record is done with
             self.outbox.submit([Effect(tickets=(ticket,))])
         self.wake.set()
+
+    async def _catch_up(self, generation: int) -> None:
+        """Read assignments and events up to their end before the first request after a
+        rebalance. Nothing may escape here: this runs before the record is tracked, so an
+        exception would lose it (faust restarts the agent without it, and later offsets'
+        acks commit past it). A failing read (the broker away) is tried again until
+        ``catchup_timeout_s``; after that the agent goes on as not caught up."""
+        topics = {self.rt.topics.assignments, self.rt.topics.events}
+        timeout_s = self.rt.scheduler.catchup_timeout_s
+        deadline = time.monotonic() + timeout_s
+        caught_up = failed = False
+        while not caught_up and self._generation == generation:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                caught_up = await self.reader.barrier(topics, left)
+            except Exception:
+                if not failed:  # once: it fails the same way every half second
+                    _log.warning("scheduler: reading up to the log's end failed; trying "
+                                 "again until caught up", exc_info=True)
+                failed = True
+                await asyncio.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+            else:
+                break
+        if self._generation == generation:
+            self._barrier_needed = False
+            if not caught_up:
+                _log.warning("scheduler: assignments/events not caught up after rebalance "
+                             "(%.0f s)", timeout_s)
 
     async def _on_request(self, message: Any, ticket: Ticket) -> bool:
         admitted = decode(message.value, REQUEST_ADAPTER)
@@ -456,6 +491,7 @@ class Scheduler:
         """Pending requests of revoked partitions go to their new owner (never acked by us
         from now on); what is in flight is flushed so the new owner reads it back.
         (A faust signal receiver: ``args[0]`` is the set of revoked partitions.)"""
+        self._generation += 1
         revoked: set[Any] = set(args[0]) if args else set()
         mine = {tp for tp in revoked if tp.topic in self._topic_keys}
         dropped = self.state.drop_sources(mine, self.clock())
@@ -470,6 +506,7 @@ class Scheduler:
 
     async def on_assigned(self, sender: Any, *args: Any, signal: Any, **_: Any) -> None:
         """Before the next request: read assignments and events up to their end now."""
+        self._generation += 1
         self._barrier_needed = True
 
     # -- log reader handlers (synchronous; the reader runs them in its guard) -----------

@@ -24,12 +24,16 @@ the reply was: ``event.done`` means "the done reply is durable". Neither is give
 failed send or a missing ack: without them the client has no answer, the scheduler's KV
 reservation here never ends and the offset is never committed (and a restarted process
 would not run the assignment again: it drops what was placed on an earlier one). So the
-run sends again, from the first record not acknowledged on (a lost chunk goes again ahead
-of the reply, the reply again if it was lost; clients drop the duplicates), with a growing
-wait between tries, until the broker acknowledges, the run may no longer send (fenced) or
-the worker stops hard (the run is cancelled). :meth:`run` returns an :class:`Outcome` whose
-``acked`` tells the app whether the assignment's offset may be committed. Any unexpected
-error still ends the request with ``Error(worker_lost)``.
+run sends again, from the first record not acknowledged on (the chunks, every one
+acknowledged before the reply goes: clients stop at the first terminal; then the reply;
+clients drop duplicates), with a growing wait between tries, until the broker
+acknowledges, the run may no longer send (fenced), a newer attempt or slot holder took the
+request over, or the worker stops hard (the run is cancelled). It gives up (the offset
+stays uncommitted, as before) only on an error no retry mends (a topic the broker
+refuses, a record too large) or ``give_up_after_s`` past the request's deadline.
+:meth:`run` returns an :class:`Outcome` whose ``acked`` tells the app whether the
+assignment's offset may be committed. Any unexpected error still ends the request with
+``Error(worker_lost)``.
 
 Everything the run waits on comes through one inbox (deltas, the end of the stream, a
 failure, a stop), so timeouts, cancels and tokens are handled in one loop without
@@ -51,7 +55,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaError, KafkaTimeoutError
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
@@ -96,6 +100,8 @@ class RunConfig:
     #: Wait before sending a terminal record again; doubles per try up to ``retry_max_s``.
     retry_first_s: float = 0.1
     retry_max_s: float = 5.0
+    #: Stop sending a terminal again this long past the request's deadline.
+    give_up_after_s: float = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +148,21 @@ class _Sent:
         """Not sent, or the broker refused it (a pending one may still be acknowledged)."""
         f = self.future
         return f is None or (f.done() and not self.acked)
+
+
+#: How sending a terminal ended (:meth:`RequestRun._until_acked`).
+_Sending = Literal["acked", "given_up", "superseded"]
+
+
+class _GiveUp(Exception):
+    """A record cannot be sent, ever (its cause says why)."""
+
+
+def _permanent(exc: BaseException | None) -> bool:
+    """A Kafka error no retry mends (aiokafka marks the others ``retriable``; a client-side
+    timeout, which it does not, is transient too)."""
+    return isinstance(exc, KafkaError) and not exc.retriable \
+        and not isinstance(exc, KafkaTimeoutError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,6 +226,7 @@ class RequestRun:
         self._inbox: asyncio.Queue[_Item] = asyncio.Queue()
         self._batcher = ChunkBatcher(cfg.chunk_tokens, cfg.chunk_delay_s)
         self._sent: list[_Sent] = []  # what may still need sending again
+        self._superseded = False
         self._started_at: float | None = None
         self._first_token_at: float | None = None
         self._tokens = 0
@@ -226,6 +248,8 @@ class RequestRun:
 
     def stop(self, reason: StopReason, message: str) -> None:
         """End the run early (cancel, supersede); the first ending wins."""
+        if reason == "superseded":
+            self._superseded = True  # also ends a terminal's resending (_until_acked)
         self._inbox.put_nowait(_Stop(reason, message))
 
     # ---- the run -----------------------------------------------------------------------
@@ -385,44 +409,83 @@ class RequestRun:
         e2e = max(0.0, self._clock() - self.assignment.request.created_at)
         if last is not None:  # buffered text goes ahead of the reply, and as surely
             self._sent.append(_Sent(self.assignment.admitted.reply_topic, self._chunk(last)))
-        await self._until_acked(self.assignment.admitted.reply_topic, reply, ask_first=True)
+        # Every chunk acknowledged before the reply goes: clients stop at the first
+        # terminal, so a chunk sent again after it would be lost to them.
+        unacked = [s for s in self._sent if not s.acked]
+        sent = await self._until_acked(unacked, ask_first=True) if unacked else "acked"
+        if sent == "acked":
+            sent = await self._until_acked(
+                [_Sent(self.assignment.admitted.reply_topic, reply)], ask_first=True)
+        if sent == "superseded":
+            return Outcome("superseded", self._tokens, acked=True)
+        if sent == "given_up":
+            return Outcome(kind, self._tokens, acked=False, terminal=label, e2e_s=e2e)
         try:
-            await self._until_acked(self.cfg.events_topic, event, ask_first=False)
+            await self._until_acked([_Sent(self.cfg.events_topic, event)], ask_first=False)
         except Fenced:
             # The reply is durable; the scheduler ends or requeues the request on its own.
             _log.warning("request %s: fenced before its terminal event was acknowledged",
                          self.engine_id)
         return Outcome(kind, self._tokens, acked=True, terminal=label, e2e_s=e2e)
 
-    async def _until_acked(self, topic: str, msg: Any, *, ask_first: bool) -> None:
-        """Send ``msg`` after the run's records not yet acknowledged, again and again, until
-        the broker acknowledged them all (module docstring). Each try waits at most the
-        publisher's timeout. Every try but a first one with ``ask_first`` False asks
-        ``may_send`` first and raises :class:`Fenced` once it says no: the terminal event
-        after a durable reply goes out at once, as that reply's news."""
-        records = [*(s for s in self._sent if not s.acked), _Sent(topic, msg)]
+    async def _until_acked(self, records: list[_Sent], *, ask_first: bool) -> _Sending:
+        """Send ``records`` (in order, from the first lost one on) again and again until the
+        broker acknowledged them all (module docstring), with a doubling wait. Each try
+        waits at most the publisher's timeout. Every try but a first one with ``ask_first``
+        False asks ``may_send`` first and raises :class:`Fenced` once it says no: the
+        terminal event after a durable reply goes out at once, as that reply's news.
+
+        It stops short, as ``given_up``, on an error no retry mends (a refused topic, a
+        record too large: :func:`_permanent`) or ``give_up_after_s`` past the request's
+        deadline (the client has gone by then); and as ``superseded`` once a newer attempt
+        or a new holder of the slot took the request over."""
         wait = self.cfg.retry_first_s
+        give_up_at = self.assignment.deadline + self.cfg.give_up_after_s
         for tries in itertools.count(1):
+            if self._superseded:
+                return "superseded"
             if ask_first or tries > 1:
                 await self._check_fence()
-            if await self._try_send(records):
-                self._sent = []
-                return
+            try:
+                if await self._try_send(records):
+                    done = {id(r) for r in records}
+                    self._sent = [s for s in self._sent if id(s) not in done]
+                    return "acked"
+            except _GiveUp as exc:
+                _log.error("request %s: %s cannot be sent (%r); given up", self.engine_id,
+                           records[-1].msg.kind, exc.__cause__)
+                return "given_up"
+            if self._clock() >= give_up_at:
+                _log.error("request %s: %s still not acknowledged %.0f s past its deadline; "
+                           "given up", self.engine_id, records[-1].msg.kind,
+                           self.cfg.give_up_after_s)
+                return "given_up"
             _log.warning("request %s: %s not acknowledged (try %d); sending again in %.2f s",
-                         self.engine_id, msg.kind, tries, wait)
+                         self.engine_id, records[-1].msg.kind, tries, wait)
             await asyncio.sleep(wait)
             wait = min(2 * wait, self.cfg.retry_max_s)
+        raise AssertionError("unreachable")
 
     async def _try_send(self, records: list[_Sent]) -> bool:
-        """(Re)send ``records`` from the first lost one on, in order; True once all are acked."""
+        """(Re)send ``records`` from the first lost one on, in order; True once all are acked.
+        Raises :class:`_GiveUp` when a send failed for good."""
         first_lost = next((i for i, s in enumerate(records) if s.lost), len(records))
         try:
             for s in records[first_lost:]:
                 s.future = await self.publisher.send(s.topic, s.msg, self._headers)
         except (KafkaError, TimeoutError, OSError) as exc:
+            if _permanent(exc):
+                raise _GiveUp from exc
             _log.error("request %s: could not send %s: %r", self.engine_id, s.msg.kind, exc)
             return False
-        return await self.publisher.acked(s.future for s in records if s.future)
+        if await self.publisher.acked(s.future for s in records if s.future):
+            return True
+        for s in records:
+            f = s.future
+            if f is not None and f.done() and not f.cancelled() and f.exception() is not None \
+                    and _permanent(f.exception()):
+                raise _GiveUp from f.exception()
+        return False
 
     def _annotate(self, outcome: str, usage: Usage | None) -> None:
         span = self._span

@@ -16,7 +16,7 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from aiokafka.errors import KafkaTimeoutError
+from aiokafka.errors import KafkaTimeoutError, TopicAuthorizationFailedError
 
 from schemas.requests import Assignment
 from services.worker.engines.base import EngineCapacity, GenerateRequest, TokenDelta
@@ -34,21 +34,23 @@ class _Producer:
     ``fail_from`` on every send raises."""
 
     def __init__(self, fail: frozenset[int] = frozenset(), nack: frozenset[int] = frozenset(),
-                 fail_from: int | None = None) -> None:
+                 fail_from: int | None = None,
+                 error: type[Exception] = KafkaTimeoutError) -> None:
         self.records: list[tuple[str, dict[str, Any]]] = []
         self.fail = fail
         self.nack = nack
         self.fail_from = fail_from
+        self.error = error  # what a failing send raises (default: transient)
         self.sends = 0
 
     async def send(self, topic: str, value: bytes, *, key: bytes,
                    headers: list[tuple[str, bytes]] | None = None) -> asyncio.Future[None]:
         n, self.sends = self.sends, self.sends + 1
         if n in self.fail or (self.fail_from is not None and n >= self.fail_from):
-            raise KafkaTimeoutError()
+            raise self.error()
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if n in self.nack:
-            done.set_exception(KafkaTimeoutError())
+            done.set_exception(self.error())
             return done
         self.records.append((topic, json.loads(value)))
         done.set_result(None)
@@ -306,3 +308,37 @@ async def test_a_fenced_run_stops_sending_its_event_again() -> None:
     assert (outcome.kind, outcome.terminal, outcome.acked) == ("done", "done", True)
     assert producer.terminals() == [("done", None)]
     assert producer.sends == 5 and gate.calls == 6
+
+
+@pytest.mark.parametrize("how", ["raises", "is refused"])
+async def test_a_reply_no_retry_can_send_is_given_up_at_once(how: str) -> None:
+    # A topic the broker refuses (ACLs) fails the same way forever: resending held the
+    # run, its slot and its KV booking, and kept a drain from ever ending.
+    fail, nack = (frozenset({3}), frozenset()) if how == "raises" else (frozenset(), frozenset({3}))
+    producer = _Producer(fail=fail, nack=nack, error=TopicAuthorizationFailedError)
+    outcome = await _run(_FineEngine(tokens=0), producer)
+    assert (outcome.terminal, outcome.acked) == ("done", False)  # offset stays uncommitted
+    assert producer.sends == 4 and producer.terminals() == []
+
+
+async def test_resending_stops_once_a_newer_attempt_took_the_request() -> None:
+    producer = _Producer(fail_from=3)  # every try of the reply fails, transiently
+    run = RequestRun(_assignment(), _FineEngine(tokens=0), Publisher(producer, 5.0), _CFG)
+    task = asyncio.create_task(run.run())
+    while producer.sends < 6:
+        await asyncio.sleep(0.001)
+    run.stop("superseded", "attempt 2 replaces it")
+    outcome = await asyncio.wait_for(task, 5.0)
+    assert (outcome.kind, outcome.acked) == ("superseded", True)
+    sends = producer.sends
+    await asyncio.sleep(0.05)
+    assert producer.sends == sends  # nothing more goes out
+
+
+async def test_resending_gives_up_past_the_requests_deadline() -> None:
+    producer = _Producer(fail_from=3)
+    run = RequestRun(_assignment(timeout_s=0.2), _FineEngine(tokens=0),
+                     Publisher(producer, 5.0), replace(_CFG, give_up_after_s=0.1))
+    outcome = await asyncio.wait_for(run.run(), 5.0)
+    assert (outcome.terminal, outcome.acked) == ("done", False)
+    assert producer.terminals() == []

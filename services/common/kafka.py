@@ -16,7 +16,7 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import KafkaError, TopicAlreadyExistsError
+from aiokafka.errors import KafkaError, TopicAlreadyExistsError, for_code
 from aiokafka.partitioner import DefaultPartitioner
 
 from services.common import kafka_records
@@ -193,7 +193,7 @@ async def ensure_topics(
                 for t in missing
             ]
             try:
-                await asyncio.wait_for(admin.create_topics(new), timeout_s)
+                _raise_topic_errors(await asyncio.wait_for(admin.create_topics(new), timeout_s))
             except TopicAlreadyExistsError:
                 # Another process created some of them between list and create: fine.
                 log.debug("topics created concurrently: %s", [t.name for t in missing])
@@ -201,6 +201,17 @@ async def ensure_topics(
         return [t.name for t in missing]
     finally:
         await admin.close()
+
+
+def _raise_topic_errors(response: Any) -> None:
+    """aiokafka returns CreateTopics' per-topic errors without raising them: a topic the
+    broker refused (ACLs, a create policy) would only show as a timeout waiting for it.
+    Raise the first, as its own error class (``retriable`` where retrying may help)."""
+    for entry in getattr(response, "topic_errors", ()):
+        name, code = entry[0], entry[1]
+        if code not in (0, TopicAlreadyExistsError.errno):
+            detail = entry[2] if len(entry) > 2 and entry[2] else "refused"
+            raise for_code(code)(f"creating topic {name!r}: {detail}")
 
 
 async def _until_led(admin: AIOKafkaAdminClient, names: list[str]) -> None:

@@ -93,6 +93,7 @@ _log = logging.getLogger(__name__)
 #: Waits between tries of a transient failure (``IntakeHandler._ensure_until_done``).
 _RETRY_FIRST_S: Final = 0.1
 _RETRY_MAX_S: Final = 5.0
+_RETRY_FOR_S: Final = 60.0
 #: How far a client's ``created_at`` may be ahead of ingest's clock (clock skew).
 MAX_CLOCK_AHEAD_S: Final = 300.0
 _ID_RE = re.compile(ID_PATTERN)
@@ -390,9 +391,12 @@ class IntakeHandler:
         """Make sure of ``topic``, again after a transient failure (the broker or its
         controller away), with a doubling wait: the request's decision is already taken
         (and recorded), so raising would dead-letter a valid request with no answer for
-        its client. This agent waits meanwhile, as it would for any send: backpressure.
-        A failure a retry cannot mend (an authorization error, say) still raises."""
+        its client. This agent waits meanwhile, as it would for any send: backpressure, up
+        to ``_RETRY_FOR_S``. A failure a retry cannot mend (the broker refusing the topic:
+        ACLs, a create policy) raises at once, and so does one that lasts longer: the
+        guard dead-letters the record, and admission goes on for everyone else."""
         wait = _RETRY_FIRST_S
+        give_up_at = self._clock() + _RETRY_FOR_S
         while True:
             try:
                 await self._ensure_topic(topic)
@@ -400,6 +404,8 @@ class IntakeHandler:
             except (KafkaError, TimeoutError, OSError) as exc:
                 if isinstance(exc, KafkaError) and not _transient(exc):
                     raise
+                if self._clock() >= give_up_at:
+                    raise  # not a blip: the guard dead-letters it, admission goes on
                 _log.warning("reply topic %s: %r; trying again in %.1f s", topic, exc, wait)
             await asyncio.sleep(wait)
             wait = min(2 * wait, _RETRY_MAX_S)

@@ -351,3 +351,19 @@ async def test_a_reply_topic_that_fails_to_be_made_is_tried_again_not_dead_lette
     failures.append(TopicAuthorizationFailedError())
     with pytest.raises(TopicAuthorizationFailedError):
         await h.submit(request("r3", "acme"))
+
+
+async def test_a_reply_topic_failing_for_a_minute_is_given_up_to_the_guard() -> None:
+    # Not a blip: the record goes to the guard (dead letter) and admission goes on for
+    # every other tenant, instead of this agent waiting on it for good.
+    h = Harness(parse_tenants(Path("t.toml"), KEYED))
+    await h.submit(request("r1", "acme"))
+
+    async def down(topic: str) -> None:
+        h.now += 25.0  # each try costs the wait for the broker
+        raise TimeoutError
+
+    h.handler._ensure_topic = down
+    with pytest.raises(TimeoutError):
+        await h.submit(request("r2", "acme"))
+    assert h.now - NOW == 75.0  # three tries: past the minute on the third

@@ -829,3 +829,14 @@ def test_a_follower_frees_the_lost_attempt_when_its_requeue_ends_in_the_queue() 
     for event in ended:
         b.observe_event(event)
     assert b.reserved_kv("w0") == 0 and len(b.ledger) == 0
+
+
+def test_a_cancel_of_a_given_up_requeue_is_remembered() -> None:
+    # As when a partition is revoked (drop_sources): the cancel was read here only, and
+    # the request goes on elsewhere; remembered, this replica ends it cancelled should it
+    # requeue it again.
+    a, b = ready_state(("w0", 0)), ready_state(("w0", 0))
+    _requeue_waiting_on(a, b)
+    assert a.on_cancel(cancel("q", at=T + 5.5), T + 5.5)
+    a.tick(T + 6, handle_losses=False)
+    assert a.pending.get("q") is None and a.cancels.matches("q", "acme", T + 6)

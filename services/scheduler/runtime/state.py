@@ -478,7 +478,7 @@ class SchedulerState:
         """
         effects: list[Effect] = []
         if self.leading and not handle_losses:
-            self._give_up_requeues()
+            self._give_up_requeues(now)
         self.leading = handle_losses
         lost = [w for w in self.log.workers() if not self.fleet.may_be_alive(w, now)] \
             if handle_losses else []
@@ -727,7 +727,7 @@ class SchedulerState:
                 effects.append(replace(effect, unless_answered=_reply_check(record)))
         return requeues
 
-    def _give_up_requeues(self) -> None:
+    def _give_up_requeues(self, now: float) -> None:
         """This replica stopped leading: requeues it decided but did not place are the new
         leader's to decide, or two replicas would place the same attempt. Each goes back to
         what the log showed before (its lost attempt active on the dead worker, booked),
@@ -736,8 +736,11 @@ class SchedulerState:
             if tracked.origin != "requeue":
                 continue
             record = self.log.latest(request_id)
+            if self.pending.withdraw_cancelled(request_id):
+                # A cancel read here (each replica reads each command once): remembered, so
+                # the next leader's requeue of it ends cancelled, as drop_sources does.
+                self.cancels.add(request_id, tracked.admitted.request.tenant, now, now)
             self.pending.remove(request_id)
-            self.pending.withdraw_cancelled(request_id)
             self._untrack(request_id)
             if record is not None and record.attempt == tracked.queued.attempt - 1:
                 self._undo_loss(record)

@@ -12,9 +12,19 @@ one :class:`~services.common.replies.ReplyRouter` per client: chunks are dedupli
             print(chunk.text, end="")
         print(handle.result)          # Done or Error
 
-``timeout_s`` bounds the wait for the terminal; when it passes, the client sends a cancel
-and raises ``TimeoutError``. Leaving the ``async for`` early does not cancel — call
-``handle.cancel()`` for that.
+A chunk whose ``attempt`` is higher than the previous chunk's means llmq restarted the
+request (its worker was lost before llmq knew it had streamed): the text of the older
+attempt is void. ``handle.wait()`` keeps only the newest attempt's text.
+
+A request's own timeout ends it in llmq with ``Error(timeout)`` or ``queue_timeout`` at
+``created_at + timeout_s``, plus a dispatch cycle and the delivery. The client waits for
+that terminal ``reply_grace_s`` longer (like ingest.http); only when that passes too does it
+send a cancel and raise ``TimeoutError``. Leaving the ``async for`` early does not cancel —
+call ``handle.cancel()`` for that.
+
+``stop()`` ends the streams of open handles: once the replies already received are read,
+iterating raises :class:`~services.common.replies.StreamClosed` (a ``RuntimeError``) at
+once; ``cancel()`` and ``submit()`` on a stopped client raise ``RuntimeError``.
 """
 
 from __future__ import annotations
@@ -33,7 +43,11 @@ from schemas.replies import Done, Error, TokenChunk
 from schemas.requests import ChatMessage, InferenceRequest, Role
 from schemas.topics import catalog, message_key, reply_spec
 from services.common.kafka import TopicRequest, ensure_topics, make_producer
-from services.common.replies import ReplyRouter, ReplyStream
+from services.common.replies import AttemptText, ReplyRouter, ReplyStream
+
+#: How much longer than ``timeout_s`` a client waits for llmq's own terminal by default:
+#: the same as ingest.http's ``reply_grace_s`` (services/ingest/settings.py).
+DEFAULT_REPLY_GRACE_S = 10.0
 
 
 @dataclass
@@ -44,6 +58,8 @@ class RequestHandle:
     stream: ReplyStream
     client: LlmqClient
     timeout_s: float
+    #: Waited past ``timeout_s`` for llmq's own terminal (its timeout error) to arrive.
+    reply_grace_s: float
     submitted_at: float = field(default_factory=time.time)
     result: Done | Error | None = None
     first_token_at: float | None = None
@@ -56,7 +72,8 @@ class RequestHandle:
         return self._chunks()
 
     async def _chunks(self) -> AsyncIterator[TokenChunk]:
-        deadline = self.submitted_at + self.timeout_s
+        # llmq's deadline runs from created_at; its terminal for it comes a little later.
+        deadline = self.request.created_at + self.timeout_s + self.reply_grace_s
         try:
             while self.result is None:
                 remaining = deadline - time.time()
@@ -75,25 +92,39 @@ class RequestHandle:
             self.client._router_close(self.request_id)
             await self.cancel("client timeout")
             raise TimeoutError(
-                f"no terminal reply for {self.request_id} within {self.timeout_s:.0f} s"
+                f"no terminal reply for {self.request_id} within its timeout of "
+                f"{_seconds(self.timeout_s)} (and {_seconds(self.reply_grace_s)} of grace)"
             ) from None
         finally:
             if self.result is not None:
                 self.client._router_close(self.request_id)
 
     async def wait(self) -> tuple[str, Done | Error]:
-        """Collect the whole text and the terminal message."""
-        parts = [chunk.text async for chunk in self]
+        """Collect the text of the newest attempt and the terminal message."""
+        text = AttemptText()
+        async for chunk in self:
+            text.add(chunk)
         assert self.result is not None
-        return "".join(parts), self.result
+        text.add(self.result)  # a newer attempt that sent no chunk voids the older text
+        return text.text, self.result
 
     async def cancel(self, reason: str = "cancelled by client") -> None:
         """Ask llmq to drop or abort the request (idempotent); its terminal is `cancelled`."""
         await self.client.cancel(self.request_id, reason)
 
 
+def _seconds(value: float) -> str:
+    """A duration for a message: 0.25 s, 2.5 s, 120 s."""
+    return f"{round(value, 3):g} s"
+
+
 class LlmqClient:
-    """Submits requests for one tenant and routes the tenant's replies to their handles."""
+    """Submits requests for one tenant and routes the tenant's replies to their handles.
+
+    ``reply_grace_s`` (≥ 0, default :data:`DEFAULT_REPLY_GRACE_S`): how long past a
+    request's ``timeout_s`` its handle still waits for llmq's own terminal before it gives
+    up, cancels and raises ``TimeoutError``.
+    """
 
     def __init__(
         self,
@@ -102,8 +133,12 @@ class LlmqClient:
         tenant: str = "default",
         prefix: str = "llmq",
         default_model: str = "llama-3.1-8b",
+        reply_grace_s: float = DEFAULT_REPLY_GRACE_S,
     ) -> None:
+        if not reply_grace_s >= 0:
+            raise ValueError(f"reply_grace_s must be >= 0, not {reply_grace_s}")
         self.bootstrap = bootstrap
+        self.reply_grace_s = reply_grace_s
         self.tenant = tenant
         self.prefix = prefix
         self.default_model = default_model
@@ -127,7 +162,9 @@ class LlmqClient:
             raise
 
     async def stop(self) -> None:
+        """Stop reading replies and producing; open handles end with ``StreamClosed``."""
         await self._router.stop()
+        self._router.close_all("LlmqClient was stopped: no more replies will come")
         if self._producer is not None:
             await self._producer.stop()
             self._producer = None
@@ -153,7 +190,7 @@ class LlmqClient:
     ) -> RequestHandle:
         """Produce one request to ``llmq.intake``; returns its handle (not yet finished)."""
         if self._producer is None:
-            raise RuntimeError("LlmqClient.start() was not called")
+            raise RuntimeError("LlmqClient is not running (start() not called, or stopped)")
         request = InferenceRequest(
             request_id=request_id or f"req-{uuid.uuid4().hex}",
             tenant=self.tenant,
@@ -182,9 +219,14 @@ class LlmqClient:
         except BaseException:
             self._router.close(request.request_id)
             raise
-        return RequestHandle(request, stream, self, timeout_s)
+        return RequestHandle(request, stream, self, timeout_s, self.reply_grace_s)
 
     async def cancel(self, request_id: str, reason: str = "cancelled by client") -> None:
+        """Ask llmq to drop or abort ``request_id``; ``RuntimeError`` when not running."""
+        if self._producer is None:
+            raise RuntimeError(
+                f"LlmqClient is not running: cannot cancel {request_id} (stopped?)"
+            )
         cancel = CancelRequest(
             request_id=request_id,
             tenant=self.tenant,

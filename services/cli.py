@@ -265,6 +265,7 @@ async def _submit(settings: Settings, prompt: str, max_tokens: int, priority: st
                   *, stream_out: bool) -> dict[str, Any]:
     from llmq.client import LlmqClient
     from schemas.replies import Done
+    from services.common.replies import AttemptText
 
     async with LlmqClient(settings.bootstrap, tenant=tenant, prefix=settings.topic_prefix,
                           default_model=model) as client:
@@ -275,16 +276,26 @@ async def _submit(settings: Settings, prompt: str, max_tokens: int, priority: st
             max_tokens=max_tokens, priority=priority, lane=lane,  # type: ignore[arg-type]  # click.Choice
             timeout_s=timeout_s,
         )
-        text = []
+        text = AttemptText()
         try:
             async for chunk in handle:
-                text.append(chunk.text)
+                if stream_out and text.attempt is not None and chunk.attempt > text.attempt:
+                    # Printed text cannot be taken back: say that it is void.
+                    click.echo(f"\n[llmq restarted the request (attempt {chunk.attempt}): "
+                               "the text above is void]", err=True)
+                text.add(chunk)
                 if stream_out:
                     click.echo(chunk.text, nl=False)
         except TimeoutError as exc:
-            raise click.ClickException(str(exc)) from exc
+            if stream_out:
+                raise click.ClickException(str(exc)) from exc
+            return {"request_id": handle.request_id, "text": text.text,
+                    "e2e_s": round(time.time() - started, 4), "outcome": "error",
+                    "code": "client_timeout", "message": str(exc), "retry_after_s": None}
         end = handle.result
-        out: dict[str, Any] = {"request_id": handle.request_id, "text": "".join(text),
+        assert end is not None
+        text.add(end)  # a newer attempt that sent no chunk voids the older text
+        out: dict[str, Any] = {"request_id": handle.request_id, "text": text.text,
                                "e2e_s": round(time.time() - started, 4)}
         if isinstance(end, Done):
             out |= {"outcome": "done", "usage": end.usage.model_dump(),
@@ -294,7 +305,6 @@ async def _submit(settings: Settings, prompt: str, max_tokens: int, priority: st
                            f"{end.timings.ttft_s or 0:.3f} s, e2e {end.timings.e2e_s:.3f} s]",
                            err=True)
         else:
-            assert end is not None
             out |= {"outcome": "error", "code": end.code, "message": end.message,
                     "retry_after_s": end.retry_after_s}
             if stream_out:

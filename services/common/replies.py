@@ -8,10 +8,17 @@ request and reads the returned :class:`ReplyStream`; records of requests nobody 
 are skipped without decoding (the record key is the request_id).
 
 Delivery is at-least-once, so the stream applies the client rules of
-docs/live-system.md: keep the newest attempt (anything of an older attempt is dropped),
-drop chunks whose ``(attempt, seq)`` was seen, and end at the first terminal (``Done`` or
-``Error``) of the newest attempt. A terminal of attempt 0 is ingest's (or the scheduler's)
-refusal before any worker ran the request.
+docs/live-system.md: keep the newest attempt (anything of an older attempt is dropped,
+including what of it is still queued unread), drop chunks whose ``(attempt, seq)`` was
+seen, and end at the first terminal (``Done`` or ``Error``) of the newest attempt. A
+terminal of attempt 0 is ingest's (or the scheduler's) refusal before any worker ran the
+request.
+
+A reader may already have taken chunks of an attempt that a newer one then supersedes (a
+worker's chunk landed but not its ``first_token`` event before it died, so the scheduler
+requeued the request): their text is void. :class:`AttemptText` joins the text of the
+newest attempt; a reader that passed text on already (a started SSE stream) cannot take it
+back and must end the call instead.
 
 Usage::
 
@@ -53,11 +60,25 @@ class DuplicateRequestError(ValueError):
     """``open()`` for a request_id that already has an open stream."""
 
 
+class StreamClosed(RuntimeError):
+    """The stream was ended where it is read (:meth:`ReplyStream.close`, e.g. its client
+    stopped): no more replies will come."""
+
+
+class _Closed:
+    """Queued after the last reply of a closed stream."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
 class ReplyStream:
     """The deduplicated replies of one request, in order, ending with its terminal.
 
     Iterate it (``async for``) or call :meth:`get`. :meth:`offer` is how messages get in
     (the router calls it; tests may too): it returns whether the message was accepted.
+    After :meth:`close`, the replies already accepted are still read, then reading raises
+    :class:`StreamClosed`.
     """
 
     def __init__(self, request_id: str) -> None:
@@ -66,8 +87,10 @@ class ReplyStream:
         self.attempt: int | None = None
         #: The accepted terminal, once there is one.
         self.terminal: Done | Error | None = None
+        #: Why the stream was closed locally (None: it was not).
+        self.closed: str | None = None
         self._seen: set[int] = set()
-        self._queue: asyncio.Queue[Reply] = asyncio.Queue()
+        self._queue: asyncio.Queue[Reply | _Closed] = asyncio.Queue()
 
     @property
     def finished(self) -> bool:
@@ -75,15 +98,20 @@ class ReplyStream:
         return self.terminal is not None
 
     def offer(self, msg: Reply) -> bool:
-        """Accept ``msg`` unless it is a duplicate, stale, foreign or after the terminal."""
-        if msg.request_id != self.request_id or self.terminal is not None:
+        """Accept ``msg`` unless it is a duplicate, stale, foreign, after the terminal or
+        after :meth:`close`."""
+        if (msg.request_id != self.request_id or self.terminal is not None
+                or self.closed is not None):
             return False
         if self.attempt is not None and msg.attempt < self.attempt:
             return False
         if self.attempt is None or msg.attempt > self.attempt:
-            # A newer attempt supersedes everything seen of the older one.
+            # A newer attempt supersedes everything of the older one: what was seen, and
+            # what is queued unread (all of it is older: the attempt only goes up).
             self.attempt = msg.attempt
             self._seen.clear()
+            while not self._queue.empty():
+                self._queue.get_nowait()
         if isinstance(msg, TokenChunk):
             if msg.seq in self._seen:
                 return False
@@ -93,28 +121,72 @@ class ReplyStream:
         self._queue.put_nowait(msg)
         return True
 
+    def close(self, reason: str) -> None:
+        """End the stream here (idempotent): nothing more gets in; once what was accepted
+        is read, readers (those waiting now too) get :class:`StreamClosed` with ``reason``."""
+        if self.closed is None:
+            self.closed = reason
+            self._queue.put_nowait(_Closed(reason))
+
     async def get(self, timeout: float | None = None) -> Reply:
-        """The next accepted message; ``TimeoutError`` when none comes within ``timeout``."""
+        """The next accepted message; ``TimeoutError`` when none comes within ``timeout``,
+        :class:`StreamClosed` after :meth:`close`."""
         if timeout is None:
-            return await self._queue.get()
-        return await asyncio.wait_for(self._queue.get(), timeout)
+            msg = await self._queue.get()
+        else:
+            msg = await asyncio.wait_for(self._queue.get(), timeout)
+        return self._opened(msg)
 
     def get_nowait(self) -> Reply | None:
-        """The next accepted message if one is waiting, else None."""
+        """The next accepted message if one is waiting, else None (:class:`StreamClosed`
+        after :meth:`close`)."""
         try:
-            return self._queue.get_nowait()
+            return self._opened(self._queue.get_nowait())
         except asyncio.QueueEmpty:
             return None
+
+    def _opened(self, msg: Reply | _Closed) -> Reply:
+        if isinstance(msg, _Closed):
+            self._queue.put_nowait(msg)  # every later read ends the same way
+            raise StreamClosed(msg.reason)
+        return msg
 
     def __aiter__(self) -> AsyncIterator[Reply]:
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator[Reply]:
         while True:
-            msg = await self._queue.get()
+            msg = await self.get()
             yield msg
             if not isinstance(msg, TokenChunk):
                 return
+
+
+class AttemptText:
+    """The text of a request's newest attempt, joined from the replies a reader took.
+
+    Feed it every reply (:meth:`add`): a message of a newer attempt voids the text of the
+    older one (DESIGN.md: clients keep the newest attempt), one of an older attempt is
+    ignored.
+    """
+
+    def __init__(self) -> None:
+        #: Attempt of the text held (None before the first reply).
+        self.attempt: int | None = None
+        self._parts: list[str] = []
+
+    def add(self, msg: Reply) -> None:
+        if self.attempt is not None and msg.attempt < self.attempt:
+            return
+        if self.attempt is not None and msg.attempt > self.attempt:
+            self._parts.clear()
+        self.attempt = msg.attempt
+        if isinstance(msg, TokenChunk):
+            self._parts.append(msg.text)
+
+    @property
+    def text(self) -> str:
+        return "".join(self._parts)
 
 
 class ReplyRouter:
@@ -201,6 +273,13 @@ class ReplyRouter:
     def close(self, request_id: str) -> None:
         """Stop waiting for ``request_id`` (idempotent); later records of it are skipped."""
         self._streams.pop(request_id, None)
+
+    def close_all(self, reason: str) -> None:
+        """Stop waiting for every request and :meth:`ReplyStream.close` their streams, so
+        that their readers end (with :class:`StreamClosed`) instead of waiting on."""
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream.close(reason)
 
     def route(self, msg: Reply) -> bool:
         """Hand a decoded reply to its stream; False when nobody waits or it was a dup."""

@@ -1,18 +1,24 @@
 """The client SDK's handle without a broker: its producer is a stand-in that records what
-is sent, and its reply router is the real one, never started (``route`` feeds it). The
-SDK against a real broker: tests/integration/test_e2e_stack.py."""
+is sent, and its reply router is the real one, never started (``route`` feeds it); so is
+``llmq submit``'s. The SDK against a real broker: tests/integration/test_e2e_stack.py."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+from collections.abc import Callable
 from typing import Any
 
 import pytest
+from click.testing import CliRunner
 
 from llmq.client import LlmqClient
 from schemas.codec import decode
 from schemas.control import CancelRequest
-from schemas.replies import Done, Timings, TokenChunk, Usage
+from schemas.replies import Done, Error, Timings, TokenChunk, Usage
+from schemas.requests import InferenceRequest
+from services.cli import main
+from tests.builders_schemas import make_chunk, make_done, make_error
 
 
 class _Producer:
@@ -26,8 +32,8 @@ class _Producer:
     async def stop(self) -> None: ...
 
 
-def _client() -> tuple[LlmqClient, _Producer]:
-    client = LlmqClient("127.0.0.1:9", tenant="default")
+def _client(**options: Any) -> tuple[LlmqClient, _Producer]:
+    client = LlmqClient("127.0.0.1:9", tenant="default", **options)
     producer = client._producer = _Producer()
     return client, producer
 
@@ -38,9 +44,10 @@ def _chunk(request_id: str, seq: int) -> TokenChunk:
 
 
 async def test_a_timed_out_request_is_cancelled_and_forgotten() -> None:
-    client, producer = _client()
+    client, producer = _client(reply_grace_s=0.05)
     handle = await client.submit(prompt="hi", max_tokens=4, timeout_s=0.1, request_id="r1")
-    with pytest.raises(TimeoutError, match="no terminal reply for r1"):
+    with pytest.raises(TimeoutError, match=r"no terminal reply for r1 within its timeout of "
+                       r"0\.1 s \(and 0\.05 s of grace\)"):
         async for _ in handle:
             pass
     [cancel] = [decode(v, CancelRequest) for t, v in producer.sent if t.endswith("control")]
@@ -67,3 +74,112 @@ async def test_leaving_the_loop_early_keeps_the_stream_for_later() -> None:
     text, end = await asyncio.wait_for(handle.wait(), 5)
     assert text == "t1" and isinstance(end, Done)
     assert router.open_requests == 0
+
+
+async def test_llmqs_own_timeout_that_comes_just_after_timeout_s_is_the_result() -> None:
+    # llmq ends an expired request at created_at + timeout_s, on its next dispatch cycle:
+    # a moment after timeout_s. The client waits for it (before, it raised TimeoutError at
+    # timeout_s exactly and sent a needless cancel).
+    client, producer = _client()
+    handle = await client.submit(prompt="hi", max_tokens=4, timeout_s=0.1, request_id="r1")
+    asyncio.get_running_loop().call_later(0.2, client._router.route, make_error(
+        request_id="r1", attempt=0, code="queue_timeout", retry_after_s=None))
+    text, end = await asyncio.wait_for(handle.wait(), 5)
+    assert (text, isinstance(end, Error) and end.code) == ("", "queue_timeout")
+    assert not [t for t, _ in producer.sent if t.endswith("control")]
+
+
+def test_a_negative_reply_grace_is_refused() -> None:
+    with pytest.raises(ValueError, match="reply_grace_s"):
+        LlmqClient("127.0.0.1:9", reply_grace_s=-1.0)
+
+
+@pytest.mark.parametrize(("replies", "text"), [
+    # Attempt 1's chunk was read before attempt 2 started: its text is void.
+    ([make_chunk(request_id="r1", attempt=1, seq=0, text="old "),
+      make_chunk(request_id="r1", attempt=2, seq=0, text="new"),
+      make_done(request_id="r1", attempt=2)], "new"),
+    # Attempt 2 finished without a chunk: still nothing of attempt 1.
+    ([make_chunk(request_id="r1", attempt=1, seq=0, text="old "),
+      make_done(request_id="r1", attempt=2)], ""),
+])
+async def test_wait_keeps_only_the_newest_attempts_text(replies: list[Any], text: str) -> None:
+    client, _ = _client()
+    handle = await client.submit(prompt="hi", max_tokens=4, timeout_s=30, request_id="r1")
+    client._router.route(replies[0])
+    for i, reply in enumerate(replies[1:], 1):  # after the first was read
+        asyncio.get_running_loop().call_later(0.02 * i, client._router.route, reply)
+    got, end = await asyncio.wait_for(handle.wait(), 5)
+    assert (got, end.attempt) == (text, 2)
+
+
+async def test_stop_ends_open_handles_at_once() -> None:
+    client, producer = _client()
+    waiting = await client.submit(prompt="hi", max_tokens=4, timeout_s=30, request_id="r1")
+    later = await client.submit(prompt="hi", max_tokens=4, timeout_s=30, request_id="r2")
+    blocked = asyncio.create_task(waiting.wait())
+    await asyncio.sleep(0.01)
+    await client.stop()
+    with pytest.raises(RuntimeError, match="LlmqClient was stopped"):
+        await asyncio.wait_for(blocked, 1)  # woken, not left to its 30 s
+    with pytest.raises(RuntimeError, match="LlmqClient was stopped"):
+        await asyncio.wait_for(later.wait(), 1)  # iterated after stop()
+    with pytest.raises(RuntimeError, match="not running: cannot cancel r2"):
+        await later.cancel()
+    assert not [t for t, _ in producer.sent if t.endswith("control")]
+
+
+def _submit_cli(monkeypatch: pytest.MonkeyPatch, args: list[str],
+                replies: list[Callable[[str], Any]]) -> tuple[Any, _Producer]:
+    """``llmq submit`` whose client answers the request with ``replies`` (built from its
+    request id, 20 ms apart) and waits 50 ms past its timeout."""
+    producer = _Producer()
+
+    async def start(client: LlmqClient) -> None:
+        client._producer, client.reply_grace_s = producer, 0.05
+        send = producer.send_and_wait
+
+        async def send_and_wait(topic: str, value: bytes, key: Any = None,
+                                headers: Any = None) -> None:
+            await send(topic, value, key, headers)
+            if topic.endswith(".intake"):
+                rid = decode(value, InferenceRequest).request_id
+                for i, reply in enumerate(replies, 1):
+                    asyncio.get_running_loop().call_later(
+                        0.02 * i, client._router.route, reply(rid))
+
+        producer.send_and_wait = send_and_wait  # type: ignore[method-assign]  # answers the request
+
+    async def stop(client: LlmqClient) -> None:
+        client._producer = None
+
+    monkeypatch.setattr(LlmqClient, "start", start)
+    monkeypatch.setattr(LlmqClient, "stop", stop)
+    return CliRunner().invoke(main, ["submit", "hi", *args]), producer
+
+
+def test_submit_json_prints_one_object_on_a_client_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    result, producer = _submit_cli(monkeypatch, ["--timeout", "0.1", "--json"], [
+        lambda rid: make_chunk(request_id=rid, attempt=1, seq=0, text="partial")])
+    assert result.exit_code == 1
+    out = json.loads(result.stdout)
+    assert (out["outcome"], out["code"], out["text"]) == ("error", "client_timeout", "partial")
+    assert "within its timeout of 0.1 s" in out["message"]  # not "0 s"
+    assert set(out) == {"outcome", "code", "message", "retry_after_s", "request_id", "text",
+                        "e2e_s"}  # the shape of an llmq error
+    [cancel] = [decode(v, CancelRequest) for t, v in producer.sent if t.endswith("control")]
+    assert cancel.request_id == out["request_id"]
+
+
+def test_submit_keeps_only_the_newest_attempts_text(monkeypatch: pytest.MonkeyPatch) -> None:
+    replies = [lambda rid: make_chunk(request_id=rid, attempt=1, seq=0, text="old "),
+               lambda rid: make_chunk(request_id=rid, attempt=2, seq=0, text="new"),
+               lambda rid: make_done(request_id=rid, attempt=2)]
+    result, _ = _submit_cli(monkeypatch, ["--json"], replies)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["text"] == "new"
+    printed, _ = _submit_cli(monkeypatch, [], replies)  # printed text cannot be taken back
+    assert printed.stdout == "old new"
+    assert "restarted the request (attempt 2): the text above is void" in printed.stderr

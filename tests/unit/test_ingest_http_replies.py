@@ -101,3 +101,33 @@ def test_router_routes_by_request_id() -> None:
     router.close("a")  # idempotent
     assert not router.route(chunk(1, rid="a"))
     assert router.open_requests == 1 and not router.assigned
+
+
+def test_a_newer_attempt_drops_what_is_queued_of_the_older_one() -> None:
+    # Attempt 1's chunks were accepted but not read yet when attempt 2 started: they are
+    # void, so the reader never sees them (before, it got them and then attempt 2's).
+    stream = ReplyStream("r1")
+    _offer_all(stream, [chunk(0, attempt=1), chunk(1, attempt=1), chunk(0, attempt=2),
+                        chunk(1, attempt=2), done(attempt=2)])
+    assert [(m.attempt, getattr(m, "seq", "end")) for m in _drain(stream)] == [
+        (2, 0), (2, 1), (2, "end")]
+
+
+async def test_close_ends_the_readers_after_what_was_accepted() -> None:
+    stream = ReplyStream("r1")
+    waiting = asyncio.create_task(stream.get(timeout=30))
+    await asyncio.sleep(0)
+    stream.close("client stopped")
+    with pytest.raises(RuntimeError, match="client stopped"):  # woken at once
+        await asyncio.wait_for(waiting, 1)
+    stream = ReplyStream("r1")
+    stream.offer(chunk(0))
+    stream.close("client stopped")
+    stream.close("again")  # idempotent: the first reason stands
+    assert not stream.offer(chunk(1))
+    assert isinstance(await stream.get(), TokenChunk)  # accepted before close: still read
+    for _ in range(2):  # and every later read ends the same way
+        with pytest.raises(RuntimeError, match="client stopped"):
+            await stream.get(timeout=1)
+    with pytest.raises(RuntimeError, match="client stopped"):
+        stream.get_nowait()

@@ -1,5 +1,6 @@
 """How a call ends, driven through the ASGI app: streams that end in an error still end
-with ``[DONE]``, and a streaming client that leaves before its first reply cancels at once.
+with ``[DONE]``, a streaming client that leaves before its first reply cancels at once, and
+a request that llmq restarts (attempt + 1) answers with the newest attempt's text only.
 
 As in test_ingest_http_disconnect.py the gateway is the real one and its Kafka producer a
 stand-in; here the stand-in answers each submitted request with a script of replies.
@@ -26,7 +27,7 @@ from services.ingest.http.gateway import Gateway
 from services.ingest.http.openai import ApiDefaults
 from services.ingest.tenants import load_tenancy
 from services.ingest.topics import IngestTopics
-from tests.builders_schemas import make_error, make_heartbeat
+from tests.builders_schemas import make_chunk, make_done, make_error, make_heartbeat
 
 TOPICS = IngestTopics.of("llmq", "llmq-ingest", "a")
 #: (delay in seconds, reply for a request id)
@@ -198,3 +199,49 @@ async def test_an_oversized_body_is_refused_before_it_is_read_whole(
         request_id=rid, attempt=1, code="worker_lost", retry_after_s=None))]),
         [small[:10], small[10:]], [])
     assert fine.status == 503  # read in two parts, admitted, answered by its one reply
+
+
+def attempt_chunk(attempt: int, text: str) -> Callable[[str], Reply]:
+    return lambda rid: make_chunk(request_id=rid, attempt=attempt, seq=0, text=text)
+
+
+def attempt_done(attempt: int) -> Callable[[str], Reply]:
+    return lambda rid: make_done(request_id=rid, attempt=attempt)
+
+
+async def test_a_started_stream_that_llmq_restarts_ends_with_worker_lost() -> None:
+    # "old" was sent to the client: attempt 2's text cannot replace it, so the stream ends
+    # as a lost worker's does, the client retries, and attempt 2 is cancelled.
+    api = Api([(0.01, attempt_chunk(1, "old")), (0.05, attempt_chunk(2, "new")),
+               (0.06, attempt_done(2))])
+    out = await api.post({"model": "m", "prompt": "x", "stream": True})
+    assert out.status == 200
+    sent = events(out.body)
+    assert sent[0]["choices"][0]["text"] == "old"
+    assert sent[1]["error"]["code"] == "worker_lost"
+    assert "restarted (attempt 2) after its first tokens were sent" in (
+        sent[1]["error"]["message"])
+    assert sent[2:] == ["[DONE]"]
+    assert [c.reason for c in api.producer.cancels] == [
+        "restarted (attempt 2) after its stream had started"]
+    assert api.router.open_requests == 0
+
+
+async def test_a_stream_restarted_before_it_sent_text_carries_on() -> None:
+    # Attempt 1's chunk was still queued, unread, when attempt 2's came: nothing was sent.
+    api = Api([(0.01, attempt_chunk(1, "old")), (0.01, attempt_chunk(2, "new")),
+               (0.02, attempt_done(2))])
+    out = await api.post({"model": "m", "prompt": "x", "stream": True})
+    sent = events(out.body)
+    assert [e["choices"][0]["text"] for e in sent[:-1]] == ["new", ""]
+    assert sent[-2]["choices"][0]["finish_reason"] == "stop"
+    assert sent[-1] == "[DONE]" and not api.producer.cancels
+
+
+async def test_a_gathered_answer_keeps_only_the_newest_attempts_text() -> None:
+    api = Api([(0.01, attempt_chunk(1, "old ")), (0.05, attempt_chunk(2, "new")),
+               (0.06, attempt_done(2))])
+    out = await api.post({"model": "m", "prompt": "x"})
+    assert out.status == 200
+    assert json.loads(out.body)["choices"][0]["text"] == "new"
+    assert not api.producer.cancels

@@ -17,6 +17,12 @@ Time bound: the request's ``timeout_s`` plus ``reply_grace_s``; past it the clie
 a stream's first one included, or mid-stream) also cancels it (``CancelRequest`` on
 ``llmq.control``). A stream that ends in an error (an ``Error`` reply, or the deadline, after
 it started) sends the error event, then ``data: [DONE]`` like any other stream.
+
+Restarts: llmq may run a request again (attempt + 1) after a chunk of the older attempt was
+relayed (its worker died before its ``first_token`` event landed). A gathered answer keeps
+the newest attempt's text only. A started stream cannot take back what it sent: it ends with
+a ``worker_lost`` error event and ``[DONE]``, and the request is cancelled (the client
+retries); a restart before any text was sent just carries on.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from schemas.codec import MAX_RECORD_BYTES
 from schemas.replies import Done, Error, TokenChunk
 from services.common import tracing
-from services.common.replies import Reply, ReplyStream
+from services.common.replies import AttemptText, Reply, ReplyStream
 from services.ingest.cluster import ClusterWatcher
 from services.ingest.http.errors import (
     ApiError,
@@ -323,15 +329,16 @@ class _Call:
         return msg
 
     async def collect(self, first: Reply) -> JSONResponse:
-        texts: list[str] = []
+        text = AttemptText()
         msg = first
         while isinstance(msg, TokenChunk):
-            texts.append(msg.text)
+            text.add(msg)
             msg = self.seen(await self.waiter.next())
+        text.add(msg)  # a newer attempt that sent no chunk voids the older text
         self.finish(None)
         if isinstance(msg, Error):
             raise from_reply(msg)
-        body = completion_object(self._call, "".join(texts), msg, self._created)
+        body = completion_object(self._call, text.text, msg, self._created)
         return JSONResponse(body, headers=self.headers)
 
     def streaming(self, first: Reply) -> StreamingResponse:
@@ -363,11 +370,21 @@ class _Call:
 
     async def _relay(self, first: Reply, waiter: _Waiter) -> AsyncIterator[bytes]:
         call, created = self._call, self._created
-        msg, opened = first, False
+        msg, sent_attempt = first, None  # attempt whose text was sent (None: no text yet)
         while isinstance(msg, TokenChunk):
-            yield sse(chunk_object(call, created, msg.text, first=not opened))
-            opened = True
+            if sent_attempt is not None and msg.attempt > sent_attempt:
+                async for data in self._restarted(msg.attempt):
+                    yield data
+                return
+            yield sse(chunk_object(call, created, msg.text, first=sent_attempt is None))
+            sent_attempt = msg.attempt
             msg = self.seen(await waiter.next())
+        if isinstance(msg, Done) and sent_attempt is not None and msg.attempt > sent_attempt:
+            # The newer attempt finished without a chunk: what was sent is still void.
+            async for data in self._restarted(msg.attempt):
+                yield data
+            return
+        opened = sent_attempt is not None
         if isinstance(msg, Error):
             # Headers are sent: an error event, then the end every stream has.
             yield sse(from_reply(msg).body())
@@ -378,6 +395,20 @@ class _Call:
         yield sse(chunk_object(call, created, None, finish_reason=msg.finish_reason))
         if call.include_usage:
             yield sse(usage_chunk(call, created, msg))
+        yield SSE_DONE
+
+    async def _restarted(self, attempt: int) -> AsyncIterator[bytes]:
+        """End a stream whose sent text a newer attempt voided: the client must retry, and
+        the request, now running for nobody, is cancelled."""
+        request = self._call.request
+        lost = Error(
+            request_id=request.request_id, attempt=attempt, code="worker_lost",
+            message=f"the request restarted (attempt {attempt}) after its first tokens were "
+            "sent; retry it", ts=self._deps.clock(),
+        )
+        self.seen(lost)  # the span ends as this error
+        self.finish(f"restarted (attempt {attempt}) after its stream had started")
+        yield sse(from_reply(lost).body())
         yield SSE_DONE
 
 

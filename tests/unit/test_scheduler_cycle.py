@@ -197,6 +197,20 @@ def test_a_blocked_head_blocks_its_class_but_other_classes_backfill() -> None:
     assert kinds(decisions) == {"big": "defer", "small-low": "placed"}
 
 
+def test_a_head_pinned_to_a_version_no_free_worker_serves_holds_back_no_other() -> None:
+    # A rolling upgrade: the last v1 worker drains, a v2 worker is idle. The pinned-v1
+    # head shared its FIFO with unpinned and v2 requests and held them all back.
+    workers = [make_worker("old", model_version="v1", draining=True),
+               make_worker("new", model_version="v2", partition=1)]
+    decisions = run(
+        workers,
+        make_request("pinned-v1", model_version="v1", enqueued_at=NOW - 1),
+        make_request("any", model_version=None),
+        make_request("pinned-v2", model_version="v2"),
+    )
+    assert kinds(decisions) == {"pinned-v1": "defer", "any": "placed", "pinned-v2": "placed"}
+
+
 def test_an_overdue_blocked_head_holds_its_best_worker() -> None:
     ledger, queue = Ledger(), make_queue()
     a, b = make_worker("a", kv_total_tokens=10_000), make_worker("b", kv_total_tokens=10_000)

@@ -1,8 +1,10 @@
 """The pending queue: priority classes with aging, FCFS within a class, bounded.
 
-Structure. One FIFO per *class* = (lane, priority, model). Requests for different models
-never compete for the same workers, so keeping models apart stops a blocked model from
-holding up another one's requests; within a class the order is strict FCFS by
+Structure. One FIFO per *class* = (lane, priority, model, model version). Requests for
+different models never compete for the same workers, so keeping models apart stops a
+blocked model from holding up another one's requests; so does a version pin (a request
+pinned to the version of the last, draining worker of a rolling upgrade must not hold up
+unpinned ones the new version's workers could take). Within a class the order is strict FCFS by
 ``enqueued_at`` (ties by arrival), so requeued requests (which keep their original
 ``enqueued_at``) go back near the front. Each FIFO is a binary heap with lazy deletion:
 push, pop and remove by id are O(log n) (remove is O(1) plus amortised cleanup).
@@ -39,8 +41,9 @@ from services.scheduler.core.errors import ConfigError
 from services.scheduler.core.lanes import DEFAULT_LANE_WEIGHTS, LaneInterleave
 from services.scheduler.core.types import QueuedRequest
 
-#: A FIFO of the pending queue: (lane, priority rank, model).
-ClassKey = tuple[Lane, int, str]
+#: A FIFO of the pending queue: (lane, priority rank, model, model version or None for
+#: any); see the module docstring.
+ClassKey = tuple[Lane, int, str, str | None]
 
 _RANK: dict[Priority, int] = {p: priority_rank(p) for p in PRIORITIES}
 
@@ -176,7 +179,8 @@ class PendingQueue:
             self.remove(request.request_id)
         elif not force and self.is_full:
             return False
-        klass: ClassKey = (request.lane, _RANK[request.priority], request.model)
+        klass: ClassKey = (request.lane, _RANK[request.priority], request.model,
+                           request.model_version)
         seq = next(self._seq)
         self._entries[request.request_id] = _Entry(request, klass, seq)
         fifo = self._classes.get(klass)

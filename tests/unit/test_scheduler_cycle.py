@@ -502,3 +502,27 @@ def test_a_hold_on_a_worker_that_can_no_longer_take_it_is_let_go() -> None:
     # b takes other work again
     assert placed(run([a, small_b], make_request("small", priority="low", kv_tokens=500),
                       ledger=ledger, queue=queue)) == [("small", "b")]
+
+
+def test_a_request_only_a_borrowed_pool_can_serve_borrows_once_past_its_aging_bound() -> None:
+    # No long worker at all, and short requests pending every cycle: spill lends only
+    # when the other lane has nothing pending, so the long request waited without bound.
+    ledger, queue = Ledger(), make_queue()
+    queue.push(make_request("long", lane="long", kv_tokens=8_192, priority="low",
+                            enqueued_at=NOW))
+    bound = queue.aging_bound_s("low")
+    placed_at = None
+    for step in range(int(bound) + 5):
+        now = NOW + step
+        worker = make_worker("s0", pool="short", kv_total_tokens=20_000, heartbeat_ts=now,
+                             max_num_seqs=4)
+        for n in range(2):
+            queue.push(make_request(f"s{step}-{n}", lane="short", kv_tokens=4_096,
+                                    enqueued_at=now))
+        for d in run(make_snapshot([worker], now=now), ledger=ledger, queue=queue, now=now):
+            if isinstance(d, Placement) and d.request.request_id == "long":
+                placed_at = step
+        for r in list(ledger.reservations("s0")):  # short requests end within the second
+            if r.request.request_id != "long":
+                ledger.release(*r.key)
+    assert placed_at == bound

@@ -36,7 +36,9 @@ Order of work:
    :mod:`services.scheduler.policies.profile`). A head of lane L that fits no worker of
    its own route may be placed on a worker of the other lane's dedicated pool when no
    request of that other lane is pending for its model (so the borrowed worker's own lane
-   loses nothing now), the head has waited ``spill[L].after_s``, and the worker holds
+   loses nothing now; a head past its aging bound borrows regardless, or a lane with no
+   worker of its own would wait on the other lane's traffic without bound), the head has
+   waited ``spill[L].after_s``, and the worker holds
    fewer than ``spill[L].max_per_worker`` reservations of lane L (0: no bound). Every
    filter and hold applies there as on the head's own route; the other lane's requests
    that arrive later take the borrowed worker back as the borrowed work finishes. Static
@@ -254,8 +256,9 @@ class _Cycle:
         if rule is None or self.now - request.enqueued_at < rule.after_s:
             return None
         other = _other(lane)
+        overdue = self.now - request.enqueued_at >= self.pending.aging_bound_s(request.priority)
         for klass in self.pending.class_keys():
-            if klass[0] == other and klass[2] == model:
+            if klass[0] == other and klass[2] == model and not overdue:
                 return None  # the other lane has work of its own: lend nothing
         route: Route = (model, request.model_version, other)
         borrowed = _borrowed(other, self._route_admits(request, lane=other))

@@ -150,7 +150,7 @@ async def test_completion_streams_deltas_and_usage(
     body = server[1].bodies[0]
     assert body["model"] == "served-model" and body["stream"] is True
     assert body["stop"] == ["\n"] and body["seed"] == 3 and body["prompt"] == "hi"
-    assert body["stream_options"] == {"include_usage": True}
+    assert body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
 
 
 async def test_chat_uses_chat_completions(

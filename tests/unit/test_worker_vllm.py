@@ -44,12 +44,21 @@ async def test_start_without_vllm_says_how_to_install() -> None:
 
 
 class _Tokenizer:
-    """Stand-in for a Hugging Face tokenizer (vLLM cannot run here): renders turns."""
+    """Stand-in for a Hugging Face tokenizer (vLLM cannot run here): renders turns with a
+    BOS, as Llama 3's template does, and encodes one id per character (BOS: 0)."""
 
     def apply_chat_template(self, turns: list[dict[str, str]], *, tokenize: bool,
                             add_generation_prompt: bool) -> str:
         assert tokenize is False and add_generation_prompt is True
-        return "".join(f"<{t['role']}>{t['content']}" for t in turns) + "<assistant>"
+        return "<s>" + "".join(f"<{t['role']}>{t['content']}" for t in turns) + "<assistant>"
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        ids = [0] * text.count("<s>") + [ord(c) for c in text.replace("<s>", "")]
+        return [0, *ids] if add_special_tokens else ids
+
+
+def _ids(text: str) -> list[int]:
+    return _Tokenizer().encode(text, add_special_tokens=False)
 
 
 class _OldAsyncLLM:
@@ -72,7 +81,8 @@ async def test_chat_turns_are_rendered_with_either_get_tokenizer(llm: object) ->
     engine._llm = llm  # the adapter's handle on vLLM, replaced by a stand-in
     request = GenerateRequest(request_id="c1", model="m", max_tokens=4, prompt_tokens=3,
                               messages=(ChatTurn("system", "be brief"), ChatTurn("user", "hi")))
-    assert await engine._prompt(request) == "<system>be brief<user>hi<assistant>"
+    rendered = "<s><system>be brief<user>hi<assistant>"
+    assert await engine._prompt(request) == {"prompt_token_ids": _ids(rendered)}
 
 
 class _Completion:
@@ -104,6 +114,60 @@ class _RefusingAsyncLLM(_NewAsyncLLM):
 
     async def abort(self, rid: str) -> None:
         self.aborted.append(rid)
+
+
+class _RecordingAsyncLLM(_NewAsyncLLM):
+    """Stand-in for AsyncLLM that records the prompts it is given and finishes each at
+    once."""
+
+    def __init__(self, finish_reason: str = "stop") -> None:
+        self.prompts: list[Any] = []
+        self.finish_reason = finish_reason
+
+    async def _stream(self) -> Any:
+        out = _Output()
+        out.outputs[0].finish_reason, out.finished = self.finish_reason, True
+        yield out
+
+    async def abort(self, rid: str) -> None:
+        pass  # the request already finished
+
+    def generate(self, prompt: Any, params: Any, rid: str, *, priority: int) -> Any:
+        self.prompts.append(prompt)
+        return self._stream()
+
+
+@pytest.mark.parametrize(("prompt", "messages", "want"), [
+    # Chat: token ids with the template's one BOS; as text vLLM would add a second.
+    (None, (ChatTurn("user", "hi"),), {"prompt_token_ids": _ids("<s><user>hi<assistant>")}),
+    ("The capital of France is", None, "The capital of France is"),  # plain: text as is
+])
+async def test_what_goes_to_vllm(prompt: str | None, messages: tuple[ChatTurn, ...] | None,
+                                 want: object) -> None:
+    llm = _RecordingAsyncLLM()
+    request = GenerateRequest(request_id="p1", model="m", max_tokens=4, prompt_tokens=3,
+                              prompt=prompt, messages=messages)
+    deltas = [d async for d in _engine(llm).generate(request)]
+    assert deltas[-1].finish_reason == "stop"
+    assert llm.prompts == [want]
+
+
+@pytest.mark.parametrize(("reason", "want"), [
+    ("stop", "stop"), ("length", "length"), ("repetition", "stop"),
+])
+async def test_finish_reasons(reason: str, want: str) -> None:
+    request = GenerateRequest(request_id="f1", model="m", max_tokens=4, prompt_tokens=3,
+                              prompt="x")
+    deltas = [d async for d in _engine(_RecordingAsyncLLM(reason)).generate(request)]
+    assert deltas[-1].finish_reason == want
+
+
+async def test_a_request_vllm_ends_in_error_fails() -> None:
+    request = GenerateRequest(request_id="f2", model="m", max_tokens=4, prompt_tokens=3,
+                              prompt="x")
+    with pytest.raises(EngineError) as failed:
+        [d async for d in _engine(_RecordingAsyncLLM("error")).generate(request)]
+    assert failed.value.code == "worker_lost"
 
 
 def _engine(llm: object) -> VllmEngine:

@@ -1,10 +1,21 @@
 """The ``openai`` engine: an external vLLM (or any OpenAI-compatible) server over HTTP.
 
 Generation streams from ``POST /v1/completions`` (or ``/v1/chat/completions`` for chat
-requests) with ``stream=true`` and ``stream_options.include_usage``: each server-sent
-``data:`` event carrying text is one delta (one token each; the final usage event corrects
-the totals when the server batches tokens), ``data: [DONE]`` ends it. Aborting closes the
-HTTP stream, which makes vLLM abort the request and free its KV.
+requests) with ``stream=true`` and ``stream_options`` ``include_usage`` and
+``continuous_usage_stats`` (a vLLM extension: every chunk carries the cumulative
+``usage.completion_tokens``). Each server-sent ``data:`` event carrying text is one delta;
+its tokens are the growth of ``completion_tokens`` when the event carries usage (vLLM merges
+several tokens into one chunk under load, with speculative decoding or ``--stream-interval``),
+else one. Tokens the deltas did not account for (chunks without text, a server that ignores
+``continuous_usage_stats``) go on the last delta, from the final usage event. ``data:
+[DONE]`` ends the stream. vLLM's ``finish_reason`` ``"error"`` (a request-level failure in
+the server) ends the request ``worker_lost``; ``"repetition"`` is a stop. Aborting closes the
+HTTP stream, which makes vLLM abort the request and free its KV. A 400 that says the prompt
+is over the model's length is ``too_large``, as the in-process ``vllm`` engine answers it.
+
+Every stream holds one HTTP connection, so the streaming client has no connection limit (the
+worker bounds its requests in flight); ``/metrics`` has its own client, so a full pool of
+streams never starves the capacity scrape.
 
 Capacity comes from the server's Prometheus ``/metrics``, polled every
 ``metrics_interval_s`` in the background (vLLM names, summed over engines):
@@ -19,7 +30,8 @@ servers may refuse the field, so this engine sends it only with ``scheduling_pol
 "priority"`` — its default is ``fcfs``.
 
 Unknown state fails closed (STYLE.md §6): while ``/metrics`` cannot be read (server down,
-5xx) the engine reports no free KV, so the scheduler sends nothing. A server without a
+5xx, a value that is not a finite number, any failure of the scrape) the engine reports no
+free KV, so the scheduler sends nothing; the background poll keeps trying. A server without a
 ``/metrics`` endpoint at all (404) is accounted locally instead: free KV = pool − Σ (prompt +
 max tokens) of the requests in flight.
 """
@@ -30,6 +42,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -50,6 +63,7 @@ from services.worker.engines.base import (
     TokenDelta,
 )
 from services.worker.engines.sim.model import EngineProfile
+from services.worker.engines.vllm import says_prompt_too_long
 
 _log = logging.getLogger(__name__)
 
@@ -71,13 +85,20 @@ class ServerLoad:
 
 
 def parse_vllm_metrics(text: str) -> ServerLoad:
-    """Parse a Prometheus text exposition of a vLLM server (see the module docstring)."""
+    """Parse a Prometheus text exposition of a vLLM server (see the module docstring).
+
+    Raises ``ValueError`` for text that is not an exposition, and for a NaN or infinite
+    value of a metric read here: the load is then unknown (fail closed), not "all free".
+    """
     usage: list[float] = []
     running = waiting = 0
     blocks: int | None = None
     block_size: int | None = None
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
+            if sample.name in (*_KV_USAGE, _RUNNING, _WAITING) and \
+                    not math.isfinite(sample.value):
+                raise ValueError(f"{sample.name} is {sample.value}")
             if sample.name in _KV_USAGE:
                 usage.append(float(sample.value))
             elif sample.name == _RUNNING:
@@ -96,23 +117,31 @@ def _int_label(labels: dict[str, str], name: str) -> int | None:
     return int(raw) if raw.isdigit() and int(raw) > 0 else None
 
 
-def _status_code(status: int) -> ErrorCode:
-    """Terminal error code for an HTTP error from the server."""
+def _status_code(status: int, body: str) -> ErrorCode:
+    """Terminal error code for an HTTP error from the server, whose answer is ``body``."""
     if status == 404:
         return "unknown_model"
     if status == 413:
         return "too_large"
     if status in (400, 422):
-        return "invalid"
+        # vLLM refuses a prompt over max_model_len with a 400 that says so.
+        return "too_large" if says_prompt_too_long(body) else "invalid"
     if status in (429, 503):
         return "overloaded"
     return "worker_lost"
 
 
 def _finish(reason: object) -> FinishReason | None:
+    """The server's ``finish_reason`` as ours; None while unfinished or for an abort.
+
+    Raises ``EngineError`` for vLLM's ``"error"``: a request-level failure inside the server
+    (e.g. a KV load), which vLLM answers 500 outside a stream, not an answer the model ended.
+    """
+    if reason == "error":
+        raise EngineError("worker_lost", "engine server ended the request with an error")
     if reason == "length":
         return "length"
-    # stop, eos, content_filter, tool_calls: the model ended the answer itself.
+    # stop, repetition, eos, content_filter, tool_calls: the model ended the answer itself.
     return None if reason in (None, "abort") else "stop"
 
 
@@ -132,7 +161,7 @@ def request_body(
         "presence_penalty": req.presence_penalty,
         "frequency_penalty": req.frequency_penalty,
         "stream": True,
-        "stream_options": {"include_usage": True},
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }
     if req.stop:
         body["stop"] = list(req.stop)
@@ -153,17 +182,18 @@ class _Tally:
     """Running totals of one stream."""
 
     def __init__(self) -> None:
-        self.tokens = 0
+        self.tokens = 0  # given to the deltas so far
         self.finish: FinishReason | None = None
         self.prompt_tokens: int | None = None
-        self.completion_tokens: int | None = None
+        self.completion_tokens: int | None = None  # cumulative, as the server last said
 
     def take(self, event: dict[str, Any]) -> TokenDelta | None:
         """Account one SSE event; the delta to yield, if it carries text."""
         usage = event.get("usage")
+        reported: int | None = None
         if isinstance(usage, dict):
             self.prompt_tokens = _opt_int(usage.get("prompt_tokens"))
-            self.completion_tokens = _opt_int(usage.get("completion_tokens"))
+            reported = self.completion_tokens = _opt_int(usage.get("completion_tokens"))
         choices = event.get("choices") or []
         if not choices or not isinstance(choices[0], dict):
             return None
@@ -173,15 +203,19 @@ class _Tally:
         reason = _finish(choice.get("finish_reason"))
         if reason is not None:
             self.finish = reason
-        if isinstance(text, str) and text:
-            self.tokens += 1
-            return TokenDelta(text, 1)
-        return None
+        if not (isinstance(text, str) and text):
+            return None  # its tokens, if any, go on the next delta (usage is cumulative)
+        tokens = 1 if reported is None else max(0, reported - self.tokens)
+        self.tokens += tokens
+        return TokenDelta(text, tokens)
 
     def last(self) -> TokenDelta:
+        """The finishing delta, with the tokens the server counted that no delta carried."""
         if self.finish is None:
             raise EngineError("worker_lost", "stream ended without a finish reason")
-        return TokenDelta("", 0, finish_reason=self.finish, prompt_tokens=self.prompt_tokens,
+        rest = max(0, (self.completion_tokens or 0) - self.tokens)
+        return TokenDelta("", rest, finish_reason=self.finish,
+                          prompt_tokens=self.prompt_tokens,
                           completion_tokens=self.completion_tokens)
 
 
@@ -207,7 +241,13 @@ class OpenAIEngine:
         # No read timeout: a long generation may pause; deadlines are the worker's job.
         self._timeout = httpx.Timeout(connect=connect_timeout_s, read=None, write=30.0,
                                       pool=connect_timeout_s)
+        # One connection per stream and no cap: the worker bounds its requests in flight
+        # (max_num_seqs unless told more); httpx's default of 100 made every stream beyond
+        # it wait for the pool and fail. Idle connections kept for a batch's worth.
+        self._limits = httpx.Limits(max_connections=None,
+                                    max_keepalive_connections=profile.max_num_seqs)
         self._client: httpx.AsyncClient | None = None
+        self._metrics_client: httpx.AsyncClient | None = None
         self._poller: asyncio.Task[None] | None = None
         self._load: ServerLoad | None = None
         self._metrics_missing = False  # the server answered 404 on /metrics
@@ -218,7 +258,10 @@ class OpenAIEngine:
 
     async def start(self) -> None:
         self._client = httpx.AsyncClient(base_url=self.base_url, headers=self._headers,
-                                         timeout=self._timeout)
+                                         timeout=self._timeout, limits=self._limits)
+        self._metrics_client = httpx.AsyncClient(
+            base_url=self.base_url, headers=self._headers, timeout=5.0,
+            limits=httpx.Limits(max_connections=1, max_keepalive_connections=1))
         await self.refresh_metrics()
         self._poller = asyncio.create_task(self._poll(), name="openai-engine-metrics")
 
@@ -233,6 +276,9 @@ class OpenAIEngine:
         if self._client is not None:
             await self._client.aclose()
             self._client = None
+        if self._metrics_client is not None:
+            await self._metrics_client.aclose()
+            self._metrics_client = None
 
     # ---- generation ------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
@@ -278,7 +324,7 @@ class OpenAIEngine:
         if response.status_code < 400:
             return
         body = (await response.aread()).decode(errors="replace")[:500]
-        raise EngineError(_status_code(response.status_code),
+        raise EngineError(_status_code(response.status_code, body),
                           f"engine server answered {response.status_code}: {body}")
 
     @staticmethod
@@ -302,12 +348,12 @@ class OpenAIEngine:
     # ---- capacity --------------------------------------------------------------------
     async def refresh_metrics(self) -> None:
         """Scrape /metrics once; on failure the load becomes unknown (fail closed)."""
-        assert self._client is not None
+        assert self._metrics_client is not None
         # Only a 404 now means "a server without /metrics" (accounted locally); any other
         # failure, even after an earlier 404, means the load is unknown.
         self._metrics_missing = False
         try:
-            response = await self._client.get("/metrics", timeout=5.0)
+            response = await self._metrics_client.get("/metrics")
         except httpx.HTTPError as exc:
             _log.warning("openai engine: /metrics unreachable: %s", exc)
             self._load = None
@@ -327,9 +373,16 @@ class OpenAIEngine:
             self._load = None
 
     async def _poll(self) -> None:
+        """Refresh the load until cancelled; a scrape that fails in a way refresh_metrics
+        does not expect leaves the load unknown (fail closed), and the poll goes on: were the
+        task to end, capacity would freeze at the last scrape."""
         while True:
             await asyncio.sleep(self._metrics_interval_s)
-            await self.refresh_metrics()
+            try:
+                await self.refresh_metrics()
+            except Exception:
+                _log.exception("openai engine: /metrics scrape failed")
+                self._load, self._metrics_missing = None, False
 
     def capacity(self) -> EngineCapacity:
         load, p = self._load, self.profile

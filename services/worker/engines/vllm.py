@@ -14,7 +14,11 @@ engine runs with ``scheduling_policy="priority"`` unless told otherwise, and eac
 goes in with ``priority=`` its ``GenerateRequest.priority`` (class, then lane: 0 high
 short … 5 low long), so a high-class request also overtakes the engine's own waiting queue. Chat
 requests are rendered with the tokenizer's chat template (``llm.get_tokenizer()``: a
-coroutine up to vLLM 0.10, a plain method since; both are taken).
+coroutine up to vLLM 0.10, a plain method since; both are taken) and go in as token ids
+(``{"prompt_token_ids": ...}``, a ``TokensPrompt``): the rendered text already holds the
+template's special tokens, and a text prompt would be tokenized again with
+``add_special_tokens=True`` (a second BOS on Llama 3). vLLM's own chat endpoint does the same.
+Plain prompts go in as text.
 
 Capacity: pool size from ``vllm_config.cache_config`` (``num_gpu_blocks`` × ``block_size``),
 batch limit from ``scheduler_config.max_num_seqs``; AsyncLLM exposes no live KV figure to
@@ -104,7 +108,8 @@ class VllmEngine:
             options["top_k"] = req.top_k
         return self._sampling_cls(**options)
 
-    async def _prompt(self, req: GenerateRequest) -> str:
+    async def _prompt(self, req: GenerateRequest) -> str | dict[str, list[int]]:
+        """A plain prompt as text; chat turns rendered and tokenized (module docstring)."""
         if req.messages is None:
             return req.prompt or ""
         if self._tokenizer is None:
@@ -118,7 +123,9 @@ class VllmEngine:
         except Exception as exc:  # jinja2's TemplateError: e.g. roles that do not alternate
             raise EngineError("invalid", f"the model's chat template refused the messages: "
                                          f"{exc}") from exc
-        return rendered
+        # The template wrote the special tokens itself: add none while tokenizing.
+        ids: list[int] = self._tokenizer.encode(rendered, add_special_tokens=False)
+        return {"prompt_token_ids": ids}
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
         if self._llm is None:
@@ -193,12 +200,24 @@ class VllmEngine:
 
 
 def _finish_reason(reason: object) -> FinishReason | None:
-    """vLLM's finish_reason → ours; None for an abort ("abort") or unknown state."""
+    """vLLM's finish_reason → ours; None for an abort ("abort") or unknown state.
+
+    ``"repetition"`` (vLLM stopped a repeating output) is a stop; ``"error"`` (a
+    request-level failure inside vLLM, e.g. a KV load) raises ``EngineError``.
+    """
+    if reason == "error":
+        raise EngineError("worker_lost", "vLLM ended the request with an error")
     if reason == "length":
         return "length"
-    if reason == "stop":
+    if reason in ("stop", "repetition"):
         return "stop"
     return None
+
+
+def says_prompt_too_long(message: str) -> bool:
+    """Whether vLLM's refusal ``message`` says the prompt is over the model's length (the
+    in-process ``ValueError`` and the OpenAI server's 400 alike)."""
+    return "maximum model length" in message or "maximum context length" in message
 
 
 async def _refusals_as_errors(stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
@@ -219,6 +238,5 @@ async def _refusals_as_errors(stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
         if started:
             raise
         text = str(exc)
-        too_long = "maximum model length" in text or "maximum context length" in text
-        code: ErrorCode = "too_large" if too_long else "invalid"
+        code: ErrorCode = "too_large" if says_prompt_too_long(text) else "invalid"
         raise EngineError(code, f"vLLM refused the request: {text}") from exc

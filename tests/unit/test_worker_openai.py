@@ -1,0 +1,276 @@
+"""The ``openai`` engine's handling of what a vLLM server streams and publishes.
+
+Against a FAKE OpenAI-compatible server written here (Starlette on uvicorn, 127.0.0.1, a
+free port): every stream sends the SSE payloads the test scripts, then ``[DONE]``;
+``/metrics`` serves the text the test sets. No Kafka.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from services.worker.engines import openai
+from services.worker.engines.base import EngineError, GenerateRequest, TokenDelta
+from services.worker.engines.openai import OpenAIEngine
+from services.worker.engines.sim.model import EngineProfile
+from services.worker.engines.sim.profiles import get_profile
+
+pytestmark = pytest.mark.timeout(60)
+
+PROFILE = get_profile("llama3-8b-h100")
+METRICS = ("vllm:kv_cache_usage_perc 0.25\nvllm:num_requests_running 1\n"
+           'vllm:cache_config_info{block_size="16",num_gpu_blocks="1000"} 1\n')
+
+
+def text(piece: str, finish: str | None = None, usage: int | None = None) -> dict[str, Any]:
+    """A /v1/completions chunk; ``usage``: the cumulative completion tokens it reports."""
+    event: dict[str, Any] = {"choices": [{"index": 0, "text": piece, "finish_reason": finish}]}
+    if usage is not None:
+        event["usage"] = {"prompt_tokens": 3, "completion_tokens": usage}
+    return event
+
+
+def final_usage(completion_tokens: int) -> dict[str, Any]:
+    return {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": completion_tokens}}
+
+
+@dataclass
+class FakeServer:
+    """What the FAKE server answers and what it saw."""
+
+    events: list[dict[str, Any]] = field(
+        default_factory=lambda: [text(" a"), text("", "length"), final_usage(1)])
+    status: int = 200
+    error: dict[str, Any] = field(default_factory=dict)
+    metrics: str = METRICS
+    hold: asyncio.Event | None = None  # when set, streams wait for it after their first event
+    streaming: int = 0  # streams open now
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+
+    def app(self) -> Starlette:
+        async def completions(request: Request) -> Response:
+            self.bodies.append(await request.json())
+            if self.status != 200:
+                return JSONResponse(self.error, status_code=self.status)
+            return StreamingResponse(self._stream(), media_type="text/event-stream")
+
+        async def metrics(_: Request) -> Response:
+            return PlainTextResponse(self.metrics)
+
+        return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
+                                 Route("/metrics", metrics)])
+
+    async def _stream(self) -> AsyncIterator[bytes]:
+        self.streaming += 1
+        try:
+            for i, event in enumerate(self.events):
+                yield f"data: {json.dumps(event)}\n\n".encode()
+                if i == 0 and self.hold is not None:
+                    await self.hold.wait()
+            yield b"data: [DONE]\n\n"
+        finally:
+            self.streaming -= 1
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[tuple[str, FakeServer]]:
+    fake = FakeServer()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    srv = uvicorn.Server(uvicorn.Config(fake.app(), log_level="warning", lifespan="off"))
+    task = asyncio.create_task(srv.serve(sockets=[sock]))
+    while not srv.started:
+        await asyncio.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", fake
+    finally:
+        if fake.hold is not None:
+            fake.hold.set()
+        srv.should_exit = True
+        await task
+        sock.close()
+
+
+async def started(url: str, profile: EngineProfile = PROFILE, **options: Any) -> OpenAIEngine:
+    engine = OpenAIEngine(url, "m", profile=profile, **options)
+    await engine.start()
+    return engine
+
+
+def make_req(request_id: str = "r1") -> GenerateRequest:
+    return GenerateRequest(request_id=request_id, model="m", max_tokens=8, prompt_tokens=3,
+                           prompt="hi")
+
+
+async def collect(engine: OpenAIEngine, request_id: str = "r1") -> list[TokenDelta]:
+    return [d async for d in engine.generate(make_req(request_id))]
+
+
+async def eventually(check: Callable[[], bool], within_s: float = 3.0) -> bool:
+    for _ in range(int(within_s / 0.02)):
+        if check():
+            return True
+        await asyncio.sleep(0.02)
+    return check()
+
+
+# ---- connections ------------------------------------------------------------------------
+async def test_streams_beyond_httpx_default_pool_all_run_and_metrics_still_scrape(
+    server: tuple[str, FakeServer]
+) -> None:
+    url, fake = server
+    n = 120  # httpx's default pool holds 100 connections
+    fake.hold = asyncio.Event()
+    engine = await started(url, replace(PROFILE, max_num_seqs=n), connect_timeout_s=0.5,
+                           metrics_interval_s=3600)
+    try:
+        runs = [asyncio.create_task(collect(engine, f"r{i}")) for i in range(n)]
+        assert await eventually(lambda: fake.streaming == n), fake.streaming
+        await engine.refresh_metrics()  # the pool is full of streams
+        assert engine.capacity().kv_free_tokens == 12_000
+        fake.hold.set()
+        done = await asyncio.gather(*runs)
+        assert all(deltas[-1].finish_reason == "length" for deltas in done)
+    finally:
+        await engine.close()
+
+
+# ---- how a stream ends ----------------------------------------------------------------
+@pytest.mark.parametrize(("reason", "want"), [
+    ("stop", "stop"), ("length", "length"), ("repetition", "stop"),
+])
+async def test_finish_reasons(server: tuple[str, FakeServer], reason: str, want: str) -> None:
+    url, fake = server
+    fake.events = [text(" a"), text("", reason), final_usage(1)]
+    engine = await started(url)
+    try:
+        assert (await collect(engine))[-1].finish_reason == want
+    finally:
+        await engine.close()
+
+
+async def test_a_request_the_server_ends_in_error_fails(server: tuple[str, FakeServer]) -> None:
+    url, fake = server
+    fake.events = [text(" a"), text("", "error"), final_usage(1)]
+    engine = await started(url)
+    try:
+        with pytest.raises(EngineError) as failed:
+            await collect(engine)
+        assert failed.value.code == "worker_lost"
+    finally:
+        await engine.close()
+
+
+TOO_LONG = ("This model's maximum context length is 8192 tokens. However, you requested 9000 "
+            "tokens (8992 in the messages, 8 in the completion). Please reduce the length.")
+
+
+@pytest.mark.parametrize(("message", "code"), [
+    (TOO_LONG, "too_large"),
+    ("temperature must be non-negative, got -1.0.", "invalid"),
+])
+async def test_a_400_over_the_model_length_is_too_large(
+    server: tuple[str, FakeServer], message: str, code: str
+) -> None:
+    url, fake = server
+    fake.status = 400
+    fake.error = {"object": "error", "message": message, "type": "BadRequestError",
+                  "code": 400}
+    engine = await started(url)
+    try:
+        with pytest.raises(EngineError) as refused:
+            await collect(engine)
+        assert refused.value.code == code
+    finally:
+        await engine.close()
+
+
+# ---- token counts -----------------------------------------------------------------------
+COUNTS = {
+    # vLLM with continuous_usage_stats: a chunk's tokens are the growth of the usage.
+    "continuous usage, merged chunks": (
+        [text(" a b c", usage=3), text("", usage=4), text(" d e", "stop", usage=6),
+         final_usage(6)],
+        [3, 3, 0],
+    ),
+    # A server that ignores continuous_usage_stats: one per chunk, the rest on the last.
+    "final usage only": (
+        [text(" a b c d e"), text(""), text(" f", "stop"), final_usage(7)],
+        [1, 1, 5],
+    ),
+    "no usage at all": ([text(" a"), text(" b", "length")], [1, 1, 0]),
+}
+
+
+@pytest.mark.parametrize(("events", "tokens"), COUNTS.values(), ids=COUNTS.keys())
+async def test_delta_tokens_follow_the_servers_count(
+    server: tuple[str, FakeServer], events: list[dict[str, Any]], tokens: list[int]
+) -> None:
+    url, fake = server
+    fake.events = events
+    engine = await started(url)
+    try:
+        deltas = await collect(engine)
+    finally:
+        await engine.close()
+    assert [d.tokens for d in deltas] == tokens
+    assert fake.bodies[0]["stream_options"] == {"include_usage": True,
+                                                "continuous_usage_stats": True}
+
+
+# ---- capacity -----------------------------------------------------------------------------
+NON_FINITE = {
+    "NaN kv usage": "vllm:kv_cache_usage_perc NaN\n",
+    "infinite running": "vllm:kv_cache_usage_perc 0.2\nvllm:num_requests_running +Inf\n",
+    "overflowing waiting": "vllm:kv_cache_usage_perc 0.2\nvllm:num_requests_waiting 1e400\n",
+}
+
+
+@pytest.mark.parametrize("metrics", NON_FINITE.values(), ids=NON_FINITE.keys())
+async def test_non_finite_metrics_are_unknown_load(
+    server: tuple[str, FakeServer], metrics: str
+) -> None:
+    url, fake = server
+    engine = await started(url, metrics_interval_s=3600)
+    try:
+        assert engine.capacity().kv_free_tokens == 12_000
+        fake.metrics = metrics
+        await engine.refresh_metrics()
+        assert engine.capacity().kv_free_tokens == 0  # unknown: fail closed
+    finally:
+        await engine.close()
+
+
+async def test_the_poll_outlives_a_failing_scrape(
+    server: tuple[str, FakeServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url, _ = server
+    engine = await started(url, metrics_interval_s=0.01)
+
+    def free() -> int:
+        return engine.capacity().kv_free_tokens
+
+    def broken(_: str) -> openai.ServerLoad:
+        raise RuntimeError("a failure refresh_metrics does not expect")
+
+    try:
+        assert free() == 12_000
+
+        monkeypatch.setattr(openai, "parse_vllm_metrics", broken)
+        assert await eventually(lambda: free() == 0)  # unknown: fail closed
+        monkeypatch.undo()
+        assert await eventually(lambda: free() == 12_000)  # and it still follows the server
+    finally:
+        await engine.close()

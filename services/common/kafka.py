@@ -206,12 +206,15 @@ async def ensure_topics(
 def _raise_topic_errors(response: Any) -> None:
     """aiokafka returns CreateTopics' per-topic errors without raising them: a topic the
     broker refused (ACLs, a create policy) would only show as a timeout waiting for it.
-    Raise the first, as its own error class (``retriable`` where retrying may help)."""
+    Raise the first one no retry mends, as its own error class."""
     for entry in getattr(response, "topic_errors", ()):
         name, code = entry[0], entry[1]
-        if code not in (0, TopicAlreadyExistsError.errno):
+        error = for_code(code)
+        # A retriable one (the controller moved, a slow create) is left to the wait for
+        # the topic's leaders that follows, as before.
+        if code not in (0, TopicAlreadyExistsError.errno) and not error.retriable:
             detail = entry[2] if len(entry) > 2 and entry[2] else "refused"
-            raise for_code(code)(f"creating topic {name!r}: {detail}")
+            raise error(f"creating topic {name!r}: {detail}")
 
 
 async def _until_led(admin: AIOKafkaAdminClient, names: list[str]) -> None:

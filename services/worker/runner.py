@@ -48,6 +48,7 @@ run produces (events, chunks, the terminal) carries the span's context, computed
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -419,7 +420,15 @@ class RequestRun:
         if sent == "superseded":
             return Outcome("superseded", self._tokens, acked=True)
         if sent == "given_up":
-            return Outcome(kind, self._tokens, acked=False, terminal=label, e2e_s=e2e)
+            # The client cannot be answered; the scheduler and ingest still must learn the
+            # attempt is over, or its KV booking and the tenant's slot stay taken for as
+            # long as this worker lives. An event only (it says no reply was sent).
+            unsent = self._event(EventFailed, code="worker_lost", usage=event.usage,
+                                 message=f"its {label} reply could not be sent")
+            with contextlib.suppress(Fenced):  # fenced: the scheduler ends it on its own
+                await self._until_acked([_Sent(self.cfg.events_topic, unsent)],
+                                        ask_first=False)
+            return Outcome(kind, self._tokens, acked=False, terminal=None, e2e_s=e2e)
         try:
             await self._until_acked([_Sent(self.cfg.events_topic, event)], ask_first=False)
         except Fenced:

@@ -526,3 +526,16 @@ def test_a_request_only_a_borrowed_pool_can_serve_borrows_once_past_its_aging_bo
             if r.request.request_id != "long":
                 ledger.release(*r.key)
     assert placed_at == bound
+
+
+def test_an_overdue_head_with_workers_of_its_own_still_lends_nothing_past_pending_work() -> None:
+    # High requests are overdue at once (aging bound 0 s): borrowing whenever overdue let
+    # every high short request take dedicated long workers while long work waited.
+    full = make_worker("sw", pool="short", running=256)
+    long_worker = make_worker("lw", pool="long", kv_total_tokens=20_000)
+    ledger = Ledger()
+    assert ledger.reserve(long_worker, make_request("x", lane="long", kv_tokens=8_000))
+    shorts = [make_request(f"s{i}", priority="high") for i in range(3)]
+    decisions = run([full, long_worker], *shorts,
+                    make_request("l", lane="long", kv_tokens=16_000), ledger=ledger)
+    assert placed(decisions) == []

@@ -36,9 +36,9 @@ Order of work:
    :mod:`services.scheduler.policies.profile`). A head of lane L that fits no worker of
    its own route may be placed on a worker of the other lane's dedicated pool when no
    request of that other lane is pending for its model (so the borrowed worker's own lane
-   loses nothing now; a head past its aging bound borrows regardless, or a lane with no
-   worker of its own would wait on the other lane's traffic without bound), the head has
-   waited ``spill[L].after_s``, and the worker holds
+   loses nothing now; a head past its aging bound whose lane has no worker of its own
+   borrows regardless, or it would wait on the other lane's traffic without bound), the
+   head has waited ``spill[L].after_s``, and the worker holds
    fewer than ``spill[L].max_per_worker`` reservations of lane L (0: no bound). Every
    filter and hold applies there as on the head's own route; the other lane's requests
    that arrive later take the borrowed worker back as the borrowed work finishes. Static
@@ -244,21 +244,25 @@ class _Cycle:
         if isinstance(outcome, Placement):
             return outcome
         if self.pipeline.spill:
-            spilled = self._spill(request)
+            spilled = self._spill(request, own_pool=bool(index.members))
             if spilled is not None:
                 return spilled
         return self._blocked(request, route, index, outcome)
 
-    def _spill(self, request: QueuedRequest) -> Placement | None:
-        """Place ``request`` on the other lane's dedicated pool, if step 5 allows it."""
+    def _spill(self, request: QueuedRequest, own_pool: bool) -> Placement | None:
+        """Place ``request`` on the other lane's dedicated pool, if step 5 allows it.
+        ``own_pool``: its own route has workers (then an overdue head holds one of them,
+        step 4, instead of borrowing past the other lane's pending work)."""
         lane, model = request.lane, request.model
         rule = self.pipeline.spill.get(lane)
         if rule is None or self.now - request.enqueued_at < rule.after_s:
             return None
         other = _other(lane)
-        overdue = self.now - request.enqueued_at >= self.pending.aging_bound_s(request.priority)
+        # With no worker of its own lane, an overdue head has nothing to hold: it borrows.
+        stranded = not own_pool and (
+            self.now - request.enqueued_at >= self.pending.aging_bound_s(request.priority))
         for klass in self.pending.class_keys():
-            if klass[0] == other and klass[2] == model and not overdue:
+            if klass[0] == other and klass[2] == model and not stranded:
                 return None  # the other lane has work of its own: lend nothing
         route: Route = (model, request.model_version, other)
         borrowed = _borrowed(other, self._route_admits(request, lane=other))

@@ -58,10 +58,17 @@ class FakeServer:
     hold: asyncio.Event | None = None  # when set, streams wait for it after their first event
     streaming: int = 0  # streams open now
     bodies: list[dict[str, Any]] = field(default_factory=list)
+    strict: bool = False  # refuses stream_options it does not know, as OpenAI's API does
 
     def app(self) -> Starlette:
         async def completions(request: Request) -> Response:
-            self.bodies.append(await request.json())
+            body = await request.json()
+            self.bodies.append(body)
+            if self.strict and "continuous_usage_stats" in body.get("stream_options", {}):
+                return JSONResponse({"error": {
+                    "message": "Unknown parameter: 'stream_options.continuous_usage_stats'.",
+                    "type": "invalid_request_error", "code": "unknown_parameter"}},
+                    status_code=400)
             if self.status != 200:
                 return JSONResponse(self.error, status_code=self.status)
             return StreamingResponse(self._stream(), media_type="text/event-stream")
@@ -274,3 +281,21 @@ async def test_the_poll_outlives_a_failing_scrape(
         assert await eventually(lambda: free() == 12_000)  # and it still follows the server
     finally:
         await engine.close()
+
+
+async def test_a_server_refusing_continuous_usage_stats_is_asked_again_without_it(
+    server: tuple[str, FakeServer],
+) -> None:
+    # A strict OpenAI-compatible server refused every request once the field was sent.
+    url, fake = server
+    fake.strict = True
+    engine = await started(url)
+    try:
+        first, second = await collect(engine, "r1"), await collect(engine, "r2")
+    finally:
+        await engine.close()
+    assert [d.text for d in first] == [d.text for d in second] == [" a", ""]
+    assert sum(d.tokens for d in first) == 1  # the final usage still counts
+    assert [b["stream_options"] for b in fake.bodies] == [
+        {"include_usage": True, "continuous_usage_stats": True},
+        {"include_usage": True}, {"include_usage": True}]

@@ -3,10 +3,12 @@
 Generation streams from ``POST /v1/completions`` (or ``/v1/chat/completions`` for chat
 requests) with ``stream=true`` and ``stream_options`` ``include_usage`` and
 ``continuous_usage_stats`` (a vLLM extension: every chunk carries the cumulative
-``usage.completion_tokens``). Each server-sent ``data:`` event carrying text is one delta;
-its tokens are the growth of ``completion_tokens`` when the event carries usage (vLLM merges
-several tokens into one chunk under load, with speculative decoding or ``--stream-interval``),
-else one. Tokens the deltas did not account for (chunks without text, a server that ignores
+``usage.completion_tokens``; a server that refuses the field with a 400/422 naming it gets
+the request again without it, and no later request carries it). Each server-sent
+``data:`` event carrying text is one delta; its tokens are the growth of
+``completion_tokens`` when the event carries usage (vLLM merges several tokens into one
+chunk under load, with speculative decoding or ``--stream-interval``), else one. Tokens
+the deltas did not account for (chunks without text, a server without
 ``continuous_usage_stats``) go on the last delta, from the final usage event. ``data:
 [DONE]`` ends the stream. vLLM's ``finish_reason`` ``"error"`` (a request-level failure in
 the server) ends the request ``worker_lost``; ``"repetition"`` is a stop. Aborting closes the
@@ -145,8 +147,19 @@ def _finish(reason: object) -> FinishReason | None:
     return None if reason in (None, "abort") else "stop"
 
 
+async def _refuses_usage_stats(response: httpx.Response) -> bool:
+    """A 400/422 naming ``continuous_usage_stats``: a server that validates
+    ``stream_options`` strictly (OpenAI's own API, some gateways) and lacks vLLM's
+    extension."""
+    if response.status_code not in (400, 422):
+        return False
+    body = (await response.aread()).decode(errors="replace")
+    return "continuous_usage_stats" in body
+
+
 def request_body(
-    req: GenerateRequest, served_model: str, *, priority: bool = False
+    req: GenerateRequest, served_model: str, *, priority: bool = False,
+    continuous_usage: bool = True,
 ) -> tuple[str, dict[str, Any]]:
     """Path and JSON body of the streaming request for ``req``; with ``priority``, the
     request's ``priority`` (class, then lane) as vLLM's ``priority`` field (a vLLM
@@ -161,8 +174,10 @@ def request_body(
         "presence_penalty": req.presence_penalty,
         "frequency_penalty": req.frequency_penalty,
         "stream": True,
-        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        "stream_options": {"include_usage": True},
     }
+    if continuous_usage:
+        body["stream_options"]["continuous_usage_stats"] = True
     if req.stop:
         body["stop"] = list(req.stop)
     if req.seed is not None:
@@ -234,6 +249,8 @@ class OpenAIEngine:
                  scheduling_policy: SchedulingPolicy = "fcfs") -> None:
         self.base_url = base_url.rstrip("/")
         self._by_priority = scheduling_policy == "priority"
+        # Dropped for good once the server refuses it (a strict OpenAI-compatible server).
+        self._continuous_usage = True
         self.served_model = served_model
         self.profile = profile
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -284,23 +301,33 @@ class OpenAIEngine:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
         if self._client is None:
             raise EngineError("worker_lost", "openai engine is not started")
-        path, body = request_body(request, self.served_model, priority=self._by_priority)
         rid = request.request_id
         self._in_flight[rid] = request.prompt_tokens + request.max_tokens
         tally = _Tally()
         try:
-            async with self._client.stream("POST", path, json=body) as response:
-                self._responses[rid] = response
-                await self._check_status(response)
-                async for event in self._events(response):
-                    if rid in self._aborted:
-                        # Lines already buffered still arrive after aclose(): drop them.
-                        raise EngineAborted(f"request {rid} aborted")
-                    delta = tally.take(event)
-                    if delta is not None:
-                        self._rate.add(delta.tokens, time.monotonic())
-                        yield delta
-                yield tally.last()
+            while True:
+                path, body = request_body(request, self.served_model,
+                                          priority=self._by_priority,
+                                          continuous_usage=self._continuous_usage)
+                async with self._client.stream("POST", path, json=body) as response:
+                    self._responses[rid] = response
+                    if self._continuous_usage and await _refuses_usage_stats(response):
+                        self._continuous_usage = False
+                        _log.warning("engine server refuses stream_options."
+                                     "continuous_usage_stats; counting one token a chunk, "
+                                     "corrected by the final usage")
+                        continue  # the same request again, without it (nothing streamed)
+                    await self._check_status(response)
+                    async for event in self._events(response):
+                        if rid in self._aborted:
+                            # Lines already buffered still arrive after aclose(): drop them.
+                            raise EngineAborted(f"request {rid} aborted")
+                        delta = tally.take(event)
+                        if delta is not None:
+                            self._rate.add(delta.tokens, time.monotonic())
+                            yield delta
+                    yield tally.last()
+                    return
         except (httpx.HTTPError, EngineError) as exc:
             if rid in self._aborted:
                 raise EngineAborted(f"request {rid} aborted") from None

@@ -203,6 +203,16 @@ async def ensure_topics(
         await admin.close()
 
 
+async def topic_exists(bootstrap: str, name: str, timeout_s: float = 10.0) -> bool:
+    """Whether topic ``name`` exists (never creates it)."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=15_000)
+    await asyncio.wait_for(admin.start(), timeout_s)
+    try:
+        return name in set(await asyncio.wait_for(admin.list_topics(), timeout_s))
+    finally:
+        await admin.close()
+
+
 def _raise_topic_errors(response: Any) -> None:
     """aiokafka returns CreateTopics' per-topic errors without raising them: a topic the
     broker refused (ACLs, a create policy) would only show as a timeout waiting for it.

@@ -39,7 +39,7 @@ from mode import Service
 from schemas.codec import encode
 from services.common.faust_app import make_app
 from services.common.guard import DeadLetterSend, Guard, Headers
-from services.common.kafka import ensure_topics, key_partition, track_topics
+from services.common.kafka import ensure_topics, key_partition, topic_exists, track_topics
 from services.common.settings import Settings
 from services.ingest.cluster import ClusterTracker, ClusterWatcher, Freshness
 from services.ingest.core import TokenCounter
@@ -116,6 +116,7 @@ def build_app(rt: IngestRuntime) -> IngestApp:
         ensure_topic=_topic_creator(rt.settings.bootstrap, topics), clock=rt.clock,
         counters=rt.counters, reservation_grace_s=rt.ingest.reservation_grace_s,
         owner_partition=_partitioner(topics.partitions),
+        topic_exists=partial(topic_exists, rt.settings.bootstrap),
     )
     _add_agents(app, rt, handler, guard, watcher)
     app.service(_ingest_service(app, rt, watcher))

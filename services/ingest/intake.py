@@ -48,7 +48,7 @@ import logging
 import re
 from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
-from typing import Any, Final, Literal, Protocol
+from typing import Any, Final, Literal, Protocol, TypeVar
 
 from aiokafka.errors import KafkaError, KafkaTimeoutError
 from opentelemetry.trace import Span, SpanKind
@@ -90,7 +90,8 @@ from services.ingest.tenants import Tenancy
 from services.ingest.topics import INSTANCE_REPLIES, IngestTopics
 
 _log = logging.getLogger(__name__)
-#: Waits between tries of a transient failure (``IntakeHandler._ensure_until_done``).
+_T = TypeVar("_T")
+#: Waits between tries of a transient failure (``IntakeHandler._until_done``).
 _RETRY_FIRST_S: Final = 0.1
 _RETRY_MAX_S: Final = 5.0
 _RETRY_FOR_S: Final = 60.0
@@ -161,6 +162,7 @@ class IntakeHandler:
         counters: Mapping[str, TokenCounter] | None = None,
         reservation_grace_s: float = 30.0,
         owner_partition: Callable[[bytes], int] | None = None,
+        topic_exists: Callable[[str], Awaitable[bool]] | None = None,
     ) -> None:
         self._topics = topics
         self._tenancy = tenancy
@@ -169,6 +171,7 @@ class IntakeHandler:
         self._reservations = reservations
         self._publish = publish
         self._ensure_topic = ensure_topic
+        self._topic_exists = topic_exists  # None: instance reply topics are not checked
         self._clock = clock
         self._counters = counters or {}
         self._grace = reservation_grace_s
@@ -210,6 +213,18 @@ class IntakeHandler:
             await self._publish(self._topics.intake, tenant_key, bytes(record.value), headers)
             return
         now = self._clock()
+        target = authorized_reply_topic(req, self._topics.prefix)
+        if target is not None and not await self._instance_topic_ok(target):
+            # An ingest instance's topic exists while it runs; one named but missing has
+            # nobody reading it, and creating it would let any tenant make topics at will.
+            span.set_attribute(tracing.LLMQ_OUTCOME, "invalid")
+            _count_refusal("invalid")
+            await self._send(reply_topic(self._topics.prefix, req.tenant), _error(
+                req.request_id, "invalid",
+                f"reply_to {target!r} names no running ingest instance (the topic does not "
+                "exist); leave reply_to empty to get replies on your tenant's topic", now,
+            ))
+            return
         held = self._reservations.get(req.request_id)
         if held is not None:
             if _same_caller(held, req, self._topics.prefix):
@@ -379,28 +394,46 @@ class IntakeHandler:
 
     async def _send(self, topic: str, message: AdmittedRequest | Error) -> None:
         if topic not in self._known_topics:
-            # A tenant's default reply topic may not exist yet; requests topics do.
-            await self._ensure_until_done(topic)
-            self._known_topics.add(topic)
+            if _instance_reply_topic(topic, self._topics.prefix):
+                # Never created here (only checked): see _on_request.
+                if not await self._instance_topic_ok(topic):
+                    _log.warning("request %s: its reply topic %s does not exist: no reply",
+                                 message.request_id, topic)
+                    return
+            else:
+                # A tenant's default reply topic may not exist yet; requests topics do.
+                await self._until_done(lambda: self._ensure_topic(topic), topic)
+                self._known_topics.add(topic)
         # The current span (admission) is the parent of whatever handles this record next.
         await self._publish(topic, message.request_id.encode(), encode(message),
                             tracing.inject())
 
 
-    async def _ensure_until_done(self, topic: str) -> None:
-        """Make sure of ``topic``, again after a transient failure (the broker or its
-        controller away), with a doubling wait: the request's decision is already taken
-        (and recorded), so raising would dead-letter a valid request with no answer for
-        its client. This agent waits meanwhile, as it would for any send: backpressure, up
-        to ``_RETRY_FOR_S``. A failure a retry cannot mend (the broker refusing the topic:
-        ACLs, a create policy) raises at once, and so does one that lasts longer: the
-        guard dead-letters the record, and admission goes on for everyone else."""
+    async def _instance_topic_ok(self, topic: str) -> bool:
+        """False for an ingest instance's reply topic that does not exist (others: True)."""
+        if topic in self._known_topics or self._topic_exists is None \
+                or not _instance_reply_topic(topic, self._topics.prefix):
+            return True
+        check = self._topic_exists
+        if not await self._until_done(lambda: check(topic), topic):
+            return False
+        self._known_topics.add(topic)
+        return True
+
+    async def _until_done(self, action: Callable[[], Awaitable[_T]], topic: str) -> _T:
+        """``action()`` on ``topic`` (make sure of it, or check it exists), again after a
+        transient failure (the broker or its controller away), with a doubling wait: the
+        request's decision may be taken (and recorded) already, so raising would
+        dead-letter a valid request with no answer for its client. This agent waits
+        meanwhile, as it would for any send: backpressure, up to ``_RETRY_FOR_S``. A
+        failure a retry cannot mend (the broker refusing the topic: ACLs, a create policy)
+        raises at once, and so does one that lasts longer: the guard dead-letters the
+        record, and admission goes on for everyone else."""
         wait = _RETRY_FIRST_S
         give_up_at = self._clock() + _RETRY_FOR_S
         while True:
             try:
-                await self._ensure_topic(topic)
-                return
+                return await action()
             except (KafkaError, TimeoutError, OSError) as exc:
                 if isinstance(exc, KafkaError) and not _transient(exc):
                     raise

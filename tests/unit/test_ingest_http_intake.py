@@ -47,6 +47,7 @@ class Harness:
     def __init__(
         self, tenancy: Tenancy, tracker: ClusterTracker | None = None,
         owner_partition: Callable[[bytes], int] | None = None,
+        existing: set[str] | None = None,
     ) -> None:
         self.sent: list[tuple[str, bytes, bytes]] = []
         self.ensured: list[str] = []
@@ -60,7 +61,10 @@ class Harness:
             topics=TOPICS, tenancy=tenancy, tracker=tracker, buckets=self.buckets,
             reservations=self.reservations, publish=self._publish, ensure_topic=self._ensure,
             clock=lambda: self.now, reservation_grace_s=30.0, owner_partition=owner_partition,
+            topic_exists=None if existing is None else self._exists,
         )
+        self.existing = existing or set()
+        self.checked: list[str] = []
 
     async def _publish(self, topic: str, key: bytes, value: bytes,
                        headers: list[tuple[str, bytes]] | None = None) -> None:
@@ -68,6 +72,10 @@ class Harness:
 
     async def _ensure(self, topic: str) -> None:
         self.ensured.append(topic)
+
+    async def _exists(self, topic: str) -> bool:
+        self.checked.append(topic)
+        return topic in self.existing
 
     async def submit(self, req: InferenceRequest, key: bytes | None = None) -> None:
         raw = encode(req)
@@ -367,3 +375,20 @@ async def test_a_reply_topic_failing_for_a_minute_is_given_up_to_the_guard() -> 
     with pytest.raises(TimeoutError):
         await h.submit(request("r2", "acme"))
     assert h.now - NOW == 75.0  # three tries: past the minute on the third
+
+
+async def test_a_reply_to_naming_no_running_ingest_instance_is_refused_not_created() -> None:
+    # Any well-formed `<prefix>.replies.ingest-<id>` was accepted and its topic created
+    # (here, by the scheduler and workers downstream): a tenant could make topics at will.
+    h = Harness(load_tenancy(None), existing={"llmq.replies.ingest-b"})  # another instance
+    await h.submit(request("r1", reply_to="llmq.replies.ingest-b"))
+    await h.submit(request("r2", reply_to="llmq.replies.ingest-forged1"))
+    [(_, _, admitted)] = [s for s in h.sent if s[0].startswith("llmq.requests.")]
+    assert decode(admitted, REQUEST_ADAPTER).request_id == "r1"
+    [refusal] = h.replies()
+    assert (refusal.request_id, refusal.code) == ("r2", "invalid")
+    assert "no running ingest instance" in refusal.message
+    assert [t for t, _, _ in h.sent if t.endswith("forged1")] == []
+    assert h.ensured == ["llmq.replies.default"]  # the tenant's own, for the refusal
+    await h.submit(request("r3", reply_to="llmq.replies.ingest-b"))
+    assert h.checked == ["llmq.replies.ingest-b", "llmq.replies.ingest-forged1"]  # b once

@@ -88,7 +88,9 @@ async def test_api_keys_map_to_tenants(keyed: IngestProcess, worker: FakeWorker)
         assert (await client.get("/v1/models")).status_code == 401
         ok = await _post(client, "acme-key", "req-key-2")
         assert ok.status_code == 200, ok.text
-    assert next(a for a in worker.admitted if a.request_id == "req-key-2").request.tenant == "acme"
+    # A client-chosen id is scoped to its tenant downstream (replies are routed by id).
+    assert next(a for a in worker.admitted
+                if a.request_id == "acme:req-key-2").request.tenant == "acme"
 
 
 async def _exhaust(base_url: str, tag: str) -> httpx.Response:
@@ -118,8 +120,8 @@ async def test_burst_over_limit_is_429_and_not_queued(
     assert streamed.status_code == 429 and "retry-after" in streamed.headers
     assert streamed.headers["content-type"] == "application/json"
     await asyncio.sleep(1.0)  # anything queued would have reached the fake worker by now
-    assert worker.seen("req-burst-0") and worker.seen("req-burst-1")
-    assert not worker.seen("req-burst-2") and not worker.seen("req-burst-3")
+    assert worker.seen("acme:req-burst-0") and worker.seen("acme:req-burst-1")
+    assert not worker.seen("acme:req-burst-2") and not worker.seen("acme:req-burst-3")
 
 
 async def test_limits_survive_a_restart(

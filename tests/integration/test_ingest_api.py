@@ -77,7 +77,8 @@ async def test_completion_non_streaming(client: httpx.AsyncClient, worker: FakeW
     ]
     assert body["usage"]["completion_tokens"] == 3
     assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + 3
-    admitted = next(a for a in worker.admitted if a.request_id == "req-nonstream-1")
+    # The caller's id is scoped to its tenant downstream; responses show the caller's own.
+    admitted = next(a for a in worker.admitted if a.request_id == "default:req-nonstream-1")
     assert admitted.priority == "high" and admitted.lane == "short"
     assert admitted.reply_topic.startswith(f"{worker.prefix}.replies.ingest-")
 
@@ -163,7 +164,7 @@ async def test_disconnect_mid_stream_cancels(
         await client.post("/v1/completions", json={"model": MODEL, "prompt": "x"},
                           headers={"x-request-id": "req-gone-2"}, timeout=0.5)
     cancels = await _cancels(bootstrap, f"{topic_prefix}.control", want=2, timeout_s=10.0)
-    assert sorted(c.request_id for c in cancels) == ["req-gone-1", "req-gone-2"]
+    assert sorted(c.request_id for c in cancels) == ["default:req-gone-1", "default:req-gone-2"]
     assert all(c.tenant == "default" and c.issued_by == "ingest" for c in cancels)
 
 

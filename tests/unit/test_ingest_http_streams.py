@@ -245,3 +245,32 @@ async def test_a_gathered_answer_keeps_only_the_newest_attempts_text() -> None:
     assert out.status == 200
     assert json.loads(out.body)["choices"][0]["text"] == "new"
     assert not api.producer.cancels
+
+
+def test_a_client_chosen_id_is_scoped_to_its_tenant() -> None:
+    # Replies are routed by request id alone: unscoped, a tenant reusing another's
+    # x-request-id got that request's late replies (after its caller gave up) as its own.
+    assert routes.scoped_request_id("acme", "job-1") == "acme:job-1"
+    assert routes.scoped_request_id("beta", "job-1") == "beta:job-1"
+    long = routes.scoped_request_id("acme", "j" * 128)
+    assert long.startswith("acme:") and len(long) <= 128
+    assert long != routes.scoped_request_id("acme", "j" * 127 + "k")
+    assert routes.scoped_request_id("acme", "bad id!") == "bad id!"  # validation names it
+
+
+async def test_the_caller_sees_its_own_id_while_llmq_uses_the_scoped_one() -> None:
+    api = Api([(0.01, lambda rid: make_done(request_id=rid, attempt=1))])
+    body = json.dumps({"model": "m", "prompt": "x"}).encode()
+    sent: list[str] = []
+    submit = api.producer.send_and_wait
+
+    async def record(topic: str, value: bytes, key: bytes | None = None,
+                     headers: Any = None) -> None:
+        if topic == TOPICS.intake:
+            sent.append(decode(value, InferenceRequest).request_id)
+        await submit(topic, value, key, headers)
+
+    api.producer.send_and_wait = record  # type: ignore[method-assign]
+    out = await _post_raw(api, [body], [(b"x-request-id", b"job-1")])
+    assert out.status == 200 and json.loads(out.body)["id"] == "job-1"
+    assert sent == ["default:job-1"]

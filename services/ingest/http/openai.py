@@ -57,6 +57,13 @@ class ParsedCall:
     kind: Kind
     stream: bool
     include_usage: bool
+    #: The id the caller knows the request by (its ``x-request-id``, else the generated
+    #: one): what responses show. ``request.request_id`` may be scoped to the tenant.
+    client_id: str = ""
+
+    @property
+    def id(self) -> str:
+        return self.client_id or self.request.request_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +74,7 @@ class Origin:
     tenant: str
     reply_to: str
     now: float
+    client_id: str | None = None  # the caller's x-request-id, when it chose one
 
 
 def parse_json(raw: bytes) -> Mapping[str, Any]:
@@ -126,7 +134,7 @@ def to_inference_request(
     except SchemaError as exc:
         raise from_schema_error(exc, client_field(exc.field, max_field)) from None
     include_usage = _flag(options, "include_usage", "stream_options.include_usage")
-    return ParsedCall(request, kind, stream, include_usage)
+    return ParsedCall(request, kind, stream, include_usage, origin.client_id or "")
 
 
 def client_field(field: str, max_field: str = "max_tokens") -> str | None:
@@ -280,7 +288,7 @@ def completion_object(
     else:
         choice["text"] = text
     return {
-        "id": call.request.request_id,
+        "id": call.id,
         "object": "chat.completion" if call.kind == "chat" else "text_completion",
         "created": created,
         "model": call.request.model,
@@ -316,7 +324,7 @@ def usage_chunk(call: ParsedCall, created: int, done: Done) -> dict[str, Any]:
 
 def _chunk_envelope(call: ParsedCall, created: int, choices: list[Any]) -> dict[str, Any]:
     return {
-        "id": call.request.request_id,
+        "id": call.id,
         "object": "chat.completion.chunk" if call.kind == "chat" else "text_completion",
         "created": created,
         "model": call.request.model,

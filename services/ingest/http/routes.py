@@ -27,6 +27,8 @@ retries); a restart before any text was sent just carries on.
 
 from __future__ import annotations
 
+import hashlib
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -41,6 +43,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from schemas.base import ID_PATTERN
 from schemas.codec import MAX_RECORD_BYTES
 from schemas.replies import Done, Error, TokenChunk
 from services.common import tracing
@@ -224,16 +227,33 @@ async def _read_body(request: Request) -> bytes:
     return b"".join(parts)
 
 
+def scoped_request_id(tenant: str, client_id: str) -> str:
+    """The request id of a call whose client chose ``client_id`` (``x-request-id``): scoped
+    to the tenant, as replies are routed by request id alone. Unscoped, a tenant reusing
+    another's id got that request's late replies (after the first caller gave up) as its
+    own answer. Too long for an id once scoped: the tenant and a digest of the client's
+    id. An id that is not valid is passed on as it is, so validation names it."""
+    if re.fullmatch(ID_PATTERN, client_id) is None:
+        return client_id
+    scoped = f"{tenant}:{client_id}"
+    if len(scoped) <= 128:
+        return scoped
+    return f"{tenant}:{hashlib.sha256(client_id.encode()).hexdigest()[:48]}"
+
+
 async def _complete(deps: HttpDeps, request: Request, kind: Kind) -> Response:
     span = _http_span(request, kind)
     try:
         tenant = _tenant(deps, request)
         body = parse_json(await _read_body(request))
+        client_id = request.headers.get("x-request-id") or None
         origin = Origin(
-            request_id=request.headers.get("x-request-id") or f"cmpl-{uuid.uuid4().hex}",
+            request_id=scoped_request_id(tenant, client_id) if client_id
+            else f"cmpl-{uuid.uuid4().hex}",
             tenant=tenant,
             reply_to=deps.gateway.topics.reply,
             now=deps.clock(),
+            client_id=client_id,
         )
         call = to_inference_request(body, kind, origin, request.headers, deps.defaults)
         req = call.request
@@ -244,7 +264,7 @@ async def _complete(deps: HttpDeps, request: Request, kind: Kind) -> Response:
         }))
         stream = await deps.gateway.submit(
             req, tracing.inject(ctx=trace.set_span_in_context(span)),
-            client_id=bool(request.headers.get("x-request-id")),
+            client_id=client_id is not None,
         )
     except BaseException as exc:
         # Refused before it was queued (401, 400, 409, 503): the span ends here.
@@ -294,7 +314,7 @@ class _Call:
         # Polls for a vanished client: before the first reply a stream has not started, so
         # nothing else would notice (the relay of a started stream uses without_polling()).
         self.waiter = _Waiter(stream, request, deadline)
-        self.headers = {"x-request-id": call.request.request_id}
+        self.headers = {"x-request-id": call.id}
 
     def finish(self, cancel_reason: str | None) -> None:
         if self._finished:

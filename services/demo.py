@@ -25,12 +25,17 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from aiokafka.errors import KafkaError
 
 from llmq.client import LlmqClient
 from schemas.replies import Done
+from services.common.replies import StreamClosed
 from services.sim.workload import TraceRequest, attach_classes, load_trace, scale_to_rate
 
 LANE_THRESHOLD = 2000
+#: What ends one request without ending the run: HTTP and socket errors, a timeout, a Kafka
+#: error (a send that timed out) and a reply stream closed under it.
+_REQUEST_FAILURES = (httpx.HTTPError, TimeoutError, OSError, KafkaError, StreamClosed)
 _WORDS = ("alpha", "beta", "gamma", "delta", "kappa", "omega", "sigma", "theta")
 
 
@@ -73,8 +78,10 @@ def plan(trace: Path, n: int, rate: float, seed: int, max_prompt: int,
 async def _via_http(base_url: str, req: TraceRequest, prompt: str, model: str,
                     timeout_s: float) -> Outcome:
     lane = _lane(req)
+    # Without include_usage a stream carries no usage, and its completion tokens would count 0.
     body = {"model": model, "prompt": prompt, "max_tokens": req.output_tokens, "stream": True,
-            "priority": req.priority, "timeout": timeout_s}
+            "stream_options": {"include_usage": True}, "priority": req.priority,
+            "timeout": timeout_s}
     start = time.monotonic()
     ttft = None
     tokens = 0
@@ -136,14 +143,15 @@ async def run_demo(bootstrap: str, prefix: str, base_url: str, requests: list[Tr
 
         async def one(i: int, req: TraceRequest) -> None:
             await asyncio.sleep(max(0.0, started + req.arrival_s - time.monotonic()))
+            sent = time.monotonic()
             try:
                 if i % 2 == 0:
                     out = await _via_http(base_url, req, prompts[i], model, timeout_s)
                 else:
                     out = await _via_kafka(client, req, prompts[i], timeout_s)
-            except (httpx.HTTPError, TimeoutError, OSError) as exc:
+            except _REQUEST_FAILURES as exc:  # that request failed; the run goes on
                 out = Outcome("http" if i % 2 == 0 else "kafka", _lane(req), req.priority,
-                              False, type(exc).__name__, None, time.monotonic() - started, 0)
+                              False, type(exc).__name__, None, time.monotonic() - sent, 0)
             outcomes.append(out)
             if progress is not None:
                 progress(len(outcomes), len(requests))

@@ -127,6 +127,8 @@ async def _scrape_one(client: httpx.AsyncClient, name: str, url: str, at: float
         return None, Endpoint(name, url, f"HTTP {exc.response.status_code}")
     except httpx.HTTPError as exc:
         return None, Endpoint(name, url, f"unreachable ({type(exc).__name__}: {exc})")
+    except httpx.InvalidURL as exc:  # a malformed URL in services.json; not an HTTPError
+        return None, Endpoint(name, url, f"bad URL ({exc})")
     except ValueError as exc:
         return None, Endpoint(name, url, f"not Prometheus text ({exc})")
     return scrape, Endpoint(name, url, None, len(scrape.samples))

@@ -1,5 +1,6 @@
 """``llmq top`` without a broker and its options (no Kafka needed): Kafka down is one clear
-line and exit 1, whatever the metrics endpoints say."""
+line and exit 1, whatever the metrics endpoints say; a malformed endpoint URL is that
+endpoint's error."""
 
 from __future__ import annotations
 
@@ -7,12 +8,13 @@ import json
 import socket
 from pathlib import Path
 
+import httpx
 import pytest
 from click.testing import CliRunner
 
 from services.common.settings import Settings
 from services.ops.status import services_file
-from services.ops.top import top
+from services.ops.top import scrape_round, top
 
 
 def _closed_port() -> int:
@@ -55,3 +57,14 @@ def test_help_names_the_options() -> None:
     out = CliRunner().invoke(top, ["--help"]).output
     for option in ("--interval", "--once", "--json", "--group"):
         assert option in out
+
+
+async def test_a_malformed_metrics_url_is_that_endpoints_error() -> None:
+    metrics = httpx.MockTransport(lambda _: httpx.Response(200, text="up 1\n"))
+    urls = {"scheduler": "http://127.0.0.1:9400/metrics", "bad": "http://[::1/metrics"}
+    async with httpx.AsyncClient(transport=metrics) as client:
+        round_ = await scrape_round(client, urls, clock=lambda: 1.0)
+    assert set(round_.scrapes) == {"scheduler"}
+    errors = {ep.name: ep.error for ep in round_.endpoints}
+    assert errors["scheduler"] is None
+    assert errors["bad"] is not None and errors["bad"].startswith("bad URL (")

@@ -21,6 +21,7 @@ from services.ingest.core.admission import (
     Reject,
     RejectCheck,
     admit,
+    may_use_model,
 )
 from services.ingest.core.classify import DEFAULT_LANE_THRESHOLD, LaneConfig, classify_lane
 from services.ingest.core.config import AdmissionConfig, IngestConfig
@@ -82,6 +83,7 @@ __all__ = [
     "counter_from_tokenizer_json",
     "kv_bytes_for",
     "kv_tokens_for",
+    "may_use_model",
     "policies_from_mapping",
     "prompt_tokens",
     "refilled",

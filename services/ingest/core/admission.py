@@ -160,7 +160,7 @@ def admit(
     live = capacity is not None and capacity.live_workers > 0
     if shape is None and not live:
         return _unknown_model(request.model, "unknown_model")
-    if not _allowed(tenant_policy, request.model, shape):
+    if not may_use_model(tenant_policy, request.model, shape):
         return _unknown_model(request.model, "model_not_allowed")
     total = request.prompt_tokens + request.max_tokens
     block_size = config.default_block_size if shape is None else shape.block_size
@@ -201,7 +201,8 @@ def _unknown_model(name: str, check: RejectCheck) -> Reject:
     return Reject("unknown_model", reason, None, check)
 
 
-def _allowed(policy: TenantPolicy, name: str, shape: ModelShape | None) -> bool:
+def may_use_model(policy: TenantPolicy, name: str, shape: ModelShape | None) -> bool:
+    """Whether the tenant may use model ``name`` (one of its registry names counts)."""
     allowed = policy.allowed_models
     if allowed is None or name in allowed:
         return True

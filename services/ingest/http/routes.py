@@ -49,6 +49,7 @@ from schemas.replies import Done, Error, TokenChunk
 from services.common import tracing
 from services.common.replies import AttemptText, Reply, ReplyStream
 from services.ingest.cluster import ClusterWatcher
+from services.ingest.core import may_use_model
 from services.ingest.http.errors import (
     ApiError,
     from_reply,
@@ -153,8 +154,7 @@ def _add_routes(api: FastAPI, deps: HttpDeps) -> None:
 
     @api.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
-        _tenant(deps, request)
-        served = deps.watcher.tracker.served_models(deps.clock())
+        served = _visible_models(deps, _tenant(deps, request))
         return {
             "object": "list",
             "data": [{"id": m, "object": "model", "created": 0, "owned_by": "llmq"}
@@ -172,20 +172,35 @@ def _add_routes(api: FastAPI, deps: HttpDeps) -> None:
         return JSONResponse(body, status_code=200 if not reasons else 503)
 
 
+def _visible_models(deps: HttpDeps, tenant: str) -> list[str]:
+    """The served models the tenant may use: a model it may not use is hidden, as
+    admission answers it like one that does not exist, by admission's own rule
+    (:func:`~services.ingest.core.may_use_model`). A tenant without a policy sees none
+    (fail closed; admission refuses its every request)."""
+    policy = deps.tenancy.policy_for(tenant)
+    if policy is None:
+        return []
+    registry = deps.tenancy.config.admission.registry
+    return [m for m in deps.watcher.tracker.served_models(deps.clock())
+            if may_use_model(policy, m, registry.get(m))]
+
+
 def _readiness(deps: HttpDeps) -> tuple[dict[str, bool], list[str]]:
     watcher, topics = deps.watcher, deps.gateway.topics
     checks = {
         "kafka_producer": deps.gateway.producer_ready,
         "reply_consumer": deps.gateway.replies_ready,
         "cluster_reader": watcher.running and watcher.caught_up.is_set(),
-        "worker_heartbeat": watcher.tracker.heartbeats_seen > 0,
+        # A live worker now, not any heartbeat read: the compacted topic replays the last
+        # beat of workers long gone, and admission counts only live ones.
+        "worker_heartbeat": bool(watcher.tracker.live_workers(deps.clock())),
     }
     why = {
         "kafka_producer": "not connected to Kafka (producer not started)",
         "reply_consumer": f"reply consumer not assigned to {topics.reply}",
         "cluster_reader": f"still reading {topics.heartbeats} and {topics.status}",
-        "worker_heartbeat": f"no worker heartbeat seen on {topics.heartbeats}: every request "
-        "would be refused as overloaded",
+        "worker_heartbeat": f"no live worker (fresh heartbeat on {topics.heartbeats}): every "
+        "request would be refused as overloaded",
     }
     return checks, [why[name] for name, ok in checks.items() if not ok]
 

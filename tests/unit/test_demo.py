@@ -1,0 +1,105 @@
+"""``llmq demo`` without a stack: its HTTP requests ask for usage and count the completion
+tokens it reports, and a request that fails on the Kafka side is that request's failed
+outcome, not the end of the run.
+
+The HTTP side is ingest's SSE played by an ``httpx.MockTransport``; the Kafka side a
+stand-in for :class:`~llmq.client.LlmqClient` whose every request fails.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+from aiokafka.errors import KafkaTimeoutError
+
+from services import demo
+from services.common.replies import StreamClosed
+from services.ingest.http.openai import Origin, sse, to_inference_request
+from services.sim.workload import TraceRequest
+
+
+def ingest(request: httpx.Request) -> httpx.Response:
+    """A finished 3-token stream as ingest sends it; usage only when the body asks."""
+    call = to_inference_request(json.loads(request.content), "completion",
+                                Origin("r1", "default", "llmq.replies.default", 0.0), {})
+    chunks: list[dict[str, Any]] = [
+        {"choices": [{"index": 0, "text": t, "finish_reason": None}]} for t in "abc"]
+    chunks.append({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
+    if call.include_usage:
+        chunks.append({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3,
+                                                "total_tokens": 8}})
+    body = b"".join(sse(c) for c in chunks) + b"data: [DONE]\n\n"
+    return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
+
+
+class _Ingest(httpx.AsyncClient):
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(transport=httpx.MockTransport(ingest), **kwargs)
+
+
+class _Handle:
+    """A submitted request whose reply stream is closed under it."""
+
+    def __aiter__(self) -> AsyncIterator[object]:
+        return self
+
+    async def __anext__(self) -> object:
+        raise StreamClosed("client stopped")
+
+
+class _FailingClient:
+    """Stand-in for LlmqClient: every request fails with ``failure``."""
+
+    def __init__(self, failure: Exception) -> None:
+        self.failure = failure
+
+    async def __aenter__(self) -> _FailingClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None: ...
+
+    async def submit(self, **kwargs: Any) -> _Handle:
+        if isinstance(self.failure, StreamClosed):
+            return _Handle()
+        raise self.failure
+
+
+@pytest.fixture(autouse=True)
+def fake_ingest(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(demo.httpx, "AsyncClient", _Ingest)
+
+
+async def test_http_requests_ask_for_usage_and_count_its_tokens() -> None:
+    req = TraceRequest(0, 0.0, 5, 3, "default", "normal")
+    out = await demo._via_http("http://ingest", req, "hello", "llama-3.1-8b", 10.0)
+    assert out.ok and out.completion_tokens == 3
+    assert demo.summarize([out], 1.0)["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize("failure", [KafkaTimeoutError("send timed out"),
+                                     StreamClosed("client stopped")])
+async def test_a_kafka_failure_is_that_requests_outcome_and_the_run_goes_on(
+    monkeypatch: pytest.MonkeyPatch, failure: Exception,
+) -> None:
+    monkeypatch.setattr(demo, "LlmqClient", lambda *a, **kw: _FailingClient(failure))
+    outcomes: list[demo.Outcome] = []
+    summarize = demo.summarize
+
+    def keep(found: list[demo.Outcome], elapsed_s: float) -> dict[str, Any]:
+        outcomes.extend(found)
+        return summarize(found, elapsed_s)
+
+    monkeypatch.setattr(demo, "summarize", keep)
+    # Even requests go over HTTP, odd ones over Kafka; the last arrives 0.6 s in.
+    reqs = [TraceRequest(i, 0.2 * i, 5, 3, "default", "normal") for i in range(4)]
+    summary = await demo.run_demo("127.0.0.1:9", "llmq", "http://ingest", reqs, "m", 1, 5.0)
+    assert (summary["requests"], summary["completed"]) == (4, 2)
+    assert summary["rejections"] == {type(failure).__name__: 2}
+    failed = [o for o in outcomes if not o.ok]
+    assert [o.via for o in failed] == ["kafka", "kafka"]
+    # From the request's own start (it failed at once), not from the start of the run.
+    assert all(o.e2e_s < 0.1 for o in failed)  # the first of them arrived 0.2 s in

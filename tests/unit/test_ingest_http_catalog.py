@@ -1,0 +1,103 @@
+"""``GET /v1/models`` and ``GET /readyz``, driven through the ASGI app: the model list hides
+what the tenant may not use (by admission's rule), and readiness needs a live worker now,
+not any heartbeat ever read.
+
+The gateway is the real one, never started (no lifespan under ``ASGITransport``); the
+watcher is a stand-in around a real :class:`ClusterTracker`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from services.ingest.cluster import ClusterTracker, Freshness
+from services.ingest.http import HttpDeps, create_api
+from services.ingest.http.gateway import Gateway
+from services.ingest.http.openai import ApiDefaults
+from services.ingest.tenants import Tenancy, hash_api_key, load_tenancy
+from services.ingest.topics import IngestTopics
+from tests.builders_schemas import make_heartbeat
+
+NOW = 1_700_000_000.0
+TOPICS = IngestTopics.of("llmq", "llmq-ingest", "a")
+
+TENANTS = f"""
+[tenants.acme]
+api_key_sha256 = "{hash_api_key("acme-key")}"
+rpm = 600
+tpm = 200000
+max_concurrency = 32
+
+[tenants.beta]
+api_key_sha256 = "{hash_api_key("beta-key")}"
+rpm = 600
+tpm = 200000
+max_concurrency = 32
+allowed_models = ["public-model", "llama-3.1-8b"]
+"""
+
+
+def api(tenancy: Tenancy, tracker: ClusterTracker) -> httpx.AsyncClient:
+    watcher = SimpleNamespace(tracker=tracker, running=True, caught_up=asyncio.Event())
+    app = create_api(HttpDeps(
+        gateway=Gateway("127.0.0.1:9", TOPICS, instance_id="a"),  # never connects
+        tenancy=tenancy, watcher=watcher,  # type: ignore[arg-type]  # stand-in watcher
+        defaults=ApiDefaults(), reply_grace_s=1.0, clock=lambda: NOW,
+    ))
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://ingest")
+
+
+def serving(tenancy: Tenancy, *models: str, ts: float = NOW) -> ClusterTracker:
+    tracker = ClusterTracker(tenancy.config.admission.registry, Freshness())
+    for i, model in enumerate(models):
+        tracker.observe_heartbeat(make_heartbeat(worker_id=f"w-{i}", model=model, ts=ts))
+    return tracker
+
+
+@pytest.fixture
+def keyed(tmp_path: Path) -> Tenancy:
+    path = tmp_path / "tenants.toml"
+    path.write_text(TENANTS)
+    return load_tenancy(path)
+
+
+@pytest.mark.parametrize(("key", "listed"), [
+    ("acme-key", ["acme-private-finetune", "meta-llama/Llama-3.1-8B-Instruct",
+                  "public-model"]),
+    # Allowed by its registry name, served under an alias: listed, as admission admits it.
+    ("beta-key", ["meta-llama/Llama-3.1-8B-Instruct", "public-model"]),
+])
+async def test_models_lists_only_what_the_tenant_may_use(
+    keyed: Tenancy, key: str, listed: list[str],
+) -> None:
+    tracker = serving(keyed, "public-model", "acme-private-finetune",
+                      "meta-llama/Llama-3.1-8B-Instruct")
+    async with api(keyed, tracker) as client:
+        r = await client.get("/v1/models", headers={"authorization": f"Bearer {key}"})
+    assert r.status_code == 200
+    assert [m["id"] for m in r.json()["data"]] == listed
+
+
+async def test_models_needs_a_key(keyed: Tenancy) -> None:
+    async with api(keyed, serving(keyed, "public-model")) as client:
+        r = await client.get("/v1/models")
+    assert r.status_code == 401
+
+
+@pytest.mark.parametrize(("ts", "ready"), [
+    (NOW, True),
+    (NOW - 86_400, False),  # a day-old beat replayed from the compacted topic
+])
+async def test_readyz_needs_a_live_worker_now(ts: float, ready: bool) -> None:
+    tenancy = load_tenancy(None)
+    tracker = serving(tenancy, "m", ts=ts)
+    assert tracker.heartbeats_seen == 1
+    async with api(tenancy, tracker) as client:
+        r = await client.get("/readyz")
+    assert r.json()["checks"]["worker_heartbeat"] is ready
+    assert any("no live worker" in why for why in r.json()["reasons"]) is not ready

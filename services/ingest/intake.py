@@ -95,6 +95,10 @@ _T = TypeVar("_T")
 _RETRY_FIRST_S: Final = 0.1
 _RETRY_MAX_S: Final = 5.0
 _RETRY_FOR_S: Final = 60.0
+#: An ingest instance's reply topic found missing is not asked about again this long, and
+#: at most this many such answers are kept (``IntakeHandler._instance_topic_ok``).
+_MISSING_FOR_S: Final = 10.0
+_MISSING_MAX: Final = 10_000
 #: How far a client's ``created_at`` may be ahead of ingest's clock (clock skew).
 MAX_CLOCK_AHEAD_S: Final = 300.0
 _ID_RE = re.compile(ID_PATTERN)
@@ -172,6 +176,7 @@ class IntakeHandler:
         self._publish = publish
         self._ensure_topic = ensure_topic
         self._topic_exists = topic_exists  # None: instance reply topics are not checked
+        self._missing: dict[str, float] = {}  # instance topic -> taken as missing until
         self._clock = clock
         self._counters = counters or {}
         self._grace = reservation_grace_s
@@ -234,9 +239,16 @@ class IntakeHandler:
                 return
             # Another tenant's, or another caller's (another reply topic): everything
             # downstream is keyed by request_id, so this one cannot run. Its one answer:
+            # where it asked, if the id is its own tenant's (a retry through another
+            # ingest instance); else on its tenant's topic, as on the reply_to it names
+            # (an ingest instance's), keyed by that id, it would reach the caller that
+            # holds the id, of another tenant.
             span.set_attribute(tracing.LLMQ_OUTCOME, "invalid")
             _count_refusal("invalid")
-            await self._send(_fallback_target(req, self._topics.prefix), _error(
+            target = _fallback_target(req, self._topics.prefix) \
+                if held.get("tenant") == req.tenant else reply_topic(self._topics.prefix,
+                                                                     req.tenant)
+            await self._send(target, _error(
                 req.request_id, "invalid",
                 f"request_id {req.request_id!r} is in flight for another request or reply "
                 "topic; request ids must be unique: send it with a new one", now,
@@ -410,12 +422,22 @@ class IntakeHandler:
 
 
     async def _instance_topic_ok(self, topic: str) -> bool:
-        """False for an ingest instance's reply topic that does not exist (others: True)."""
+        """False for an ingest instance's reply topic that does not exist (others: True).
+        A topic found missing is taken as missing for ``_MISSING_FOR_S`` without asking
+        the broker again: each check is an admin round trip in this agent, and a tenant
+        could name missing topics at will."""
         if topic in self._known_topics or self._topic_exists is None \
                 or not _instance_reply_topic(topic, self._topics.prefix):
             return True
+        now = self._clock()
+        if self._missing.get(topic, 0.0) > now:
+            return False
         check = self._topic_exists
         if not await self._until_done(lambda: check(topic), topic):
+            if len(self._missing) >= _MISSING_MAX:
+                self._missing = {t: u for t, u in self._missing.items() if u > now}
+            if len(self._missing) < _MISSING_MAX:
+                self._missing[topic] = now + _MISSING_FOR_S
             return False
         self._known_topics.add(topic)
         return True

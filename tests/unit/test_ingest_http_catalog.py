@@ -9,6 +9,7 @@ watcher is a stand-in around a real :class:`ClusterTracker`.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -42,12 +43,13 @@ allowed_models = ["public-model", "llama-3.1-8b"]
 """
 
 
-def api(tenancy: Tenancy, tracker: ClusterTracker) -> httpx.AsyncClient:
+def api(tenancy: Tenancy, tracker: ClusterTracker,
+        clock: Callable[[], float] = lambda: NOW) -> httpx.AsyncClient:
     watcher = SimpleNamespace(tracker=tracker, running=True, caught_up=asyncio.Event())
     app = create_api(HttpDeps(
         gateway=Gateway("127.0.0.1:9", TOPICS, instance_id="a"),  # never connects
         tenancy=tenancy, watcher=watcher,  # type: ignore[arg-type]  # stand-in watcher
-        defaults=ApiDefaults(), reply_grace_s=1.0, clock=lambda: NOW,
+        defaults=ApiDefaults(), reply_grace_s=1.0, clock=clock,
     ))
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://ingest")
 
@@ -93,7 +95,7 @@ async def test_models_needs_a_key(keyed: Tenancy) -> None:
     (NOW, True),
     (NOW - 86_400, False),  # a day-old beat replayed from the compacted topic
 ])
-async def test_readyz_needs_a_live_worker_now(ts: float, ready: bool) -> None:
+async def test_readyz_waits_for_a_live_worker_at_start(ts: float, ready: bool) -> None:
     tenancy = load_tenancy(None)
     tracker = serving(tenancy, "m", ts=ts)
     assert tracker.heartbeats_seen == 1
@@ -101,3 +103,15 @@ async def test_readyz_needs_a_live_worker_now(ts: float, ready: bool) -> None:
         r = await client.get("/readyz")
     assert r.json()["checks"]["worker_heartbeat"] is ready
     assert any("no live worker" in why for why in r.json()["reasons"]) is not ready
+
+
+async def test_readyz_stays_ready_once_a_live_worker_was_seen() -> None:
+    # A fleet drained or lagging later is answered 503 overloaded (with Retry-After) by
+    # every instance; unready, a load balancer would drop them all.
+    tenancy = load_tenancy(None)
+    tracker = serving(tenancy, "m", ts=NOW)
+    clock = [NOW]
+    async with api(tenancy, tracker, clock=lambda: clock[0]) as client:
+        assert (await client.get("/readyz")).json()["checks"]["worker_heartbeat"]
+        clock[0] = NOW + 3_600  # the worker's beat is an hour old now
+        assert (await client.get("/readyz")).json()["checks"]["worker_heartbeat"]

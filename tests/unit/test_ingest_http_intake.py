@@ -162,12 +162,17 @@ async def test_duplicate_of_a_request_in_flight_is_ignored() -> None:
 @pytest.mark.parametrize("other", [
     {"tenant": "team-b"},  # another tenant chose the same id
     {"reply_to": "llmq.replies.ingest-b"},  # a retry through another ingest instance
+    # Another tenant's, naming the instance topic the holder's answer streams to: the
+    # refusal, keyed by the id, would reach the holder's call there instead.
+    {"tenant": "team-b", "reply_to": "llmq.replies.ingest-b", "expect": "llmq.replies.team-b"},
 ])
 async def test_the_id_of_a_request_in_flight_used_by_another_caller_is_refused(
     other: dict[str, Any],
 ) -> None:
     h = Harness(load_tenancy(None))
     await h.submit(request("job-1", tenant="team-a", reply_to=None))
+    other = dict(other)
+    expect = other.pop("expect", other.get("reply_to", "llmq.replies.team-b"))
     tenant = other.get("tenant", "team-a")
     await h.submit(request("job-1", **{"tenant": tenant, **other}))
     # The first is admitted; the second gets one terminal answer, on its own reply topic.
@@ -177,7 +182,7 @@ async def test_the_id_of_a_request_in_flight_used_by_another_caller_is_refused(
     assert isinstance(refusal, Error) and (refusal.request_id, refusal.code) == (
         "job-1", "invalid")
     assert "request ids must be unique" in refusal.message
-    assert topic == other.get("reply_to", "llmq.replies.team-b")
+    assert topic == expect
     assert h.reservations["job-1"]["tenant"] == "team-a"  # the first one's is untouched
 
 
@@ -391,4 +396,8 @@ async def test_a_reply_to_naming_no_running_ingest_instance_is_refused_not_creat
     assert [t for t, _, _ in h.sent if t.endswith("forged1")] == []
     assert h.ensured == ["llmq.replies.default"]  # the tenant's own, for the refusal
     await h.submit(request("r3", reply_to="llmq.replies.ingest-b"))
-    assert h.checked == ["llmq.replies.ingest-b", "llmq.replies.ingest-forged1"]  # b once
+    await h.submit(request("r4", reply_to="llmq.replies.ingest-forged1"))
+    assert h.checked == ["llmq.replies.ingest-b", "llmq.replies.ingest-forged1"]  # once each
+    h.now += 11.0  # a missing one is asked about again after a while (it may have started)
+    await h.submit(request("r5", reply_to="llmq.replies.ingest-forged1"))
+    assert h.checked[-1] == "llmq.replies.ingest-forged1" and len(h.checked) == 3

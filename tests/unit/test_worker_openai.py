@@ -299,3 +299,29 @@ async def test_a_server_refusing_continuous_usage_stats_is_asked_again_without_i
     assert [b["stream_options"] for b in fake.bodies] == [
         {"include_usage": True, "continuous_usage_stats": True},
         {"include_usage": True}, {"include_usage": True}]
+
+
+async def test_requests_in_flight_at_the_first_refusal_are_asked_again_too(
+    server: tuple[str, FakeServer],
+) -> None:
+    # The retry followed the engine-wide flag: the first refusal cleared it, and requests
+    # already sent with the field whose refusal came later failed as invalid.
+    url, fake = server
+    fake.strict = True
+    engine = await started(url)
+    assert engine._client is not None
+    real_send, sends = engine._client.send, [0]
+
+    async def slow_refusals(request: Any, **kwargs: Any) -> Any:
+        n, sends[0] = sends[0], sends[0] + 1
+        response = await real_send(request, **kwargs)
+        if 0 < n < 4:  # the first wave's later refusals come after the first one
+            await asyncio.sleep(0.2)
+        return response
+
+    engine._client.send = slow_refusals  # type: ignore[method-assign]
+    try:
+        results = await asyncio.gather(*(collect(engine, f"r{i}") for i in range(4)))
+    finally:
+        await engine.close()
+    assert all([d.text for d in r] == [" a", ""] for r in results)

@@ -92,7 +92,8 @@ class Gateway:
         try:
             stream = self._router.open(request.request_id)
         except DuplicateRequestError:
-            raise ApiError(409, f"request {request.request_id!r} is already in progress",
+            shown = request.request_id.split(":", 1)[-1]  # the caller's own id (scoped)
+            raise ApiError(409, f"request {shown!r} is already in progress",
                            "duplicate_request", "x-request-id") from None
         try:
             await asyncio.wait_for(

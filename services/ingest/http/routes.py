@@ -165,9 +165,13 @@ def _add_routes(api: FastAPI, deps: HttpDeps) -> None:
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
+    live_seen = False  # a live worker was seen since this process started
+
     @api.get("/readyz")
     async def readyz() -> JSONResponse:
-        checks, reasons = _readiness(deps)
+        nonlocal live_seen
+        live_seen = live_seen or bool(deps.watcher.tracker.live_workers(deps.clock()))
+        checks, reasons = _readiness(deps, live_seen)
         body = {"ready": not reasons, "checks": checks, "reasons": reasons}
         return JSONResponse(body, status_code=200 if not reasons else 503)
 
@@ -185,22 +189,24 @@ def _visible_models(deps: HttpDeps, tenant: str) -> list[str]:
             if may_use_model(policy, m, registry.get(m))]
 
 
-def _readiness(deps: HttpDeps) -> tuple[dict[str, bool], list[str]]:
+def _readiness(deps: HttpDeps, live_seen: bool) -> tuple[dict[str, bool], list[str]]:
     watcher, topics = deps.watcher, deps.gateway.topics
     checks = {
         "kafka_producer": deps.gateway.producer_ready,
         "reply_consumer": deps.gateway.replies_ready,
         "cluster_reader": watcher.running and watcher.caught_up.is_set(),
-        # A live worker now, not any heartbeat read: the compacted topic replays the last
-        # beat of workers long gone, and admission counts only live ones.
-        "worker_heartbeat": bool(watcher.tracker.live_workers(deps.clock())),
+        # A startup gate: a live worker seen since start, not any heartbeat read (the
+        # compacted topic replays the last beat of workers long gone). Not "live now": a
+        # fleet drained or lagging later gets 503 overloaded with a Retry-After from every
+        # instance, which a load balancer that dropped them all could not give.
+        "worker_heartbeat": live_seen,
     }
     why = {
         "kafka_producer": "not connected to Kafka (producer not started)",
         "reply_consumer": f"reply consumer not assigned to {topics.reply}",
         "cluster_reader": f"still reading {topics.heartbeats} and {topics.status}",
-        "worker_heartbeat": f"no live worker (fresh heartbeat on {topics.heartbeats}): every "
-        "request would be refused as overloaded",
+        "worker_heartbeat": f"no live worker seen yet (fresh heartbeat on "
+        f"{topics.heartbeats}): every request would be refused as overloaded",
     }
     return checks, [why[name] for name, ok in checks.items() if not ok]
 
@@ -272,6 +278,8 @@ async def _complete(deps: HttpDeps, request: Request, kind: Kind) -> Response:
         )
         call = to_inference_request(body, kind, origin, request.headers, deps.defaults)
         req = call.request
+        if client_id is not None:  # what the caller searches its traces by
+            span.set_attribute("llmq.client_request_id", client_id)
         span.set_attributes(tracing.request_attributes(**{
             tracing.LLMQ_REQUEST_ID: req.request_id, tracing.LLMQ_TENANT: tenant,
             tracing.GEN_AI_MODEL: req.model, tracing.GEN_AI_MAX_TOKENS: req.max_tokens,

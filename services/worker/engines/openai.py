@@ -153,8 +153,19 @@ async def _refuses_usage_stats(response: httpx.Response) -> bool:
     extension."""
     if response.status_code not in (400, 422):
         return False
-    body = (await response.aread()).decode(errors="replace")
-    return "continuous_usage_stats" in body
+    try:
+        error = json.loads(await response.aread())
+    except ValueError:
+        return False
+    # The error's own text, not the whole body: a 422 that echoes the request would name
+    # the field whatever went wrong.
+    detail = error.get("error", error.get("detail")) if isinstance(error, dict) else None
+    if isinstance(detail, dict):
+        detail = " ".join(str(detail.get(k, "")) for k in ("message", "param", "code"))
+    elif isinstance(detail, list):  # FastAPI/pydantic: [{"loc": [...], "msg": ...}, ...]
+        detail = " ".join(str(d.get("loc", "")) + str(d.get("msg", ""))
+                          for d in detail if isinstance(d, dict))
+    return "continuous_usage_stats" in str(detail)
 
 
 def request_body(
@@ -311,11 +322,17 @@ class OpenAIEngine:
                                           continuous_usage=self._continuous_usage)
                 async with self._client.stream("POST", path, json=body) as response:
                     self._responses[rid] = response
-                    if self._continuous_usage and await _refuses_usage_stats(response):
-                        self._continuous_usage = False
-                        _log.warning("engine server refuses stream_options."
-                                     "continuous_usage_stats; counting one token a chunk, "
-                                     "corrected by the final usage")
+                    sent_it = "continuous_usage_stats" in body["stream_options"]
+                    if sent_it and await _refuses_usage_stats(response):
+                        # By what this request sent, not the flag: requests in flight at
+                        # the first refusal are refused too and must be asked again.
+                        if self._continuous_usage:
+                            self._continuous_usage = False
+                            _log.warning("engine server refuses stream_options."
+                                         "continuous_usage_stats; counting one token a "
+                                         "chunk, corrected by the final usage")
+                        if rid in self._aborted:
+                            raise EngineAborted(f"request {rid} aborted")
                         continue  # the same request again, without it (nothing streamed)
                     await self._check_status(response)
                     async for event in self._events(response):

@@ -68,9 +68,8 @@ from schemas.codec import decode
 from schemas.common import Pool
 from schemas.control import LeaseAnswer
 from schemas.messages import ASSIGNMENT_ADAPTER
-from schemas.replies import Error
 from schemas.requests import Assignment
-from schemas.workers import EventAborted, WorkerHeartbeat
+from schemas.workers import WorkerHeartbeat
 from services.common import metrics as m
 from services.common import tracing
 from services.common.guard import Guard, aiokafka_dead_letter
@@ -453,15 +452,18 @@ class Worker:
                       attempt)
             return "finished"
         headers = tracing.headers_of(record)
-        if self.cancels.matches(rid, a.request.tenant, self._clock()):
-            return "finished" if await self._answer_cancelled(a, headers) else "unacked"
         older = self.runs.get(rid)
         if older is not None:
             older.stop("superseded", f"attempt {attempt} replaces it")
-        self._start_run(a, record.offset, tracing.extract(headers))
+        # A late assignment of a cancelled request is answered without running it, by a
+        # run like any other (its terminal is sent until acknowledged, or fenced).
+        cancelled = "cancelled before it started" \
+            if self.cancels.matches(rid, a.request.tenant, self._clock()) else None
+        self._start_run(a, record.offset, tracing.extract(headers), cancelled)
         return "running"
 
-    def _start_run(self, a: Assignment, offset: int, parent: tracing.Context) -> None:
+    def _start_run(self, a: Assignment, offset: int, parent: tracing.Context,
+                   cancelled: str | None = None) -> None:
         assert self._publisher is not None
         priority, lane = a.admitted.priority, a.admitted.lane
 
@@ -475,7 +477,7 @@ class Worker:
 
         run = RequestRun(a, self.engine, self._publisher, self.run_cfg, clock=self._clock,
                          on_tokens=self._count_tokens, on_first_token=first_token,
-                         trace_parent=parent, may_send=may_send)
+                         trace_parent=parent, may_send=may_send, cancelled=cancelled)
         self.runs[a.request_id] = run
         task = asyncio.create_task(self._run_one(run, offset), name=f"run:{run.engine_id}")
         self._run_tasks.add(task)
@@ -509,21 +511,6 @@ class Worker:
     def _count_tokens(self, n: int) -> None:
         self.rate.add(n, time.monotonic())
         self.metrics.tokens(n)
-
-    async def _answer_cancelled(self, a: Assignment, headers: tracing.Headers) -> bool:
-        """A late assignment of a cancelled request: its one terminal, without running it."""
-        assert self._publisher is not None
-        if not await self.may_answer(self.started_at):
-            return True  # fenced: the scheduler requeues it, and the cancel is remembered
-        now = self._clock()
-        reply = Error(request_id=a.request_id, attempt=a.attempt, code="cancelled",
-                      message="cancelled before it started", ts=now)
-        event = EventAborted(request_id=a.request_id, tenant=a.request.tenant,
-                             attempt=a.attempt, worker_id=self.id.worker_id, ts=now,
-                             code="cancelled")
-        self.metrics.finished("cancelled", a.admitted.priority, a.admitted.lane, None)
-        return (await self._publisher.send_acked(a.admitted.reply_topic, reply, headers)
-                and await self._publisher.send_acked(self.topics.events, event, headers))
 
     # ---- control -----------------------------------------------------------------------
     async def _on_control(self, msg: ControlMessage) -> None:

@@ -101,8 +101,9 @@ class RunConfig:
     #: Wait before sending a terminal record again; doubles per try up to ``retry_max_s``.
     retry_first_s: float = 0.1
     retry_max_s: float = 5.0
-    #: Stop sending a terminal again this long past the request's deadline.
-    give_up_after_s: float = 60.0
+    #: Stop sending a terminal again this long past the request's deadline: under ingest's
+    #: reservation grace (30 s), so the tenant's slot is not settled while it still goes.
+    give_up_after_s: float = 20.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,7 +213,8 @@ class RequestRun:
                  on_tokens: Callable[[int], None] | None = None,
                  on_first_token: Callable[[float], None] | None = None,
                  trace_parent: tracing.Context | None = None,
-                 may_send: Callable[[], Awaitable[bool]] | None = None) -> None:
+                 may_send: Callable[[], Awaitable[bool]] | None = None,
+                 cancelled: str | None = None) -> None:
         self.assignment = assignment
         self.engine = engine
         self.publisher = publisher
@@ -222,6 +224,9 @@ class RequestRun:
         self._on_first_token = on_first_token
         self._trace_parent = trace_parent
         self._may_send = may_send
+        # Cancelled before its assignment came (the worker remembered the cancel): it ends
+        # at once, through the same terminal path as any run (resent until acknowledged).
+        self._cancelled_before = cancelled
         self._span: Span = trace.INVALID_SPAN
         self._headers: tracing.Headers = []
         self._inbox: asyncio.Queue[_Item] = asyncio.Queue()
@@ -282,6 +287,8 @@ class RequestRun:
         )
 
     async def _run(self) -> Outcome:
+        if self._cancelled_before is not None:
+            return await self._terminal(_Stop("cancelled", self._cancelled_before))
         if self._clock() >= self.deadline:
             return await self._terminal(_Stop("timeout", "deadline passed before it started"))
         self._started_at = self._clock()
@@ -426,8 +433,10 @@ class RequestRun:
             unsent = self._event(EventFailed, code="worker_lost", usage=event.usage,
                                  message=f"its {label} reply could not be sent")
             with contextlib.suppress(Fenced):  # fenced: the scheduler ends it on its own
+                # Its own time to go out: the reply's was spent already.
                 await self._until_acked([_Sent(self.cfg.events_topic, unsent)],
-                                        ask_first=False)
+                                        ask_first=False,
+                                        give_up_at=self._clock() + self.cfg.give_up_after_s)
             return Outcome(kind, self._tokens, acked=False, terminal=None, e2e_s=e2e)
         try:
             await self._until_acked([_Sent(self.cfg.events_topic, event)], ask_first=False)
@@ -437,7 +446,8 @@ class RequestRun:
                          self.engine_id)
         return Outcome(kind, self._tokens, acked=True, terminal=label, e2e_s=e2e)
 
-    async def _until_acked(self, records: list[_Sent], *, ask_first: bool) -> _Sending:
+    async def _until_acked(self, records: list[_Sent], *, ask_first: bool,
+                           give_up_at: float | None = None) -> _Sending:
         """Send ``records`` (in order, from the first lost one on) again and again until the
         broker acknowledged them all (module docstring), with a doubling wait. Each try
         waits at most the publisher's timeout. Every try but a first one with ``ask_first``
@@ -449,7 +459,8 @@ class RequestRun:
         deadline (the client has gone by then); and as ``superseded`` once a newer attempt
         or a new holder of the slot took the request over."""
         wait = self.cfg.retry_first_s
-        give_up_at = self.assignment.deadline + self.cfg.give_up_after_s
+        if give_up_at is None:
+            give_up_at = self.assignment.deadline + self.cfg.give_up_after_s
         for tries in itertools.count(1):
             if self._superseded:
                 return "superseded"

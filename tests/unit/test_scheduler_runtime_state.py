@@ -840,3 +840,21 @@ def test_a_cancel_of_a_given_up_requeue_is_remembered() -> None:
     assert a.on_cancel(cancel("q", at=T + 5.5), T + 5.5)
     a.tick(T + 6, handle_losses=False)
     assert a.pending.get("q") is None and a.cancels.matches("q", "acme", T + 6)
+
+
+def test_a_new_request_reusing_a_finished_ones_id_is_answered_invalid_once() -> None:
+    # Ingest admits it once the first one's reservation is settled; acked unanswered as a
+    # redelivery, its client waited for ever and its tenant's slot stayed taken.
+    state = ready_state(("w0", 0))
+    state.on_request(admitted("r1"), ("tp", 0), T)
+    [(_, first)] = assignments(state.tick(T).effects)
+    state.observe_event(done(first, "w0"))
+    assert state.on_request(admitted("r1"), ("tp", 0), T + 3) == [
+        Effect(tickets=(("tp", 0),))]  # a redelivery of the first: nothing more
+    reuse = state.on_request(admitted("r1", at=T + 60), ("tp", 1), T + 60)
+    [error] = replies(reuse)
+    assert (error.request_id, error.attempt, error.code) == ("r1", 0, "invalid")
+    assert [(e.kind, e.code) for e in events(reuse)] == [("event.failed", "invalid")]
+    assert tickets(reuse) == [("tp", 1)]
+    again = state.on_request(admitted("r1", at=T + 60), ("tp", 1), T + 61)  # redelivered
+    assert replies(again) == [] and tickets(again) == [("tp", 1)]

@@ -345,3 +345,46 @@ async def test_resending_gives_up_past_the_requests_deadline() -> None:
     assert (outcome.terminal, outcome.acked) == (None, False)
     assert producer.terminals() == []  # the events topic fails too: nothing goes out
 
+
+
+class _ReplyDown(_Producer):
+    """The reply topic refuses the terminal reply (transiently, every time); the events
+    topic drops the first ``event_failures`` terminal events."""
+
+    def __init__(self, event_failures: int) -> None:
+        super().__init__()
+        self.event_failures = event_failures
+
+    async def send(self, topic: str, value: bytes, *, key: bytes,
+                   headers: list[tuple[str, bytes]] | None = None) -> asyncio.Future[None]:
+        kind = json.loads(value)["kind"]
+        if kind == "done" or (kind == "event.failed" and self.event_failures > 0):
+            if kind == "event.failed":
+                self.event_failures -= 1
+            self.sends += 1
+            raise KafkaTimeoutError()
+        return await super().send(topic, value, key=key, headers=headers)
+
+
+async def test_the_end_of_a_given_up_reply_has_its_own_time_to_go_out() -> None:
+    # It shared the reply's time, spent by then: one failed try and no terminal event,
+    # so the scheduler kept the KV booking on a live worker.
+    producer = _ReplyDown(event_failures=2)
+    run = RequestRun(_assignment(timeout_s=0.2), _FineEngine(tokens=0),
+                     Publisher(producer, 5.0), replace(_CFG, give_up_after_s=0.1))
+    outcome = await asyncio.wait_for(run.run(), 5.0)
+    assert (outcome.terminal, outcome.acked) == (None, False)
+    assert producer.terminals() == [("event.failed", "worker_lost")]
+
+
+async def test_a_request_cancelled_before_its_assignment_ends_like_any_run() -> None:
+    # The worker answered it with one try of each record: a failed send left it with no
+    # terminal (or no terminal event) and its offset open for good.
+    producer = _Producer(fail=frozenset({0}))  # the first try of the reply fails
+    engine = _BrokenEngine(tokens=5)  # never asked
+    run = RequestRun(_assignment(), engine, Publisher(producer, 5.0), _CFG,
+                     cancelled="cancelled before it started")
+    outcome = await asyncio.wait_for(run.run(), 5.0)
+    assert (outcome.kind, outcome.terminal, outcome.acked) == ("cancelled", "cancelled", True)
+    assert producer.terminals() == [("error", "cancelled"), ("event.aborted", "cancelled")]
+    assert engine.aborted == []

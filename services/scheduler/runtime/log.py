@@ -46,6 +46,11 @@ class _Entry:
     #: Worker the entry is indexed under (its active attempt's worker), if any.
     indexed: str | None = None
     expires_at: float = 0.0
+    #: ``admitted_at`` of the admission these records are of (None: not known here), to
+    #: tell a redelivery from a new request that reuses the id.
+    admitted_at: float | None = None
+    #: ``admitted_at`` of later admissions reusing the id, already answered ``invalid``.
+    reuses: set[float] = field(default_factory=set)
 
     def status(self) -> Status:
         top = max(self.assigned, default=0)
@@ -76,6 +81,8 @@ class AssignmentLog:
         if attempt in entry.assigned:
             return False
         entry.assigned.add(attempt)
+        if entry.admitted_at is None:
+            entry.admitted_at = assignment.admitted.admitted_at
         request = assignment.request
         entry.model = request.model
         entry.expires_at = max(entry.expires_at, request.created_at + request.timeout_s)
@@ -115,9 +122,12 @@ class AssignmentLog:
             entry.lost.discard(attempt)
             self._settle(request_id, entry)
 
-    def mark_ended(self, request_id: str, attempt: int, expires_at: float) -> None:
+    def mark_ended(self, request_id: str, attempt: int, expires_at: float,
+                   admitted_at: float | None = None) -> None:
         """The scheduler itself ended the request (its terminal event is on its way)."""
         entry = self._entry(request_id)
+        if entry.admitted_at is None:
+            entry.admitted_at = admitted_at
         entry.ended.add(attempt)
         entry.expires_at = max(entry.expires_at, expires_at)
         self._settle(request_id, entry)
@@ -127,6 +137,20 @@ class AssignmentLog:
     def status(self, request_id: str) -> Status:
         entry = self._entries.get(request_id)
         return "unknown" if entry is None else entry.status()
+
+    def admitted_at(self, request_id: str) -> float | None:
+        """``admitted_at`` of the admission the request's records are of, if known."""
+        entry = self._entries.get(request_id)
+        return None if entry is None else entry.admitted_at
+
+    def first_reuse(self, request_id: str, admitted_at: float) -> bool:
+        """Whether a later admission reusing the id (``admitted_at``) is seen for the first
+        time here (then it is remembered: its redelivery is not answered again)."""
+        entry = self._entry(request_id)
+        if admitted_at in entry.reuses:
+            return False
+        entry.reuses.add(admitted_at)
+        return True
 
     def active(self, request_id: str) -> Assignment | None:
         """The assignment of the active attempt, if the request has one."""

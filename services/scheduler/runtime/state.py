@@ -409,6 +409,18 @@ class SchedulerState:
         headers its record carried."""
         request_id = admitted.request_id
         status = self.log.status(request_id)
+        known_at = self.log.admitted_at(request_id)
+        if status == "finished" and known_at is not None and known_at != admitted.admitted_at \
+                and self.log.first_reuse(request_id, admitted.admitted_at):
+            # Not a redelivery: a new request reusing the id of one that finished (ingest
+            # admits it once the first one's reservation is settled). Acked unanswered, as
+            # a redelivery is, its client would wait for ever and its tenant's slot stay
+            # taken until the reservation expired. The reply is attempt 0 (a client of the
+            # first one keeps that one's answer); events start at attempt 1.
+            return [self._end(admitted, 1, "invalid",
+                              f"request_id {request_id!r} was used by a request that already "
+                              "finished; request ids must be unique: send it with a new one",
+                              now, (ticket,), reply_attempt=0, trace=trace)]
         if status != "unknown":
             # Assigned and running (its reservation is booked), finished, or requeued
             # after a worker loss (pending at its next attempt): nothing more to do.
@@ -788,7 +800,7 @@ class SchedulerState:
         if reply_attempt is None:
             # Attempt 1 still pending never reached a worker: Error's attempt is 0 then.
             reply_attempt = 0 if attempt == 1 and self.log.latest(request_id) is None else attempt
-        self.log.mark_ended(request_id, attempt, deadline_of(admitted))
+        self.log.mark_ended(request_id, attempt, deadline_of(admitted), admitted.admitted_at)
         self._active_trace.pop(request_id, None)
         self.ended[code] = self.ended.get(code, 0) + 1
         reply, event = terminal(

@@ -239,15 +239,14 @@ class IntakeHandler:
                 return
             # Another tenant's, or another caller's (another reply topic): everything
             # downstream is keyed by request_id, so this one cannot run. Its one answer:
-            # where it asked, if the id is its own tenant's (a retry through another
-            # ingest instance); else on its tenant's topic, as on the reply_to it names
-            # (an ingest instance's), keyed by that id, it would reach the caller that
-            # holds the id, of another tenant.
+            # where it asked, unless that is where the holder of the id listens (an ingest
+            # instance's topic, keyed by that id, reaches the holder's call there): then
+            # on its own tenant's topic.
             span.set_attribute(tracing.LLMQ_OUTCOME, "invalid")
             _count_refusal("invalid")
-            target = _fallback_target(req, self._topics.prefix) \
-                if held.get("tenant") == req.tenant else reply_topic(self._topics.prefix,
-                                                                     req.tenant)
+            target = _fallback_target(req, self._topics.prefix)
+            if target == held.get("reply_topic") and held.get("tenant") != req.tenant:
+                target = reply_topic(self._topics.prefix, req.tenant)
             await self._send(target, _error(
                 req.request_id, "invalid",
                 f"request_id {req.request_id!r} is in flight for another request or reply "

@@ -101,9 +101,10 @@ class RunConfig:
     #: Wait before sending a terminal record again; doubles per try up to ``retry_max_s``.
     retry_first_s: float = 0.1
     retry_max_s: float = 5.0
-    #: Stop sending a terminal again this long past the request's deadline: under ingest's
-    #: reservation grace (30 s), so the tenant's slot is not settled while it still goes.
-    give_up_after_s: float = 20.0
+    #: Stop sending a terminal reply again this long past the request's deadline (and the
+    #: event that follows a given-up reply twice as long): under ingest's reservation grace
+    #: (30 s), so the tenant's slot is not settled by expiry while it still may go.
+    give_up_after_s: float = 12.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -433,10 +434,11 @@ class RequestRun:
             unsent = self._event(EventFailed, code="worker_lost", usage=event.usage,
                                  message=f"its {label} reply could not be sent")
             with contextlib.suppress(Fenced):  # fenced: the scheduler ends it on its own
-                # Its own time to go out: the reply's was spent already.
-                await self._until_acked([_Sent(self.cfg.events_topic, unsent)],
-                                        ask_first=False,
-                                        give_up_at=self._clock() + self.cfg.give_up_after_s)
+                # Its own time to go out (the reply's was spent already), as long again,
+                # which still ends under ingest's 30 s reservation grace.
+                await self._until_acked(
+                    [_Sent(self.cfg.events_topic, unsent)], ask_first=False,
+                    give_up_at=self.assignment.deadline + 2 * self.cfg.give_up_after_s)
             return Outcome(kind, self._tokens, acked=False, terminal=None, e2e_s=e2e)
         try:
             await self._until_acked([_Sent(self.cfg.events_topic, event)], ask_first=False)

@@ -164,14 +164,18 @@ async def test_duplicate_of_a_request_in_flight_is_ignored() -> None:
     {"reply_to": "llmq.replies.ingest-b"},  # a retry through another ingest instance
     # Another tenant's, naming the instance topic the holder's answer streams to: the
     # refusal, keyed by the id, would reach the holder's call there instead.
-    {"tenant": "team-b", "reply_to": "llmq.replies.ingest-b", "expect": "llmq.replies.team-b"},
+    {"tenant": "team-b", "reply_to": "llmq.replies.ingest-b", "expect": "llmq.replies.team-b",
+     "holder_reply_to": "llmq.replies.ingest-b"},
+    # ... but where the holder does not listen, where the requester asked.
+    {"tenant": "team-b", "reply_to": "llmq.replies.ingest-b"},
 ])
 async def test_the_id_of_a_request_in_flight_used_by_another_caller_is_refused(
     other: dict[str, Any],
 ) -> None:
     h = Harness(load_tenancy(None))
-    await h.submit(request("job-1", tenant="team-a", reply_to=None))
     other = dict(other)
+    holder_reply_to = other.pop("holder_reply_to", None)
+    await h.submit(request("job-1", tenant="team-a", reply_to=holder_reply_to))
     expect = other.pop("expect", other.get("reply_to", "llmq.replies.team-b"))
     tenant = other.get("tenant", "team-a")
     await h.submit(request("job-1", **{"tenant": tenant, **other}))

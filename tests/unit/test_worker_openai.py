@@ -59,14 +59,20 @@ class FakeServer:
     streaming: int = 0  # streams open now
     bodies: list[dict[str, Any]] = field(default_factory=list)
     strict: bool = False  # refuses stream_options it does not know, as OpenAI's API does
+    flat_errors: bool = False  # its error body is {"object": "error", "message": ...}
 
     def app(self) -> Starlette:
         async def completions(request: Request) -> Response:
             body = await request.json()
             self.bodies.append(body)
             if self.strict and "continuous_usage_stats" in body.get("stream_options", {}):
+                message = "Unknown parameter: 'stream_options.continuous_usage_stats'."
+                if self.flat_errors:  # vLLM's older servers and their kin
+                    return JSONResponse({"object": "error", "message": message,
+                                         "type": "BadRequestError", "param": None,
+                                         "code": 400}, status_code=400)
                 return JSONResponse({"error": {
-                    "message": "Unknown parameter: 'stream_options.continuous_usage_stats'.",
+                    "message": message,
                     "type": "invalid_request_error", "code": "unknown_parameter"}},
                     status_code=400)
             if self.status != 200:
@@ -283,12 +289,13 @@ async def test_the_poll_outlives_a_failing_scrape(
         await engine.close()
 
 
+@pytest.mark.parametrize("flat", [False, True])
 async def test_a_server_refusing_continuous_usage_stats_is_asked_again_without_it(
-    server: tuple[str, FakeServer],
+    server: tuple[str, FakeServer], flat: bool,
 ) -> None:
     # A strict OpenAI-compatible server refused every request once the field was sent.
     url, fake = server
-    fake.strict = True
+    fake.strict, fake.flat_errors = True, flat
     engine = await started(url)
     try:
         first, second = await collect(engine, "r1"), await collect(engine, "r2")

@@ -159,7 +159,9 @@ async def _refuses_usage_stats(response: httpx.Response) -> bool:
         return False
     # The error's own text, not the whole body: a 422 that echoes the request would name
     # the field whatever went wrong.
-    detail = error.get("error", error.get("detail")) if isinstance(error, dict) else None
+    # OpenAI nests it ({"error": {...}}), FastAPI says "detail", vLLM's older servers and
+    # their kin put message/param/code at the top level.
+    detail = error.get("error", error.get("detail", error)) if isinstance(error, dict) else None
     if isinstance(detail, dict):
         detail = " ".join(str(detail.get(k, "")) for k in ("message", "param", "code"))
     elif isinstance(detail, list):  # FastAPI/pydantic: [{"loc": [...], "msg": ...}, ...]

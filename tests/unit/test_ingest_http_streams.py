@@ -72,20 +72,26 @@ class Api:
     async def post(self, body: dict[str, Any], leave_after_s: float | None = None) -> Any:
         """Status and body of one call to /v1/completions; the client leaves after
         ``leave_after_s`` (None: it stays)."""
-        raw = json.dumps(body).encode()
         gone = asyncio.Event()
         if leave_after_s is not None:
             asyncio.get_running_loop().call_later(leave_after_s, gone.set)
-        received = 0
-        out = SimpleNamespace(status=None, body=b"")
+        return await self.call([json.dumps(body).encode()], [], gone)
+
+    async def call(self, parts: list[bytes], headers: list[tuple[bytes, bytes]],
+                   gone: asyncio.Event | None = None) -> Any:
+        """One POST /v1/completions whose body arrives in ``parts`` (with ``headers``);
+        once they are read, the client waits for its answer, or leaves when ``gone`` is
+        set. Its status, body and how many parts the app read."""
+        out = SimpleNamespace(status=None, body=b"", read=0)
+        left = gone if gone is not None else asyncio.Event()
 
         async def receive() -> dict[str, Any]:
-            nonlocal received
-            received += 1
-            if received == 1:
-                return {"type": "http.request", "body": raw, "more_body": False}
-            await gone.wait()
-            return {"type": "http.disconnect"}
+            if out.read == len(parts):
+                await left.wait()
+                return {"type": "http.disconnect"}
+            out.read += 1
+            return {"type": "http.request", "body": parts[out.read - 1],
+                    "more_body": out.read < len(parts)}
 
         async def send(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
@@ -97,7 +103,7 @@ class Api:
             "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
             "http_version": "1.1", "method": "POST", "scheme": "http",
             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
-            "root_path": "", "headers": [(b"content-type", b"application/json")],
+            "root_path": "", "headers": [(b"content-type", b"application/json"), *headers],
             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8080),
         }
         await asyncio.wait_for(self.app(scope, receive, send), 10)
@@ -151,36 +157,6 @@ async def test_a_client_leaving_while_its_request_is_queued_cancels_it(
     assert api.router.open_requests == 0
 
 
-async def _post_raw(api: Api, parts: list[bytes], headers: list[tuple[bytes, bytes]]) -> Any:
-    """One call whose body arrives in ``parts``; status, body and how many parts were read."""
-    read = 0
-    out = SimpleNamespace(status=None, body=b"", read=0)
-
-    async def receive() -> dict[str, Any]:
-        nonlocal read
-        if read == len(parts):
-            await asyncio.Event().wait()  # nothing more: the client waits for its answer
-        read += 1
-        out.read = read
-        return {"type": "http.request", "body": parts[read - 1], "more_body": read < len(parts)}
-
-    async def send(message: dict[str, Any]) -> None:
-        if message["type"] == "http.response.start":
-            out.status = message["status"]
-        elif message["type"] == "http.response.body":
-            out.body += message.get("body", b"")
-
-    scope = {
-        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": "1.1", "method": "POST", "scheme": "http",
-        "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
-        "root_path": "", "headers": [(b"content-type", b"application/json"), *headers],
-        "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8080),
-    }
-    await asyncio.wait_for(api.app(scope, receive, send), 10)
-    return out
-
-
 async def test_an_oversized_body_is_refused_before_it_is_read_whole(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -188,16 +164,16 @@ async def test_an_oversized_body_is_refused_before_it_is_read_whole(
     # its 413. Now: refused on its Content-Length unread, or once the parts read pass it.
     monkeypatch.setattr(routes, "MAX_BODY_BYTES", 1_000)
     api = Api([])
-    declared = await _post_raw(api, [b"x" * 600] * 5, [(b"content-length", b"3000")])
+    declared = await api.call([b"x" * 600] * 5, [(b"content-length", b"3000")])
     assert declared.status == 413 and declared.read == 0
     assert json.loads(declared.body)["error"]["code"] == "too_large"
-    streamed = await _post_raw(api, [b"x" * 600] * 5, [])
+    streamed = await api.call([b"x" * 600] * 5, [])
     assert streamed.status == 413 and streamed.read == 2  # 1,200 bytes > 1,000: no more
     small = json.dumps({"model": "m", "prompt": "x", "max_tokens": 1}).encode()
     assert len(small) < 1_000
-    fine = await _post_raw(Api([(0.01, lambda rid: make_error(
-        request_id=rid, attempt=1, code="worker_lost", retry_after_s=None))]),
-        [small[:10], small[10:]], [])
+    answering = Api([(0.01, lambda rid: make_error(
+        request_id=rid, attempt=1, code="worker_lost", retry_after_s=None))])
+    fine = await answering.call([small[:10], small[10:]], [])
     assert fine.status == 503  # read in two parts, admitted, answered by its one reply
 
 
@@ -271,6 +247,6 @@ async def test_the_caller_sees_its_own_id_while_llmq_uses_the_scoped_one() -> No
         await submit(topic, value, key, headers)
 
     api.producer.send_and_wait = record  # type: ignore[method-assign]
-    out = await _post_raw(api, [body], [(b"x-request-id", b"job-1")])
+    out = await api.call([body], [(b"x-request-id", b"job-1")])
     assert out.status == 200 and json.loads(out.body)["id"] == "job-1"
     assert sent == ["default:job-1"]

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -31,6 +30,7 @@ from services.worker.engines.base import (
 )
 from services.worker.engines.openai import OpenAIEngine, parse_vllm_metrics, request_body
 from services.worker.engines.sim.profiles import get_profile
+from tests.fakes.http_server import serving
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -104,20 +104,8 @@ vllm:cache_config_info{block_size="16",num_gpu_blocks="1000"} 1.0
 @pytest.fixture
 async def server() -> AsyncIterator[tuple[str, FakeServerState]]:
     state = FakeServerState(metrics=VLLM_METRICS)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    config = uvicorn.Config(fake_app(state), log_level="warning", lifespan="off")
-    srv = uvicorn.Server(config)
-    task = asyncio.create_task(srv.serve(sockets=[sock]))
-    while not srv.started:
-        await asyncio.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}", state
-    finally:
-        srv.should_exit = True
-        await task
-        sock.close()
+    async with serving(fake_app(state)) as url:
+        yield url, state
 
 
 @pytest.fixture

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -26,6 +24,7 @@ from services.worker.engines.base import EngineError, GenerateRequest, TokenDelt
 from services.worker.engines.openai import OpenAIEngine
 from services.worker.engines.sim.model import EngineProfile
 from services.worker.engines.sim.profiles import get_profile
+from tests.fakes.http_server import serving
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -100,20 +99,12 @@ class FakeServer:
 @pytest.fixture
 async def server() -> AsyncIterator[tuple[str, FakeServer]]:
     fake = FakeServer()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(fake.app(), log_level="warning", lifespan="off"))
-    task = asyncio.create_task(srv.serve(sockets=[sock]))
-    while not srv.started:
-        await asyncio.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", fake
-    finally:
-        if fake.hold is not None:
-            fake.hold.set()
-        srv.should_exit = True
-        await task
-        sock.close()
+    async with serving(fake.app()) as url:
+        try:
+            yield url, fake
+        finally:
+            if fake.hold is not None:
+                fake.hold.set()  # held streams end, so the server can stop
 
 
 async def started(url: str, profile: EngineProfile = PROFILE, **options: Any) -> OpenAIEngine:

@@ -23,6 +23,19 @@ LANES: Final[tuple[Lane, ...]] = ("short", "long")
 Pool = Literal["short", "long", "any"]
 POOLS: Final[tuple[Pool, ...]] = ("short", "long", "any")
 
+#: What a worker's engine does with a request (prefill/decode disaggregation, as
+#: Splitwise and vLLM's KV connectors do it): ``mixed`` runs requests whole (prompt and
+#: output on one engine, the default); ``prefill`` computes prompts and hands their KV
+#: cache on; ``decode`` takes hand-offs (and, when every prefill worker is loaded, long
+#: requests whole).
+Role = Literal["mixed", "prefill", "decode"]
+ROLES: Final[tuple[Role, ...]] = ("mixed", "prefill", "decode")
+
+#: Which part of a request a placement covers: ``whole`` (prompt and output on one
+#: worker), ``prefill`` (the prompt, on a prefill worker; one token sampled and
+#: discarded) or ``decode`` (the output, on a decode worker that received the prompt's KV).
+Phase = Literal["whole", "prefill", "decode"]
+
 #: Upper bound on max_tokens and on any token count a message reports (here, not in
 #: schemas.base, so the pure cores can check it without importing pydantic).
 MAX_TOKENS: Final = 1 << 20
@@ -63,10 +76,21 @@ def priority_rank(priority: Priority) -> int:
     return PRIORITIES.index(priority)
 
 
-def engine_rank(class_rank: int, lane: Lane) -> int:
+def engine_rank(class_rank: int, lane: Lane, phase: Phase = "whole") -> int:
     """The request priority a worker gives an engine that schedules by priority (vLLM's
     ``--scheduling-policy priority``: lower first, ties by arrival): the class first
     (``class_rank`` 0 high … 2 low), then, within a class, the short lane before the long
     one — ``2 · class_rank + (1 if long)``, 0 … 5. So a short request that meets long
-    prompts in one engine (borrowed workers, ``any`` pools) is not prefilled behind them."""
-    return 2 * class_rank + (1 if lane == "long" else 0)
+    prompts in one engine (borrowed workers, ``any`` pools) is not prefilled behind them.
+
+    A prefill stage (``phase == "prefill"``) is ranked for a queue of prompts: the high
+    class first (short, then long), then every short prompt before every long one, the
+    class deciding within a lane — high short 0, high long 1, normal short 2, low short 3,
+    normal long 4, low long 5. A short prompt costs a long one little (shortest first),
+    and a prefill engine's queue holds the fleet's prompt backlog (its reservations are
+    prompts only), where class first would keep low short requests behind every normal
+    long prompt (docs/benchmarks.md, "Thirteenth round")."""
+    long = 1 if lane == "long" else 0
+    if phase == "prefill" and class_rank > 0:
+        return 2 + 2 * long + (class_rank - 1)
+    return 2 * class_rank + long

@@ -12,7 +12,7 @@ import random
 from collections.abc import Iterable
 from typing import Any
 
-from schemas.common import Lane, Pool, Priority
+from schemas.common import Lane, Pool, Priority, Role
 from services.scheduler import (
     DEFAULT_STALE_AFTER_S,
     PendingQueue,
@@ -44,6 +44,7 @@ def make_worker(
     draining: bool = False,
     heartbeat_ts: float = NOW,
     tokens_per_s: float = 1_000.0,
+    role: Role = "mixed",
 ) -> WorkerState:
     return WorkerState(
         worker_id=worker_id,
@@ -60,6 +61,7 @@ def make_worker(
         draining=draining,
         heartbeat_ts=heartbeat_ts,
         tokens_per_s=tokens_per_s,
+        role=role,
     )
 
 

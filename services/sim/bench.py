@@ -8,7 +8,8 @@ seed fixes everything):
 2. ``attach_classes``: Zipf tenants and 10/60/30 % high/normal/low.
 3. ``fleet_capacity_rps``: N · μ for this length mix; ``scale_to_load`` so the offered
    load is ``load`` (λ = ρ · N · μ), keeping the trace's burstiness.
-4. llmq's pools from each lane's work (:mod:`.pools`); the baselines use every worker.
+4. llmq's pools from each lane's work, or with ``pools = "pd"`` its prefill and decode
+   roles from each phase's work (:mod:`.pools`); the baselines use every worker whole.
 5. Each policy runs on a fresh copy of the same jobs and a fresh fleet, with its own rng
    ``random.Random(f"{seed}/{policy}")`` — so a policy's figures do not depend on which
    other policies run, or in which order.
@@ -26,13 +27,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from schemas.common import Pool
+from schemas.common import Pool, Role
 from services.ingest.core import LaneConfig
 from services.sim.fleet import Job, make_jobs
 from services.sim.llmq import LlmqConfig
 from services.sim.metrics import Summary, cdf_points, summarize
 from services.sim.policies import POLICIES
-from services.sim.pools import PoolMode, lane_work, split_pools
+from services.sim.pools import PoolMode, lane_work, phase_work, split_pools, split_roles
 from services.sim.simulator import Simulator
 from services.sim.workload import (
     TraceRequest,
@@ -64,6 +65,8 @@ class BenchConfig:
     seed: int = 1
     policies: tuple[str, ...] = tuple(POLICIES)
     pools: PoolMode = "latency"
+    #: KV transfer between a prefill and a decode worker (``pools = "pd"``), GB/s.
+    kv_link_gbps: float = 25.0
     max_tokens_slack: float = 1.0
     llmq: LlmqConfig = field(default_factory=LlmqConfig)
 
@@ -77,6 +80,10 @@ class BenchConfig:
             raise ValueError("requests must be >= 2")
         if not self.synthetic and self.trace is None:
             raise ValueError("give a trace or ask for a synthetic workload")
+        if self.pools == "pd" and self.workers < 2:
+            raise ValueError("--pools pd needs at least 2 workers (a prefill and a decode one)")
+        if not self.kv_link_gbps > 0:
+            raise ValueError("kv_link_gbps must be > 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +95,7 @@ class Workload:
     capacity_rps: float
     pools: list[Pool]
     source: str
+    roles: list[Role] | None = None  # llmq's, with pools = "pd"
 
 
 def prepare(config: BenchConfig) -> Workload:
@@ -108,6 +116,9 @@ def prepare(config: BenchConfig) -> Workload:
     scaled = scale_to_load(classed, config.load, capacity)
     jobs = _jobs(scaled, profile, config)
     usable = int(profile.kv_total_tokens * (1 - config.llmq.kv_safety_margin))
+    if config.pools == "pd":
+        roles = split_roles(config.workers, phase_work(profile, jobs, rng, usable))
+        return Workload(scaled, profile, capacity, ["any"] * config.workers, source, roles)
     pools = split_pools(config.workers, lane_work(profile, jobs, rng, usable), config.pools)
     return Workload(scaled, profile, capacity, list(pools), source)
 
@@ -138,9 +149,12 @@ def run_policy(
     """Simulate ``name`` on a fresh fleet and fresh jobs; returns its figures."""
     jobs = _jobs(workload.requests, workload.profile, config)
     policy = POLICIES[name](random.Random(f"{config.seed}/{name}"), config.llmq)
-    pools: list[Pool] = workload.pools if name == "llmq" else ["any"] * config.workers
+    ours = name == "llmq"
+    pools: list[Pool] = workload.pools if ours else ["any"] * config.workers
+    roles = workload.roles if ours else None
     started = time.perf_counter()
-    stats = Simulator(jobs, workload.profile, pools, policy, progress=advance).run()
+    stats = Simulator(jobs, workload.profile, pools, policy, progress=advance, roles=roles,
+                      kv_link_gbps=config.kv_link_gbps).run()
     wall = time.perf_counter() - started
     summary = summarize(jobs, config.llmq.timeout_s)
     summary.update(
@@ -152,6 +166,8 @@ def run_policy(
         pools={p: pools.count(p) for p in ("short", "long", "any") if p in pools},
         wall_s=round(wall, 3),
     )
+    if roles is not None:
+        summary["roles"] = {r: roles.count(r) for r in ("prefill", "decode") if r in roles}
     checks = getattr(policy, "admission_checks", None)
     if checks:
         summary["admission_checks"] = dict(sorted(checks.items()))
@@ -197,6 +213,8 @@ def _config_doc(config: BenchConfig, workload: Workload) -> dict[str, Any]:
         "max_tokens_slack": config.max_tokens_slack,
         "pool_mode": config.pools,
         "llmq_pools": {p: workload.pools.count(p) for p in ("short", "long", "any")},
+        **({"llmq_roles": {r: workload.roles.count(r) for r in ("prefill", "decode")},
+            "kv_link_gbps": config.kv_link_gbps} if workload.roles is not None else {}),
         "fleet_capacity_rps": round(workload.capacity_rps, 6),
         "arrival_span_s": round(reqs[-1].arrival_s - reqs[0].arrival_s, 6),
         "llmq": {k: (dict(v) if isinstance(v, dict) else v) for k, v in llmq.items()},

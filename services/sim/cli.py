@@ -48,9 +48,12 @@ DEFAULT_TRACE = TRACES / "azure_llm_2023_conv.csv"
 @click.option("--load", type=click.FloatRange(min=0.0, min_open=True), default=0.85,
               show_default=True, help="Offered load ρ = λ / (N · μ).")
 @click.option("--seed", type=int, default=1, show_default=True)
-@click.option("--pools", type=click.Choice(["latency", "proportional", "hybrid", "any"]),
+@click.option("--pools", type=click.Choice(["latency", "proportional", "hybrid", "any", "pd"]),
               default="latency",
-              show_default=True, help="How llmq splits the fleet into lane pools.")
+              show_default=True, help="How llmq splits the fleet: into lane pools, or with "
+                                      "'pd' into prefill and decode workers (KV handed off).")
+@click.option("--kv-link-gbps", type=click.FloatRange(min=0.0, min_open=True), default=25.0,
+              show_default=True, help="With --pools pd: KV transfer between workers, GB/s.")
 @click.option("--heartbeat-s", type=click.FloatRange(min=0.0, min_open=True), default=1.0,
               show_default=True, help="llmq's heartbeat and queue-status period.")
 @click.option("--timeout-s", type=click.FloatRange(min=0.0, min_open=True), default=120.0,
@@ -78,7 +81,8 @@ DEFAULT_TRACE = TRACES / "azure_llm_2023_conv.csv"
 def policies(
     trace: Path, synthetic: bool, requests: int | None, policy_list: str, workers: int,
     profile: str, profiles_file: Path | None, load: float, seed: int, pools: str,
-    heartbeat_s: float, timeout_s: float, kv_margin: float, engine_priority: bool,
+    kv_link_gbps: float, heartbeat_s: float, timeout_s: float, kv_margin: float,
+    engine_priority: bool,
     max_tokens_slack: float, json_out: Path | None, plot: Path | None, matrix: bool,
     markdown: Path | None, seed_list: str | None, quiet: bool,
 ) -> None:
@@ -118,7 +122,7 @@ def policies(
         workers=workers, profile=profile, profiles_file=profiles_file, load=load, seed=seed,
         policies=names,
         pools=pools,  # type: ignore[arg-type]  # click.Choice guarantees a PoolMode
-        max_tokens_slack=max_tokens_slack, llmq=llmq,
+        kv_link_gbps=kv_link_gbps, max_tokens_slack=max_tokens_slack, llmq=llmq,
     )
     show = not quiet and sys.stderr.isatty()
     if matrix:

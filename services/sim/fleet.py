@@ -17,7 +17,7 @@ import math
 from collections.abc import Sequence
 from typing import Final
 
-from schemas.common import Lane, Pool, Priority
+from schemas.common import Lane, Phase, Pool, Priority, Role
 from services.ingest.core import LaneConfig, classify_lane
 from services.sim.workload import TraceRequest
 from services.worker.engines.sim import EngineProfile, SimEngineCore, latency_alone
@@ -44,6 +44,7 @@ class Job:
         "lane",
         "max_tokens",
         "output",
+        "phase",
         "preemptions",
         "priority",
         "prompt",
@@ -78,6 +79,9 @@ class Job:
         self.worker: int | None = None
         self.reject_code: str | None = None
         self.preemptions = 0
+        #: What its latest dispatch ran: ``whole``, or ``prefill`` then ``decode`` on a
+        #: disaggregated fleet (``worker`` is then the decode worker once it is there).
+        self.phase: Phase = "whole"
 
     @property
     def terminal(self) -> bool:
@@ -123,12 +127,15 @@ def make_jobs(
 class SimWorker:
     """One engine of the fleet. ``in_flight``: dispatched, finish not yet delivered."""
 
-    __slots__ = ("engine", "in_flight", "index", "pool", "version", "worker_id")
+    __slots__ = ("engine", "in_flight", "index", "pool", "role", "version", "worker_id")
 
-    def __init__(self, index: int, profile: EngineProfile, pool: Pool = "any") -> None:
+    def __init__(
+        self, index: int, profile: EngineProfile, pool: Pool = "any", role: Role = "mixed"
+    ) -> None:
         self.index = index
         self.worker_id = f"w{index:05d}"
         self.pool: Pool = pool
+        self.role: Role = role
         self.engine = SimEngineCore(profile)
         self.in_flight = 0
         self.version = 0  # bumped whenever a scheduled wake-up becomes stale

@@ -21,13 +21,23 @@ This adapter only plays the parts of the Kafka plumbing:
   aged into (``PendingQueue.engine_priority``: 0 high, 1 normal, 2 low), as the live
   scheduler's assignment tells the worker, and within a class the short lane before the
   long one (``schemas.common.engine_rank``, what the live worker submits to an engine run
-  with vLLM's priority scheduling); then by arrival at the engine. The baselines submit
+  with vLLM's priority scheduling; a prefill stage is ranked for a prompt queue, high
+  class first, then short before long); then by arrival at the engine. The baselines submit
   everything at 0 — plain FCFS, what a vLLM fleet without priorities does.
   ``engine_priority=False`` submits llmq's at 0 too.
 * **Assignments** are delivered at once: a placement is added to its engine and marked
   started in the ledger in the same instant; a finish releases the reservation and settles
   the tenant's token bucket (``settle``) at once. Both pass their time (``at=now``), so the
   ledger credits releases since the last heartbeat to that heartbeat's view.
+
+* **Prefill and decode apart** (a fleet with ``prefill`` and ``decode`` workers, e.g.
+  ``llmq bench policies --pools pd``): the cycle places a request's prefill stage on a
+  prefill worker; when the simulator delivers its KV (``on_prefilled``) the prefill
+  reservation is released and the decode stage (``QueuedRequest.handoff()``) is pushed
+  back into the pending queue, where the next cycle places it on a decode worker. First
+  tokens are reported to the ledger (``mark_first_token``), which is how the cycle knows
+  how much prompt work each worker has left (the overflow rule of
+  :mod:`services.scheduler.core.cycle`).
 
 Every request asks for ``max_tokens`` (the true output length, times the bench's slack)
 and ``timeout_s``; its queue deadline is ``arrival + timeout_s``. The reservation is
@@ -133,6 +143,7 @@ class LlmqPolicy:
         self._model = ""
         self._block_size = 16
         self._sim: Simulator | None = None
+        self._staged: dict[int, QueuedRequest] = {}  # prefill stages placed, by job
         self.admission_checks: Counter[str] = Counter()
 
     @property
@@ -207,6 +218,15 @@ class LlmqPolicy:
         self._drain.add(self._model, now, used)
         self._schedule(now)
 
+    def on_prefilled(self, job: Job, now: float) -> None:
+        staged = self._staged.pop(job.idx)
+        self._ledger.release(staged.request_id, staged.attempt, at=now)
+        self._pending.push(staged.handoff(), force=True)
+        self._schedule(now)
+
+    def on_first_token(self, job: Job, now: float) -> None:
+        self._ledger.mark_first_token(str(job.idx), 0)
+
     def queued(self) -> int:
         return len(self._pending)
 
@@ -231,12 +251,16 @@ class LlmqPolicy:
         for d in decisions:
             if isinstance(d, Placement):
                 job = jobs[int(d.request.request_id)]
-                self._queued_tokens -= job.prompt + job.max_tokens
-                sim.dispatch(job, d.partition, self._engine_priority(d.request, now))
+                if d.phase != "decode":  # a decode stage left the queued tokens before
+                    self._queued_tokens -= job.prompt + job.max_tokens
+                if d.phase == "prefill":
+                    self._staged[job.idx] = d.request
+                sim.dispatch(job, d.partition, self._engine_priority(d.request, now), d.phase)
                 self._ledger.mark_started(d.request.request_id, d.attempt, at=now)
             elif isinstance(d, Reject):
                 job = jobs[int(d.request_id)]
-                self._queued_tokens -= job.prompt + job.max_tokens
+                if job.phase != "prefill":  # not a decode stage that timed out
+                    self._queued_tokens -= job.prompt + job.max_tokens
                 sim.reject(job, d.code)
                 self._settle(job, 0, now)
 
@@ -245,7 +269,8 @@ class LlmqPolicy:
         # into (the scheduler's engine_priority), then its lane; 0 for all (FCFS) when off.
         if not self.config.engine_priority:
             return 0
-        return engine_rank(self._pending.engine_priority(request, now), request.lane)
+        return engine_rank(self._pending.engine_priority(request, now), request.lane,
+                           request.phase)
 
     def _settle(self, job: Job, used: int, now: float) -> None:
         reserved = self._reserved.pop(job.idx)
@@ -273,6 +298,7 @@ class LlmqPolicy:
             draining=False,
             heartbeat_ts=now,
             tokens_per_s=rate,
+            role=w.role,
         )
 
     def _cluster_view(self, states: list[WorkerState], now: float) -> ClusterView:

@@ -24,6 +24,13 @@ and the split must use llmq's rate or it starves the KV-heavy lane. Modes:
 * ``hybrid``: ``⌊N · W(L) / Σ W⌋`` dedicated workers per lane, the remainder (0 or 1)
   ``any``, where the lanes interleave 3:1;
 * ``any``: every worker takes both lanes (interleaved 3:1).
+* ``pd``: prefill and decode apart (:func:`split_roles`): every worker takes both lanes,
+  some compute prompts and hand their KV on, the others decode. The split makes the
+  busier side as cool as it can be: ``n_decode`` in 1 … N − 1 minimising
+  ``max(W(prefill) / (N − n_decode), W(decode) / n_decode)``, where W(phase) is measured
+  as above with an engine fed prefill stages only (one output token) or decode stages
+  only (all but the last prompt token cached). The overflow rule of the cycle covers
+  the prefill side's peaks.
 
 Each lane with requests keeps at least one worker; a one-lane workload gives every worker
 to that lane; a fleet of one worker is ``any``.
@@ -36,19 +43,25 @@ import random
 from collections.abc import Sequence
 from typing import Literal
 
-from schemas.common import Lane, Pool
+from schemas.common import Lane, Pool, Role
 from services.sim.fleet import Job
 from services.worker.engines.sim import EngineProfile, SimEngineCore, SimRequest
 
-PoolMode = Literal["latency", "proportional", "hybrid", "any"]
+PoolMode = Literal["latency", "proportional", "hybrid", "any", "pd"]
 
 
 def reserved_capacity(
-    profile: EngineProfile, lengths: Sequence[tuple[int, int, int]], usable_kv: int, n: int
+    profile: EngineProfile,
+    lengths: Sequence[tuple[int, int, int]],
+    usable_kv: int,
+    n: int,
+    *,
+    cached: bool = False,
 ) -> float:
     """Completed requests/s of one engine fed ``n`` requests (``lengths`` = (prompt, output,
     max_tokens), repeated) under llmq's reservation rule; the rate is measured between the
-    10 % and 70 % completion marks, as :func:`saturated_capacity` does."""
+    10 % and 70 % completion marks, as :func:`saturated_capacity` does. ``cached``: each
+    arrives with all but its last prompt token in KV (a decode stage)."""
     core = SimEngineCore(profile)
     bs, slots = profile.block_size, profile.max_num_seqs
     reserved: dict[int, int] = {}
@@ -61,7 +74,8 @@ def reserved_capacity(
             kv = -(-(prompt + max_tokens) // bs) * bs
             if total + kv > usable_kv and reserved:
                 return  # FCFS: the head waits for room (alone, it always starts)
-            core.add(SimRequest(nxt, prompt, output), now)
+            core.add(SimRequest(nxt, prompt, output,
+                                cached_tokens=prompt - 1 if cached else 0), now)
             reserved[nxt] = kv
             total += kv
             nxt += 1
@@ -109,6 +123,44 @@ def lane_work(
     return work
 
 
+def phase_work(
+    profile: EngineProfile,
+    jobs: Sequence[Job],
+    rng: random.Random,
+    usable_kv: int,
+    sample_size: int = 4096,
+) -> tuple[float, float]:
+    """(W(prefill), W(decode)): engines kept busy by each phase on average."""
+    span = jobs[-1].arrival_s - jobs[0].arrival_s if jobs else 0.0
+    limit = profile.max_seq_tokens()
+    members = [j for j in jobs if j.prompt + j.output <= limit
+               and -(-(j.prompt + j.max_tokens) // profile.block_size) * profile.block_size
+               <= usable_kv]
+    if not members or span <= 0:
+        return 0.0, 0.0
+    sample = members if len(members) <= sample_size else rng.sample(members, sample_size)
+    n = max(len(sample), 4 * profile.max_num_seqs)
+    prefill = reserved_capacity(profile, [(j.prompt, 1, 1) for j in sample], usable_kv, n)
+    decode = reserved_capacity(profile, [(j.prompt, j.output, j.max_tokens) for j in sample],
+                               usable_kv, n, cached=True)
+    return len(members) / prefill / span, len(members) / decode / span
+
+
+def split_roles(workers: int, work: tuple[float, float]) -> list[Role]:
+    """Role of each worker for ``pd``: prefill workers first, then decode (module doc)."""
+    if workers < 2:
+        raise ValueError("prefill and decode apart need at least 2 workers")
+    prefill_work, decode_work = work
+
+    def hottest(n_decode: int) -> float:  # the busier side's utilization
+        return max(prefill_work / (workers - n_decode), decode_work / n_decode)
+
+    n_decode = min(range(1, workers), key=hottest)  # ties: the fewest decode workers
+    prefill: list[Role] = ["prefill"]
+    decode: list[Role] = ["decode"]
+    return prefill * (workers - n_decode) + decode * n_decode
+
+
 def split_pools(
     workers: int, work: dict[Lane, float], mode: PoolMode = "latency", utilization: float = 0.9
 ) -> list[Pool]:
@@ -118,7 +170,7 @@ def split_pools(
     if not 0 < utilization <= 1:
         raise ValueError("utilization must be in (0, 1]")
     short, long_ = work.get("short", 0.0), work.get("long", 0.0)
-    if mode == "any" or workers == 1 or short + long_ <= 0:
+    if mode in ("any", "pd") or workers == 1 or short + long_ <= 0:
         return ["any"] * workers
     if short <= 0 or long_ <= 0:  # one lane only: every worker takes it
         return ["short" if short > 0 else "long"] * workers

@@ -19,6 +19,15 @@ insertion order — so a run is deterministic):
   visited (the core fast-forwards them exactly);
 * **finish** at the end of the step that produced a job's last token → the dispatcher's
   in-flight count drops, then ``policy.on_finished``;
+* **hand-off** (disaggregated fleets only): a job dispatched as a prefill stage finishes
+  its one token on a prefill worker; its KV cache then travels for ``1 ms + prompt ×
+  kv_bytes_per_token ÷ link`` (``kv_link_gbps``, 25 GB/s: one 200 Gb/s link) and at
+  the end of that the prefill worker's in-flight count drops and the policy is told
+  (``on_prefilled``); it places the decode stage, which joins a decode engine with all
+  but the last prompt token cached (``SimRequest.cached_tokens``) and samples every
+  output token, the first one included, as vLLM's decode instance does behind its P/D
+  proxy (the prefill's token is discarded). A policy that dispatches phases also hears
+  of first tokens (``on_first_token``), which is when an engine has computed a prompt;
 * **heartbeat** every ``policy.heartbeat_s`` seconds (only for policies that ask for one)
   → ``policy.on_heartbeat``, which reads the workers the way heartbeats would report them.
 
@@ -39,9 +48,9 @@ import heapq
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Final, Protocol
+from typing import Final, Protocol, runtime_checkable
 
-from schemas.common import Pool
+from schemas.common import Phase, Pool, Role
 from services.sim.fleet import (
     COMPLETED,
     QUEUED,
@@ -56,6 +65,7 @@ from services.worker.engines.sim.model import to_ns, to_s
 _WAKE: Final = 0
 _FINISH: Final = 1
 _HEARTBEAT: Final = 2
+_HANDOFF: Final = 3
 #: advance(wake + _EPS_S) runs exactly the step that starts at ``wake`` (the core rounds to
 #: integer ns; this lands 1 ns past it for times below ~10^6 s).
 _EPS_S: Final = 1e-9
@@ -100,6 +110,17 @@ class Policy(Protocol):
         ...
 
 
+@runtime_checkable
+class PhasedPolicy(Policy, Protocol):
+    """A policy that runs requests in two phases on a disaggregated fleet."""
+
+    def on_prefilled(self, job: Job, now: float) -> None:
+        """``job``'s prefill stage ended and its KV arrived: place its decode stage."""
+
+    def on_first_token(self, job: Job, now: float) -> None:
+        """An engine computed ``job``'s prompt (the step's end may be after ``now``)."""
+
+
 @dataclass(frozen=True, slots=True)
 class SimStats:
     """Counters of one run (the per-request figures live in the jobs)."""
@@ -131,16 +152,27 @@ class Simulator:
         progress: ProgressFn | None = None,
         progress_every: int = 2000,
         check: Callable[[Simulator], None] | None = None,
+        roles: Sequence[Role] | None = None,
+        kv_link_gbps: float = 25.0,
     ) -> None:
         if not pools:
             raise ValueError("the fleet needs at least one worker")
+        if roles is not None and len(roles) != len(pools):
+            raise ValueError(f"{len(roles)} roles for {len(pools)} workers")
+        if not (math.isfinite(kv_link_gbps) and kv_link_gbps > 0):
+            raise ValueError(f"kv_link_gbps must be finite and > 0, got {kv_link_gbps!r}")
         for i in range(1, len(jobs)):
             if jobs[i].arrival_s < jobs[i - 1].arrival_s:
                 raise ValueError("jobs must be sorted by arrival")
         self.jobs = jobs
         self.profile = profile
-        self.workers = [SimWorker(i, profile, pool) for i, pool in enumerate(pools)]
+        self.workers = [
+            SimWorker(i, profile, pool, roles[i] if roles is not None else "mixed")
+            for i, pool in enumerate(pools)
+        ]
         self.policy = policy
+        self._phased = policy if isinstance(policy, PhasedPolicy) else None
+        self._link_bytes_per_s = kv_link_gbps * 1e9
         self.now = 0.0
         self.completed = 0
         self.rejected = 0
@@ -156,19 +188,34 @@ class Simulator:
         self._ran = False
 
     # ---- what policies call ---------------------------------------------------------
-    def dispatch(self, job: Job, worker: int, priority: int = 0) -> None:
+    def dispatch(self, job: Job, worker: int, priority: int = 0, phase: Phase = "whole") -> None:
         """Send ``job`` to worker ``worker`` now; it joins the engine's waiting queue at
-        ``priority`` (vLLM's: lower first; every job at the default 0 is FCFS)."""
+        ``priority`` (vLLM's: lower first; every job at the default 0 is FCFS). ``phase``:
+        the whole request, its prefill stage (one token, on a ``prefill`` worker) or, after
+        its hand-off, its decode stage (on a ``decode`` worker)."""
         if job.state != QUEUED:
             raise SimulationError(f"job {job.idx} dispatched in state {job.state}")
         w = self.workers[worker]
+        expected = {"whole": w.role != "prefill", "prefill": w.role == "prefill",
+                    "decode": w.role == "decode" and job.phase == "prefill"}
+        if not expected[phase]:
+            raise SimulationError(
+                f"job {job.idx}: {phase} stage (after {job.phase}) on a {w.role} worker")
         now = self.now
         engine = w.engine
         if engine.has_work:
             self._record(engine.advance(now), w)
-        engine.add(SimRequest(job.idx, job.prompt, job.output, job.arrival_s, priority), now)
+        if phase == "prefill":
+            request = SimRequest(job.idx, job.prompt, 1, job.arrival_s, priority)
+        else:
+            cached = max(0, job.prompt - 1) if phase == "decode" else 0
+            request = SimRequest(job.idx, job.prompt, job.output, job.arrival_s, priority,
+                                 cached_tokens=cached)
+        engine.add(request, now)
         job.state = RUNNING
-        job.dispatched_s = now
+        if job.dispatched_s is None:
+            job.dispatched_s = now
+        job.phase = phase
         job.worker = worker
         w.in_flight += 1
         self._dirty[worker] = None
@@ -205,6 +252,9 @@ class Simulator:
                 elif kind == _FINISH:
                     assert isinstance(payload, Job)
                     self._finish(payload)
+                elif kind == _HANDOFF:
+                    assert isinstance(payload, Job)
+                    self._handoff(payload)
                 else:
                     self._heartbeat(i < n)
             elif i < n:
@@ -261,17 +311,35 @@ class Simulator:
         self._dirty[w.index] = None
 
     def _record(self, events: list[SeqEvent], w: SimWorker) -> None:
-        jobs = self.jobs
+        jobs, phased = self.jobs, self._phased
         for e in events:
             job = jobs[e.seq_id]
             kind = e.kind
             if kind == "finished":
-                self._push(e.time_s, _FINISH, job)
+                if job.phase == "prefill":  # its KV now travels to a decode worker
+                    self._push(self._arrives_s(e.time_s, job.prompt), _HANDOFF, job)
+                else:
+                    self._push(e.time_s, _FINISH, job)
             elif kind == "first_token":
+                if job.phase == "prefill":
+                    continue  # the prefill's token is discarded; the decode samples it
                 if job.first_token_s is None:
                     job.first_token_s = e.time_s
+                if phased is not None:
+                    phased.on_first_token(job, self.now)
             else:
                 job.preemptions += 1
+
+    def _arrives_s(self, sent_s: float, prompt_tokens: int) -> float:
+        transfer = 0.001 + prompt_tokens * self.profile.kv_bytes_per_token / self._link_bytes_per_s
+        return to_s(to_ns(sent_s + transfer))
+
+    def _handoff(self, job: Job) -> None:
+        if job.state != RUNNING or job.worker is None or self._phased is None:
+            raise SimulationError(f"job {job.idx} handed off in state {job.state}")
+        job.state = QUEUED
+        self.workers[job.worker].in_flight -= 1
+        self._phased.on_prefilled(job, self.now)
 
     def _finish(self, job: Job) -> None:
         if job.state != RUNNING or job.worker is None:

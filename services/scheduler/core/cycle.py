@@ -45,6 +45,19 @@ Order of work:
    pools are sized on average demand; spill is what lets a burst on one lane use the other
    lane's slack instead of queueing beside idle workers.
 
+6. Prefill and decode apart. On a fleet with ``prefill`` and ``decode`` workers (their
+   heartbeat's role; every other worker is ``mixed``), a new request of a route that has
+   prefill workers is placed as its *prefill stage* (``phase = "prefill"``; the KV of its
+   prompt plus the sampled token, in blocks) on a prefill worker, chosen by the pipeline
+   like any placement. When the prompt is computed the caller puts the *decode stage*
+   (``request.handoff()``: the whole reservation again) back into the queue, in a class of
+   its own (:mod:`.queue`), and the cycle places it on a decode worker. One exception
+   (the profile's ``pd_overflow_tokens``): when every prefill worker of the route has at
+   least that many prompt tokens placed and not computed (:meth:`Ledger.uncomputed_prompt`),
+   a long request goes whole to a decode worker that has none of its own. Mixed workers
+   take requests whole as before, when no prefill worker can take the prompt; spill
+   borrows only mixed workers.
+
 Decisions come out in this order: rejections of cancelled and expired requests, then
 placements and rejections as they are decided, then one ``Defer`` per class head still
 blocked (requests behind a head wait silently).
@@ -63,7 +76,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from operator import mul
 
-from schemas.common import Lane
+from schemas.common import Lane, Role
 from services.scheduler.core.index import Route, RouteIndex, capacity, route_index
 from services.scheduler.core.ledger import Ledger
 from services.scheduler.core.queue import ClassKey, PendingQueue
@@ -138,6 +151,19 @@ def _borrowed(pool: Lane, admits: Callable[[WorkerState], bool]) -> Callable[[Wo
     return member
 
 
+def _has_roles(snapshot: Snapshot) -> bool:
+    """True when some worker of the snapshot is not ``mixed`` (memoised per snapshot)."""
+    found = snapshot.memo.get("roles")
+    if found is None:
+        found = snapshot.memo["roles"] = any(
+            w.role != "mixed" for w in snapshot.workers.values())
+    return bool(found)
+
+
+def _blocks(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size) * block_size
+
+
 def _deferred_head(pending: PendingQueue, klass: ClassKey) -> QueuedRequest:
     """The head of a class blocked earlier in this cycle (it cannot have left meanwhile)."""
     head = pending.head(klass)
@@ -156,6 +182,7 @@ class _Cycle:
         "now",
         "pending",
         "pipeline",
+        "prompt_free",
         "refusal",
         "rng",
         "snapshot",
@@ -183,6 +210,7 @@ class _Cycle:
         self.refusal = ""
         self.hold_refused = False
         self.spill_bound = 0  # > 0 while placing a spill with a per-worker bound
+        self.prompt_free = False  # while placing an overflow: workers with no prompt work
 
     def run(self, max_placements: int | None) -> None:
         pending, ledger = self.pending, self.ledger
@@ -237,17 +265,70 @@ class _Cycle:
 
     def _decide(self, request: QueuedRequest) -> Decision:
         route: Route = (request.model, request.model_version, request.lane)
-        index = route_index(
-            self.snapshot, route, self.ledger, self._route_admits(request), self.pipeline
-        )
+        if request.phase == "decode":  # a computed prompt: decode workers only
+            index = self._index(request, "decode")
+            outcome = self._place(request, index)
+            if isinstance(outcome, Placement):
+                return outcome
+            return self._blocked(request, route, index, outcome)
+        stage: tuple[QueuedRequest, RouteIndex] | None = None
+        if _has_roles(self.snapshot):
+            prefill = self._index(request, "prefill")
+            if prefill.members:
+                overflow = self._overflow(request, prefill)
+                if overflow is not None:
+                    return overflow
+                staged = self._prefill_stage(request, prefill)
+                outcome = self._place(staged, prefill)
+                if isinstance(outcome, Placement):
+                    return outcome
+                stage = (staged, prefill)
+        index = self._index(request, "mixed")
         outcome = self._place(request, index)
         if isinstance(outcome, Placement):
             return outcome
         if self.pipeline.spill:
-            spilled = self._spill(request, own_pool=bool(index.members))
+            spilled = self._spill(request, own_pool=bool(index.members) or stage is not None)
             if spilled is not None:
                 return spilled
+        if stage is not None and not index.members:  # a prefill worker is its way in
+            return self._blocked(request, route, stage[1], outcome, stage=stage[0])
         return self._blocked(request, route, index, outcome)
+
+    def _index(self, request: QueuedRequest, role: Role) -> RouteIndex:
+        """The candidate index of ``request``'s route among workers of ``role``."""
+        route: Route = (request.model, request.model_version, request.lane)
+        owner = self.pipeline if role == "mixed" else (self.pipeline, role)
+        return route_index(
+            self.snapshot, route, self.ledger, self._route_admits(request, role=role), owner
+        )
+
+    @staticmethod
+    def _prefill_stage(request: QueuedRequest, prefill: RouteIndex) -> QueuedRequest:
+        """``request`` as a prefill stage: its prompt and the sampled token, in blocks."""
+        kv = _blocks(request.prompt_tokens + 1, prefill.members[0].block_size)
+        return replace(request, phase="prefill", kv_tokens=min(kv, request.kv_tokens),
+                       decode_kv_tokens=request.kv_tokens)
+
+    def _overflow(self, request: QueuedRequest, prefill: RouteIndex) -> Placement | None:
+        """A long request whole on a decode worker with no prompt work, when every
+        prefill worker has ``pd_overflow_tokens`` or more to compute (step 6)."""
+        threshold = self.pipeline.pd_overflow_tokens
+        if not threshold or request.lane != "long":
+            return None
+        uncomputed = self.ledger.uncomputed_prompt
+        for worker in prefill.members:  # the first below the threshold ends it
+            if uncomputed(worker.worker_id) < threshold:
+                return None
+        decode = self._index(request, "decode")
+        if not decode.members:
+            return None
+        self.prompt_free = True
+        try:
+            outcome = self._place(request, decode)
+        finally:
+            self.prompt_free = False
+        return outcome if isinstance(outcome, Placement) else None
 
     def _spill(self, request: QueuedRequest, own_pool: bool) -> Placement | None:
         """Place ``request`` on the other lane's dedicated pool, if step 5 allows it.
@@ -260,7 +341,7 @@ class _Cycle:
         other = _other(lane)
         # With no worker of its own lane, an overdue head has nothing to hold: it borrows.
         stranded = not own_pool and (
-            self.now - request.enqueued_at >= self.pending.aging_bound_s(request.priority))
+            self.pending.overdue(request, self.now))
         for klass in self.pending.class_keys():
             if klass[0] == other and klass[2] == model and not stranded:
                 return None  # the other lane has work of its own: lend nothing
@@ -293,15 +374,16 @@ class _Cycle:
         return Placement(request, worker.worker_id, worker.partition, kv, request.attempt)
 
     def _route_admits(
-        self, request: QueuedRequest, *, lane: Lane | None = None
+        self, request: QueuedRequest, *, lane: Lane | None = None, role: Role = "mixed"
     ) -> Callable[[WorkerState], bool]:
-        """The route-stage filters for ``request`` (as if of ``lane``, when given)."""
+        """The route-stage filters for ``request`` (as if of ``lane``, when given), among
+        workers of ``role``."""
         filters, ctx = self.pipeline.route_filters, self.ctx
         if lane is not None and lane != request.lane:
             request = replace(request, lane=lane)
 
         def admits(worker: WorkerState) -> bool:
-            return all(f.accepts(worker, request, ctx) for f in filters)
+            return worker.role == role and all(f.accepts(worker, request, ctx) for f in filters)
 
         return admits
 
@@ -340,10 +422,14 @@ class _Cycle:
         checks = [(f.accepts, f.name) for f in self.pipeline.room_filters]
         request_id, any_holds = request.request_id, len(holds) > 0
         bound, lane, lane_count = self.spill_bound, request.lane, self.ledger.lane_count
+        prompt_free, uncomputed = self.prompt_free, self.ledger.uncomputed_prompt
 
         def accepts(worker: WorkerState) -> bool:
             if bound and lane_count(worker.worker_id, lane) >= bound:
                 self.refusal = "spill bound"
+                return False
+            if prompt_free and uncomputed(worker.worker_id):
+                self.refusal = "prompt work"
                 return False
             if any_holds:
                 holder = holds.get(worker.worker_id)
@@ -375,9 +461,16 @@ class _Cycle:
         return pipeline.picker.pick(scored, self.rng, ctx)
 
     def _blocked(
-        self, request: QueuedRequest, route: Route, index: RouteIndex, reason: str
+        self,
+        request: QueuedRequest,
+        route: Route,
+        index: RouteIndex,
+        reason: str,
+        *,
+        stage: QueuedRequest | None = None,
     ) -> Decision:
-        """A head that fits nowhere now: reject if it never could, else defer (and hold)."""
+        """A head that fits nowhere now: reject if it never could, else defer (and hold).
+        ``stage``: the prefill stage it would be placed as on ``index``."""
         request_id, kv = request.request_id, request.kv_tokens
         fleet = capacity(self.snapshot, route, self.ledger)
         if not fleet.any_live:
@@ -412,13 +505,14 @@ class _Cycle:
         if not fleet.lane_served:
             reason = (f"no live worker of the {request.lane} pool; waits to borrow the "
                       f"{_other(request.lane)} pool")
-        if self.now - request.enqueued_at >= self.pending.aging_bound_s(request.priority):
+        if self.pending.overdue(request, self.now):
+            placed = stage if stage is not None else request
             before = self.ledger.hold_of(request_id)
-            held = self._hold(request, index)
+            held = self._hold(placed, index)
             if held is not None and held != before and self.hold_refused:
                 # It took over a hold that had kept it out: that worker may fit it now.
                 self.hold_refused = False
-                outcome = self._place(request, index)
+                outcome = self._place(placed, index)
                 if isinstance(outcome, Placement):
                     return outcome
             if held is not None:

@@ -35,6 +35,12 @@ per worker until a heartbeat later than their release is seen, then dropped. The
 view is unchanged, so Σ reservations ≤ usable KV still holds whatever the credits; they
 only stop the heartbeat view from double-counting work that has ended.
 
+Prompt work. Each worker's book also counts the prompt tokens placed on it that it has
+not computed yet (whole requests and prefill stages, from reservation to first token or
+release; a decode stage's prompt arrives computed). On a disaggregated fleet that is the
+load of a prefill worker, and a decode worker with none may take a long request whole
+(:mod:`.cycle`, "Prefill and decode apart").
+
 The ledger also keeps the scheduler's other per-worker placement memory, so one owner holds
 it all: holds (a worker kept free for one overdue request, see :mod:`.cycle`), prefix
 affinity (:mod:`.affinity`), the last worker placed on (round-robin), and a change log
@@ -74,18 +80,22 @@ class _Book:
     """One worker's reservations and their running totals."""
 
     __slots__ = (
+        "computing",
         "entries",
         "lanes",
         "reserved",
         "seen",
         "started",
         "started_at",
+        "uncomputed",
         "unstarted_kv",
         "unstarted_n",
     )
 
     def __init__(self) -> None:
         self.entries: dict[ReservationKey, Reservation] = {}
+        self.computing: dict[ReservationKey, int] = {}  # prompt tokens not computed yet
+        self.uncomputed = 0  # their sum
         self.started: set[ReservationKey] = set()  # the worker has begun it
         self.started_at: dict[ReservationKey, float] = {}  # ... at this time, when told
         self.seen: set[ReservationKey] = set()  # a heartbeat listed it
@@ -254,6 +264,9 @@ class Ledger:
         book.lanes[request.lane] = book.lanes.get(request.lane, 0) + 1
         book.unstarted_kv += request.kv_tokens
         book.unstarted_n += 1
+        if request.phase != "decode":
+            book.computing[key] = request.prompt_tokens
+            book.uncomputed += request.prompt_tokens
         self._where[key] = worker_id
         self.last_worker_id = worker_id
         self._last_on[(request.model, request.model_version, request.lane)] = worker_id
@@ -278,6 +291,7 @@ class Ledger:
         reservation = book.entries.pop(key)
         book.reserved -= reservation.kv_tokens
         book.lanes[reservation.request.lane] -= 1
+        book.uncomputed -= book.computing.pop(key, 0)
         if key in book.started:
             book.started.discard(key)
             started_at = book.started_at.pop(key, None)
@@ -311,6 +325,22 @@ class Ledger:
         self._start(book, key)
         self._touch(worker_id)
         return True
+
+    def mark_first_token(self, request_id: str, attempt: int) -> bool:
+        """The worker computed the request's prompt (its first token); False if unknown.
+        Its prompt no longer counts in :meth:`uncomputed_prompt`."""
+        key = (request_id, attempt)
+        worker_id = self._where.get(key)
+        if worker_id is None:
+            return False
+        book = self._books[worker_id]
+        book.uncomputed -= book.computing.pop(key, 0)  # room is unchanged: nothing to log
+        return True
+
+    def uncomputed_prompt(self, worker_id: str) -> int:
+        """Prompt tokens reserved on ``worker_id`` and not computed yet (module doc)."""
+        book = self._books.get(worker_id)
+        return 0 if book is None else book.uncomputed
 
     def reconcile(self, worker_id: str, held: Collection[ReservationKey]) -> list[Reservation]:
         """Align with a heartbeat listing the (request_id, attempt) the worker holds.

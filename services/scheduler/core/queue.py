@@ -1,10 +1,16 @@
 """The pending queue: priority classes with aging, FCFS within a class, bounded.
 
-Structure. One FIFO per *class* = (lane, priority, model, model version). Requests for
+Structure. One FIFO per *class* = (lane, priority, model, model version, stage). Requests for
 different models never compete for the same workers, so keeping models apart stops a
 blocked model from holding up another one's requests; so does a version pin (a request
 pinned to the version of the last, draining worker of a rolling upgrade must not hold up
-unpinned ones the new version's workers could take). Within a class the order is strict FCFS by
+unpinned ones the new version's workers could take); so does the stage: a request whose
+prompt a prefill worker computed (``phase == "decode"``, waiting for a decode worker) is
+in a class of its own, so that a full decode pool never holds up new prompts that only
+need a prefill worker. Decode stages rank as high whatever their priority, so hand-offs
+go first, oldest first: the prefill side already served the request by its class, and a
+waiting hand-off pins its prompt's KV on the prefill worker (vLLM's KV connectors free it
+only when the decode side has pulled it). Within a class the order is strict FCFS by
 ``enqueued_at`` (ties by arrival), so requeued requests (which keep their original
 ``enqueued_at``) go back near the front. Each FIFO is a binary heap with lazy deletion:
 push, pop and remove by id are O(log n) (remove is O(1) plus amortised cleanup).
@@ -42,10 +48,16 @@ from services.scheduler.core.lanes import DEFAULT_LANE_WEIGHTS, LaneInterleave
 from services.scheduler.core.types import QueuedRequest
 
 #: A FIFO of the pending queue: (lane, priority rank, model, model version or None for
-#: any); see the module docstring.
-ClassKey = tuple[Lane, int, str, str | None]
+#: any, True for decode stages); see the module docstring.
+ClassKey = tuple[Lane, int, str, str | None, bool]
 
 _RANK: dict[Priority, int] = {p: priority_rank(p) for p in PRIORITIES}
+
+
+def _rank(request: QueuedRequest) -> int:
+    """The class a request is queued and run at: its priority's rank, but 0 (high) for a
+    decode stage (module docstring)."""
+    return 0 if request.phase == "decode" else _RANK[request.priority]
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,9 +157,14 @@ class PendingQueue:
     def aging_bound_s(self, priority: Priority) -> float:
         return self.config.aging_bound_s(priority)
 
+    def overdue(self, request: QueuedRequest, now: float) -> bool:
+        """True once ``request`` has waited the aging bound of the class it is queued at
+        (0 s for a decode stage, which ranks as high)."""
+        return now - request.enqueued_at >= _rank(request) * self._aging
+
     def effective_priority(self, request: QueuedRequest, now: float) -> float:
         """``rank - wait / aging_s_per_class``; smaller is served first."""
-        return _RANK[request.priority] - (now - request.enqueued_at) / self._aging
+        return _rank(request) - (now - request.enqueued_at) / self._aging
 
     def engine_priority(self, request: QueuedRequest, now: float) -> int:
         """The class ``request`` has aged into at ``now`` — ``max(0, ceil(effective
@@ -157,11 +174,11 @@ class PendingQueue:
         its own class: ``enqueued_at`` is stamped by ingest's clock, which may run ahead of
         the scheduler's (a low request "waited" −5 ms would otherwise come out as 3)."""
         aged = math.ceil(self.effective_priority(request, now) - 1e-9)
-        return min(_RANK[request.priority], max(0, aged))
+        return min(_rank(request), max(0, aged))
 
     def order_key(self, request: QueuedRequest) -> float:
         """A time-free key with the same order as effective priority at any ``now``."""
-        return request.enqueued_at + _RANK[request.priority] * self._aging
+        return request.enqueued_at + _rank(request) * self._aging
 
     # -- mutation ---------------------------------------------------------------------
 
@@ -179,8 +196,8 @@ class PendingQueue:
             self.remove(request.request_id)
         elif not force and self.is_full:
             return False
-        klass: ClassKey = (request.lane, _RANK[request.priority], request.model,
-                           request.model_version)
+        klass: ClassKey = (request.lane, _rank(request), request.model,
+                           request.model_version, request.phase == "decode")
         seq = next(self._seq)
         self._entries[request.request_id] = _Entry(request, klass, seq)
         fifo = self._classes.get(klass)
@@ -288,7 +305,7 @@ class PendingQueue:
 
     def _sort_key(self, request: QueuedRequest) -> tuple[float, int, int]:
         entry = self._entries[request.request_id]
-        return (self.order_key(request), _RANK[request.priority], entry.seq)
+        return (self.order_key(request), _rank(request), entry.seq)
 
     def _is_live(self, seq: int, request_id: str) -> bool:
         entry = self._entries.get(request_id)

@@ -9,11 +9,11 @@ performs a side effect.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Final
 
-from schemas.common import ErrorCode, Lane, Pool, Priority
+from schemas.common import ErrorCode, Lane, Phase, Pool, Priority, Role
 
 #: Heartbeats are sent every second; three missed ones make a worker stale (DESIGN.md).
 HEARTBEAT_INTERVAL_S: Final = 1.0
@@ -31,6 +31,11 @@ class QueuedRequest:
     whole blocks); the scheduler reserves exactly that. ``enqueued_at`` and ``deadline`` are
     absolute times in seconds on the same clock as ``now``. ``attempt`` grows by one each
     time the request is requeued after a worker loss.
+
+    ``phase`` is ``whole`` for a request as admitted. On a fleet with prefill and decode
+    workers the cycle places it as a ``prefill`` stage (``kv_tokens`` = the prompt's
+    blocks, ``decode_kv_tokens`` = the whole reservation it had); when the prompt is
+    computed, :meth:`handoff` gives the ``decode`` stage that goes back into the queue.
     """
 
     request_id: str
@@ -46,6 +51,8 @@ class QueuedRequest:
     deadline: float | None = None
     attempt: int = 0
     prefix_hash: str | None = None
+    phase: Phase = "whole"
+    decode_kv_tokens: int | None = None
 
     def __post_init__(self) -> None:
         # A zero reservation would "fit" a worker with no free sequence slot.
@@ -58,6 +65,14 @@ class QueuedRequest:
     def key(self) -> ReservationKey:
         return (self.request_id, self.attempt)
 
+    def handoff(self) -> QueuedRequest:
+        """The decode stage of this placed prefill stage: same request, attempt and
+        times, the whole reservation again."""
+        if self.phase != "prefill" or self.decode_kv_tokens is None:
+            raise ValueError(f"{self.request_id}: only a prefill stage hands off")
+        return replace(self, phase="decode", kv_tokens=self.decode_kv_tokens,
+                       decode_kv_tokens=None)
+
 
 @dataclass(frozen=True, slots=True)
 class WorkerState:
@@ -65,7 +80,8 @@ class WorkerState:
 
     ``kv_free_tokens`` is what the engine reports free right now; it is advisory (see
     :meth:`Ledger.free_kv`). ``running`` and ``waiting`` are the engine's own sequence
-    counts, ``tokens_per_s`` its recent generation throughput.
+    counts, ``tokens_per_s`` its recent generation throughput. ``role`` says which phases
+    it runs (``schemas.common.Role``; ``mixed``, the default, runs requests whole).
     """
 
     worker_id: str
@@ -82,6 +98,7 @@ class WorkerState:
     draining: bool
     heartbeat_ts: float
     tokens_per_s: float
+    role: Role = "mixed"
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -125,13 +142,22 @@ class Snapshot:
 
 @dataclass(frozen=True, slots=True)
 class Placement:
-    """Send ``request`` to ``worker_id`` (its assignments partition), reserving ``kv_tokens``."""
+    """Send ``request`` to ``worker_id`` (its assignments partition), reserving ``kv_tokens``.
+
+    ``request.phase`` says what the worker runs: the whole request, its prefill stage (the
+    prompt; the caller hands the KV on with ``request.handoff()`` when it is computed) or
+    its decode stage.
+    """
 
     request: QueuedRequest
     worker_id: str
     partition: int
     kv_tokens: int
     attempt: int
+
+    @property
+    def phase(self) -> Phase:
+        return self.request.phase
 
 
 @dataclass(frozen=True, slots=True)

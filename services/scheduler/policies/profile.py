@@ -6,6 +6,7 @@ A profile is a plain mapping (parsed TOML/YAML or a literal)::
                "seq-slots", "class-reserve"]
     picker = "max-score"
     candidates = 8            # roomiest workers scored per decision; 0 = every feasible one
+    pd_overflow_tokens = 131072   # prefill/decode fleets only, see below; 0 = never
     [scorers]                 # name = weight >= 0; combined as a weighted mean
     kv-headroom = 2.0
     queue-depth = 1.0
@@ -36,6 +37,13 @@ Defaults (:data:`DEFAULT_SPILL`): short requests borrow long workers at once and
 bound (they are small and short-lived); long requests borrow a short worker only after
 10 s and one at a time, because each long prefill stretches the short decodes sharing its
 engine steps.
+
+``pd_overflow_tokens`` matters only on a fleet with ``prefill`` and ``decode`` workers
+(:mod:`..core.cycle`, "Prefill and decode apart"): when every prefill worker of a route
+has at least this many prompt tokens placed and not yet computed, a long request goes
+whole to a decode worker that has no prompt of its own to compute (Splitwise's mixed
+pool, one simple form). The default, 131,072 tokens, is about 2.3 s of prefill on an
+H100 (docs/benchmarks.md, "Thirteenth round").
 
 ``candidates`` bounds the work per decision: scoring every one of 1,000 workers in Python
 costs ~100 µs or more, so llmq scores the K workers with the most room (plus the
@@ -79,6 +87,7 @@ DEFAULT_SCORERS: Final = (
     ("throughput", 0.5),
 )
 DEFAULT_CANDIDATES: Final = 8
+DEFAULT_PD_OVERFLOW_TOKENS: Final = 131_072
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +112,7 @@ DEFAULT_PROFILE: Final[Mapping[str, object]] = MappingProxyType(
             lane: {"after_s": rule.after_s, "max_per_worker": rule.max_per_worker}
             for lane, rule in DEFAULT_SPILL.items()
         },
+        "pd_overflow_tokens": DEFAULT_PD_OVERFLOW_TOKENS,
     }
 )
 
@@ -119,7 +129,9 @@ BASELINE_PROFILES: Final[Mapping[str, Mapping[str, object]]] = MappingProxyType(
 #: The filters whose rule the candidate index implements (``ledger.room() >= kv_tokens``).
 INDEXED_FILTERS: Final = (KvFits, SeqSlots)
 
-_KEYS: Final = frozenset({"filters", "scorers", "picker", "candidates", "params", "spill"})
+_KEYS: Final = frozenset(
+    {"filters", "scorers", "picker", "candidates", "params", "spill", "pd_overflow_tokens"}
+)
 _MAX_CANDIDATES: Final = 100_000
 
 
@@ -133,6 +145,7 @@ class Profile:
     candidates: int = DEFAULT_CANDIDATES
     params: Mapping[str, Mapping[str, object]] = field(default_factory=dict)
     spill: Mapping[Lane, SpillRule] = field(default_factory=lambda: dict(DEFAULT_SPILL))
+    pd_overflow_tokens: int = DEFAULT_PD_OVERFLOW_TOKENS
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, object]) -> Profile:
@@ -147,6 +160,7 @@ class Profile:
             candidates=_candidates(merged["candidates"]),
             params=_params(merged.get("params", {})),
             spill=_spill(merged["spill"]),
+            pd_overflow_tokens=_overflow(merged["pd_overflow_tokens"]),
         )
 
 
@@ -165,6 +179,7 @@ class Pipeline:
     picker: Picker
     candidates: int
     spill: Mapping[Lane, SpillRule] = field(default_factory=dict)
+    pd_overflow_tokens: int = 0
 
 
 def build_pipeline(profile: Mapping[str, object] | Profile = DEFAULT_PROFILE) -> Pipeline:
@@ -197,6 +212,7 @@ def build_pipeline(profile: Mapping[str, object] | Profile = DEFAULT_PROFILE) ->
         picker=picker,
         candidates=prof.candidates,
         spill=MappingProxyType(dict(prof.spill)),
+        pd_overflow_tokens=prof.pd_overflow_tokens,
     )
 
 
@@ -213,6 +229,7 @@ def _as_mapping(profile: Profile) -> dict[str, object]:
         "params": {name: dict(p) for name, p in profile.params.items()},
         "spill": {lane: {"after_s": r.after_s, "max_per_worker": r.max_per_worker}
                   for lane, r in profile.spill.items()},
+        "pd_overflow_tokens": profile.pd_overflow_tokens,
     }
 
 
@@ -285,6 +302,12 @@ def _spill(value: object) -> dict[Lane, SpillRule]:
             raise ConfigError(f"{setting}.max_per_worker", f"must be an int >= 0, got {bound!r}")
         out[lane] = SpillRule(float(after), bound)
     return out
+
+
+def _overflow(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError("pd_overflow_tokens", f"must be an int >= 0, got {value!r}")
+    return value
 
 
 def _params(value: object) -> Mapping[str, Mapping[str, object]]:

@@ -1,0 +1,218 @@
+"""Prefill and decode apart (core.cycle step 6): stages, hand-offs, the overflow rule, and
+the prompt work the ledger counts. Hand-computed cases on small fleets."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from schemas.common import engine_rank
+from services.scheduler import (
+    DEFAULT_PROFILE,
+    ConfigError,
+    Defer,
+    Ledger,
+    Placement,
+    build_pipeline,
+    schedule,
+)
+from services.scheduler.core.types import QueuedRequest, WorkerState
+from tests.builders import NOW, make_queue, make_request, make_snapshot, make_worker, seeded
+
+PIPELINE = build_pipeline(DEFAULT_PROFILE)
+
+
+def fleet(prefill: int = 1, decode: int = 1, mixed: int = 0, **kw: object) -> list[WorkerState]:
+    workers = [make_worker(f"p{i}", role="prefill", partition=i, **kw)  # type: ignore[arg-type]
+               for i in range(prefill)]
+    workers += [make_worker(f"d{i}", role="decode", partition=10 + i, **kw)  # type: ignore[arg-type]
+                for i in range(decode)]
+    workers += [make_worker(f"m{i}", role="mixed", partition=20 + i, **kw)  # type: ignore[arg-type]
+                for i in range(mixed)]
+    return workers
+
+
+def cycle(workers: list[WorkerState], *requests: QueuedRequest, ledger: Ledger | None = None,
+          pipeline: object = PIPELINE, now: float = NOW) -> tuple[list[object], Ledger]:
+    ledger = ledger if ledger is not None else Ledger(kv_safety_margin=0.0)
+    queue = make_queue(*requests)
+    decisions = schedule(make_snapshot(workers, now=now), queue, ledger, pipeline, now,  # type: ignore[arg-type]
+                         seeded())
+    return list(decisions), ledger
+
+
+def test_a_new_request_is_placed_as_its_prefill_stage_on_a_prefill_worker() -> None:
+    request = make_request("r1", prompt_tokens=1000, max_tokens=500, kv_tokens=1504)
+    decisions, ledger = cycle(fleet(), request)
+    [placement] = decisions
+    assert isinstance(placement, Placement)
+    assert placement.worker_id == "p0" and placement.phase == "prefill"
+    # The prompt and the sampled token, in 16-token blocks: 1001 -> 1008.
+    assert placement.kv_tokens == 1008 == placement.request.kv_tokens
+    assert placement.request.decode_kv_tokens == 1504
+    assert ledger.reserved_kv("p0") == 1008 and ledger.reserved_kv("d0") == 0
+    assert ledger.uncomputed_prompt("p0") == 1000
+
+
+def test_the_handoff_is_placed_on_a_decode_worker_with_the_whole_reservation() -> None:
+    request = make_request("r1", prompt_tokens=1000, max_tokens=500, kv_tokens=1504,
+                           enqueued_at=NOW - 5)
+    [placement], ledger = cycle(fleet(), request)
+    assert isinstance(placement, Placement)
+    ledger.release("r1", 0)
+    decode = placement.request.handoff()
+    assert (decode.phase, decode.kv_tokens, decode.enqueued_at) == ("decode", 1504, NOW - 5)
+    [second], _ = cycle(fleet(), decode, ledger=ledger)
+    assert isinstance(second, Placement)
+    assert (second.worker_id, second.phase, second.kv_tokens) == ("d0", "decode", 1504)
+    assert ledger.uncomputed_prompt("d0") == 0  # its prompt arrived computed
+
+
+def test_only_a_prefill_stage_hands_off() -> None:
+    with pytest.raises(ValueError, match="only a prefill stage"):
+        make_request("r1").handoff()
+
+
+def test_a_full_decode_pool_does_not_hold_up_new_prompts() -> None:
+    # The decode worker can hold one stage of 1504 at a time; the second waits, in its
+    # own class, while a new request of the same class still gets a prefill worker.
+    workers = fleet(kv_total_tokens=2000)
+    ledger = Ledger(kv_safety_margin=0.0)
+    staged = []
+    for rid in ("a", "b"):
+        [p], ledger = cycle(workers, make_request(rid, prompt_tokens=100, max_tokens=1400,
+                                                  kv_tokens=1504), ledger=ledger)
+        assert isinstance(p, Placement) and p.phase == "prefill"
+        ledger.release(rid, 0)
+        staged.append(p.request)
+    first, _ = cycle(workers, staged[0].handoff(), ledger=ledger)
+    assert [d.phase for d in first if isinstance(d, Placement)] == ["decode"]
+    queue = make_queue(staged[1].handoff(), make_request("c", prompt_tokens=100, max_tokens=1400,
+                                                         kv_tokens=1504, enqueued_at=NOW + 1))
+    decisions = schedule(make_snapshot(workers), queue, ledger, PIPELINE, NOW + 1, seeded())
+    assert [(d.request.request_id, d.phase) for d in decisions if isinstance(d, Placement)] == [
+        ("c", "prefill")]
+    assert [d.request_id for d in decisions if isinstance(d, Defer)] == ["b"]
+
+
+def test_mixed_workers_take_requests_whole_when_no_prefill_worker_can() -> None:
+    workers = fleet(prefill=1, decode=1, mixed=1)
+    busy = [make_worker("p0", role="prefill", draining=True), *workers[1:]]
+    [placement], _ = cycle(busy, make_request("r1"))
+    assert isinstance(placement, Placement)
+    assert (placement.worker_id, placement.phase) == ("m0", "whole")
+
+
+def test_a_fleet_without_roles_is_unchanged_and_never_uses_prefill_or_decode_workers() -> None:
+    [placement], _ = cycle([make_worker("m0")], make_request("r1"))
+    assert isinstance(placement, Placement) and placement.phase == "whole"
+    # A decode worker is never given a new request whole below the overflow threshold.
+    decisions, _ = cycle([make_worker("d0", role="decode")], make_request("r2", lane="long"))
+    assert [type(d) for d in decisions] == [Defer]
+
+
+def overloaded(ledger: Ledger, worker: WorkerState, tokens: int) -> None:
+    """Give ``worker`` ``tokens`` of prompt work placed and not computed."""
+    big = make_request(f"load-{worker.worker_id}", prompt_tokens=tokens, max_tokens=1,
+                       kv_tokens=tokens + 16)
+    assert ledger.reserve(worker, big)
+
+
+def test_overflow_sends_a_long_request_whole_to_an_idle_decode_worker() -> None:
+    workers = fleet(prefill=2, decode=2, kv_total_tokens=400_000)
+    pipeline = build_pipeline({"pd_overflow_tokens": 100_000})
+    ledger = Ledger(kv_safety_margin=0.0)
+    for w in workers[:2]:
+        overloaded(ledger, w, 100_000)
+    overloaded(ledger, workers[2], 5_000)  # d0 is still computing a prompt of its own
+    long_request = make_request("long", lane="long", prompt_tokens=6000, max_tokens=500,
+                                kv_tokens=6512)
+    [placement], _ = cycle(workers, long_request, ledger=ledger, pipeline=pipeline)
+    assert isinstance(placement, Placement)
+    assert (placement.worker_id, placement.phase, placement.kv_tokens) == ("d1", "whole", 6512)
+    assert ledger.uncomputed_prompt("d1") == 6000
+    assert ledger.mark_first_token("long", 0)
+    assert ledger.uncomputed_prompt("d1") == 0
+
+
+@pytest.mark.parametrize(("lane", "p1_load", "expected"), [
+    ("short", 100_000, "prefill"),  # short requests never overflow
+    ("long", 99_999, "prefill"),    # one prefill worker below the threshold
+])
+def test_overflow_needs_a_long_request_and_every_prefill_worker_loaded(
+    lane: str, p1_load: int, expected: str
+) -> None:
+    workers = fleet(prefill=2, decode=1, kv_total_tokens=400_000)
+    pipeline = build_pipeline({"pd_overflow_tokens": 100_000})
+    ledger = Ledger(kv_safety_margin=0.0)
+    overloaded(ledger, workers[0], 100_000)
+    overloaded(ledger, workers[1], p1_load)
+    request = make_request("r", lane=lane, prompt_tokens=3000, max_tokens=100,  # type: ignore[arg-type]
+                           kv_tokens=3104)
+    [placement], _ = cycle(workers, request, ledger=ledger, pipeline=pipeline)
+    assert isinstance(placement, Placement) and placement.phase == expected
+
+
+def test_overflow_off_and_first_tokens_release_prompt_work() -> None:
+    workers = fleet(prefill=1, decode=1, kv_total_tokens=400_000)
+    ledger = Ledger(kv_safety_margin=0.0)
+    overloaded(ledger, workers[0], 200_000)
+    request = make_request("r", lane="long", prompt_tokens=3000, kv_tokens=3520)
+    [placement], _ = cycle(workers, request, ledger=ledger,
+                           pipeline=build_pipeline({"pd_overflow_tokens": 0}))
+    assert isinstance(placement, Placement) and placement.phase == "prefill"
+    assert ledger.uncomputed_prompt("p0") == 203_000
+    ledger.release("r", 0)
+    assert ledger.uncomputed_prompt("p0") == 200_000
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True, "many"])
+def test_pd_overflow_tokens_is_validated(value: object) -> None:
+    with pytest.raises(ConfigError, match="pd_overflow_tokens"):
+        build_pipeline({"pd_overflow_tokens": value})
+
+
+def test_prefill_ranks_put_the_high_class_first_then_short_prompts_before_long() -> None:
+    ranks = {(c, lane): engine_rank(c, lane, "prefill")  # type: ignore[arg-type]
+             for c in (0, 1, 2) for lane in ("short", "long")}
+    order = sorted(ranks, key=ranks.__getitem__)
+    assert order == [(0, "short"), (0, "long"), (1, "short"), (2, "short"), (1, "long"),
+                     (2, "long")]
+    # Whole requests and decode stages keep the class-first rank.
+    assert [engine_rank(c, "long", "decode") for c in (0, 1, 2)] == [1, 3, 5]
+
+
+def staged_decode(rid: str, priority: str, enqueued_at: float) -> QueuedRequest:
+    request = make_request(rid, priority=priority, prompt_tokens=100, max_tokens=1400,  # type: ignore[arg-type]
+                           kv_tokens=1504, enqueued_at=enqueued_at)
+    return replace(request, phase="prefill", kv_tokens=112, decode_kv_tokens=1504).handoff()
+
+
+def test_hand_offs_go_first_oldest_first_whatever_their_class() -> None:
+    # Decode stages rank as high: a low one that waited longer is placed before a normal
+    # one, and both before a new high request that could take the same decode worker.
+    workers = [make_worker("d0", role="decode", kv_total_tokens=2000)]
+    ledger = Ledger(kv_safety_margin=0.0)
+    queue = make_queue(staged_decode("normal", "normal", NOW - 10),
+                       staged_decode("low", "low", NOW - 20))
+    decisions = schedule(make_snapshot(workers), queue, ledger, PIPELINE, NOW, seeded())
+    assert [d.request.request_id for d in decisions if isinstance(d, Placement)] == ["low"]
+    assert queue.engine_priority(queue.get("normal"), NOW) == 0  # type: ignore[arg-type]
+
+
+def test_a_hold_for_a_hand_off_passes_to_an_older_one_of_another_class() -> None:
+    # A normal decode stage blocked on a full decode worker holds it; a low one handed off
+    # later but admitted earlier goes in front of it in the same class and must take the
+    # hold over, or the worker stays held for a request that is no longer a head (the
+    # cycle then deferred both forever).
+    workers = [make_worker("d0", role="decode", kv_total_tokens=2000)]
+    ledger = Ledger(kv_safety_margin=0.0)
+    assert ledger.reserve(workers[0], make_request("busy", kv_tokens=1000))
+    queue = make_queue(staged_decode("normal", "normal", NOW - 40))
+    first = schedule(make_snapshot(workers), queue, ledger, PIPELINE, NOW, seeded())
+    assert [type(d) for d in first] == [Defer] and ledger.holder("d0") == "normal"
+    ledger.release("busy", 0)
+    queue.push(staged_decode("low", "low", NOW - 45))
+    second = schedule(make_snapshot(workers), queue, ledger, PIPELINE, NOW, seeded())
+    assert [d.request.request_id for d in second if isinstance(d, Placement)] == ["low"]

@@ -79,6 +79,7 @@ if TYPE_CHECKING:
     from schemas.workers import EventFailed as EventFailed
     from schemas.workers import EventFirstToken as EventFirstToken
     from schemas.workers import EventMessage as EventMessage
+    from schemas.workers import EventPrefilled as EventPrefilled
     from schemas.workers import EventStarted as EventStarted
     from schemas.workers import LifecycleEvent as LifecycleEvent
     from schemas.workers import WorkerHeartbeat as WorkerHeartbeat
@@ -103,6 +104,7 @@ _EXPORTS: dict[str, str] = {
     "EventDone": "schemas.workers",
     "EventFailed": "schemas.workers",
     "EventFirstToken": "schemas.workers",
+    "EventPrefilled": "schemas.workers",
     "EventMessage": "schemas.workers",
     "EventStarted": "schemas.workers",
     "FieldError": "schemas.codec",

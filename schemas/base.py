@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Final, Self
 
-from pydantic import BaseModel, ConfigDict, Field, Strict
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, Strict
 
 from schemas.common import MAX_TOKENS, SCHEMA_VERSION
 
@@ -75,6 +75,9 @@ TokenCount = Annotated[int, Field(ge=0, le=MAX_TOKENS)]
 Count = Annotated[int, Field(ge=0, le=(1 << 63) - 1)]
 #: Attempt numbers start at 1 and grow by one on every requeue.
 Attempt = Annotated[int, Field(ge=1, le=1_000)]
+#: An engine's KV-transfer parameters, passed through as they are (vLLM's
+#: ``kv_transfer_params``: the prefill instance's engine id, host, port and block ids).
+KvTransfer = Annotated[dict[str, JsonValue], Field(max_length=64)]
 #: Kafka partition numbers.
 Partition = Annotated[int, Field(ge=0, le=100_000)]
 Fraction = Annotated[float, Field(ge=0.0, le=1.0)]

@@ -131,7 +131,12 @@ def _adapter(target: type[WireMessage] | TypeAdapter[Any] | TopicSpec) -> Any:
 
 
 def _is_tagged_union(adapter: Any) -> bool:
-    return isinstance(adapter, TypeAdapter) and adapter.core_schema["type"] == "tagged-union"
+    if not isinstance(adapter, TypeAdapter):
+        return False
+    schema = adapter.core_schema
+    if schema["type"] == "definitions":  # a recursive member (a JSON value) wraps the union
+        schema = schema["schema"]
+    return bool(schema["type"] == "tagged-union")
 
 
 def _field_error(err: ErrorDetails, tagged: bool) -> FieldError:

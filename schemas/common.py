@@ -12,7 +12,9 @@ from typing import Final, Literal
 #: 3: ``Assignment.worker_started_at`` (readers of 2 refuse it; 3 reads 1's and 2's).
 #: 4: ``WorkerHeartbeat.renew`` and the ``lease`` control message (readers of 3 refuse both;
 #: 4 reads 1's to 3's).
-SCHEMA_VERSION: Final = 4
+#: 5: prefill and decode apart: ``WorkerHeartbeat.role``, ``Assignment.phase`` and
+#: ``kv_transfer``, the ``event.prefilled`` event (readers of 4 refuse them; 5 reads 1's to 4's).
+SCHEMA_VERSION: Final = 5
 
 Priority = Literal["high", "normal", "low"]
 PRIORITIES: Final[tuple[Priority, ...]] = ("high", "normal", "low")

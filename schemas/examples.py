@@ -25,6 +25,7 @@ from schemas.workers import (
     EventDone,
     EventFailed,
     EventFirstToken,
+    EventPrefilled,
     EventStarted,
     WorkerHeartbeat,
 )
@@ -133,6 +134,14 @@ def examples() -> tuple[WireMessage, ...]:
         example_heartbeat(),
         EventStarted(**_EVENT, ts=T0 + 0.015),
         EventFirstToken(**_EVENT, ttft_s=0.061, ts=T0 + 0.061),
+        EventPrefilled(
+            **_EVENT,
+            kv_transfer={"do_remote_prefill": True, "remote_engine_id": "prefill-0",
+                         "remote_block_ids": [0, 1], "remote_host": "127.0.0.1",
+                         "remote_port": 5600},
+            prompt_tokens=21,
+            ts=T0 + 0.030,
+        ),
         EventDone(**_EVENT, finish_reason="stop", usage=_USAGE, ts=T0 + 0.140),
         EventFailed(
             **_EVENT,

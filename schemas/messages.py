@@ -24,6 +24,7 @@ from schemas.workers import (
     EventFailed,
     EventFirstToken,
     EventMessage,
+    EventPrefilled,
     EventStarted,
     WorkerHeartbeat,
 )
@@ -36,6 +37,7 @@ MESSAGE_MODELS: Final[tuple[type[WireMessage], ...]] = (
     WorkerHeartbeat,
     EventStarted,
     EventFirstToken,
+    EventPrefilled,
     EventDone,
     EventFailed,
     EventAborted,
@@ -69,6 +71,7 @@ AnyMessage = Annotated[
     | WorkerHeartbeat
     | EventStarted
     | EventFirstToken
+    | EventPrefilled
     | EventDone
     | EventFailed
     | EventAborted

@@ -27,6 +27,7 @@ from schemas.base import (
     Attempt,
     Count,
     FrozenModel,
+    KvTransfer,
     ModelName,
     Partition,
     PositiveSeconds,
@@ -39,7 +40,7 @@ from schemas.base import (
     WireMessage,
     WorkerId,
 )
-from schemas.common import MAX_TOKENS, Lane, Priority
+from schemas.common import MAX_TOKENS, Lane, Phase, Priority
 
 Role = Literal["system", "user", "assistant", "tool"]
 
@@ -234,6 +235,17 @@ class Assignment(WireMessage):
         "heartbeat). A restarted worker drops assignments stamped for an earlier process: "
         "the scheduler requeues that work, or ends it worker_lost, once it sees the new "
         "process's heartbeat. Null: whichever process holds the slot runs it.",
+    )
+    phase: Phase = Field(
+        default="whole",
+        description="What the worker runs: whole (the request), prefill (its prompt only; "
+        "nothing goes to the client, event.prefilled reports the KV-transfer parameters) "
+        "or decode (its output, from the KV cache the prefill worker computed).",
+    )
+    kv_transfer: KvTransfer | None = Field(
+        default=None,
+        description="For a decode stage: the prefill worker's KV-transfer parameters, from "
+        "its event.prefilled.",
     )
 
     @property

@@ -7,6 +7,8 @@
   ``event.done``, ``event.failed``, ``event.aborted``, each for one ``(request_id, attempt)``.
   The scheduler releases KV reservations on the terminal ones and requeues on worker loss
   only what never reached ``first_token``; ingest releases per-tenant concurrency.
+  ``event.prefilled`` ends a prefill stage (prefill and decode apart): the attempt is over
+  on its worker, the request is not — the scheduler places its decode stage next.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from schemas.base import (
     Attempt,
     Count,
     Fraction,
+    KvTransfer,
     ModelName,
     Partition,
     PositiveSeconds,
@@ -28,10 +31,11 @@ from schemas.base import (
     Tenant,
     Text,
     Timestamp,
+    TokenCount,
     WireMessage,
     WorkerId,
 )
-from schemas.common import ErrorCode, Pool
+from schemas.common import ErrorCode, Pool, Role
 from schemas.replies import FinishReason, Usage
 
 
@@ -46,6 +50,12 @@ class WorkerHeartbeat(WireMessage):
         default=None, description="Version (revision) of the model; null when unknown."
     )
     pool: Pool = Field(description="Lanes the worker takes: short, long or any.")
+    role: Role = Field(
+        default="mixed",
+        description="What the worker runs: mixed (requests whole), prefill (prompts, then "
+        "their KV cache is handed to a decode worker) or decode (hand-offs, and long "
+        "requests whole when every prefill worker is loaded).",
+    )
     partition: Partition = Field(description="Partition of llmq.assignments the worker reads.")
     kv_total_tokens: Count = Field(description="Usable KV-cache capacity in tokens.")
     kv_free_tokens: Count = Field(description="KV-cache tokens free now (engine's view).")
@@ -166,8 +176,23 @@ class EventAborted(LifecycleEvent):
     usage: Usage | None = Field(default=None, description="Tokens consumed before the abort.")
 
 
+class EventPrefilled(LifecycleEvent):
+    """A prefill stage finished: the prompt's KV cache waits on this worker for the decode
+    worker the scheduler places next (attempt + 1). Nothing was sent to the client. Ends
+    the attempt on this worker, not the request."""
+
+    kind: Literal["event.prefilled"] = Field(
+        default="event.prefilled", description="Message discriminator."
+    )
+    kv_transfer: KvTransfer = Field(
+        description="The engine's KV-transfer parameters; the decode stage's assignment "
+        "carries them to the decode worker's engine."
+    )
+    prompt_tokens: TokenCount = Field(description="Prompt tokens the engine computed.")
+
+
 EventMessage = Annotated[
-    EventStarted | EventFirstToken | EventDone | EventFailed | EventAborted,
+    EventStarted | EventFirstToken | EventPrefilled | EventDone | EventFailed | EventAborted,
     Field(discriminator="kind"),
 ]
 #: Events after which the attempt holds no capacity any more.

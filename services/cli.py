@@ -374,6 +374,11 @@ def demo(settings: Settings, n: int, rate: float, trace: Path | None, url: str, 
 @click.option("--short-workers", default=2, show_default=True, type=click.IntRange(0))
 @click.option("--long-workers", default=1, show_default=True, type=click.IntRange(0))
 @click.option("--any-workers", default=0, show_default=True, type=click.IntRange(0))
+@click.option("--prefill-workers", default=0, show_default=True, type=click.IntRange(0),
+              help="Workers that compute prompts and hand their KV cache on (prefill and "
+                   "decode apart; give --decode-workers too).")
+@click.option("--decode-workers", default=0, show_default=True, type=click.IntRange(0),
+              help="Workers that take the prefill workers' hand-offs.")
 @click.option("--http-port", default=8080, show_default=True, help="Ingest HTTP port.")
 @click.option("--health-port", default=8081, show_default=True, help="Health service port.")
 @click.option("--metrics-base-port", default=9400, show_default=True,
@@ -389,8 +394,9 @@ def demo(settings: Settings, n: int, rate: float, trace: Path | None, url: str, 
               help="Leave the embedded broker running when the foreground stack stops.")
 @click.pass_context
 def up(ctx: click.Context, detach: bool, short_workers: int, long_workers: int,
-       any_workers: int, http_port: int, health_port: int, metrics_base_port: int,
-       profile: str, model: str, kafka_only: bool, with_jaeger: bool, keep_kafka: bool,
+       any_workers: int, prefill_workers: int, decode_workers: int, http_port: int,
+       health_port: int, metrics_base_port: int, profile: str, model: str, kafka_only: bool,
+       with_jaeger: bool, keep_kafka: bool,
        ) -> None:
     """Run the whole local stack on embedded defaults, in the foreground (Ctrl-C stops it).
 
@@ -401,6 +407,10 @@ def up(ctx: click.Context, detach: bool, short_workers: int, long_workers: int,
     """
     from services.stack import StackConfig, running_services
 
+    if (prefill_workers == 0) != (decode_workers == 0):
+        raise click.BadParameter(
+            "prefill workers hand their requests to decode workers: give both "
+            "--prefill-workers and --decode-workers, or neither", param_hint="--decode-workers")
     settings: Settings = ctx.obj
     running = running_services(settings)
     if running and not kafka_only:
@@ -419,7 +429,8 @@ def up(ctx: click.Context, detach: bool, short_workers: int, long_workers: int,
         started_jaeger = with_jaeger and _start_jaeger(settings)
         _up(ctx, settings, detach, StackConfig(
             short_workers=short_workers, long_workers=long_workers, any_workers=any_workers,
-            http_port=http_port, health_port=health_port, metrics_base_port=metrics_base_port,
+            prefill_workers=prefill_workers, decode_workers=decode_workers, http_port=http_port,
+            health_port=health_port, metrics_base_port=metrics_base_port,
             profile=profile, model=model), kafka_only)
     finally:
         for sig in _STOP_SIGNALS:  # the clean-up below is bounded: let it finish
@@ -499,7 +510,8 @@ def _up(ctx: click.Context, settings: Settings, detach: bool, cfg: StackConfig,
     stack = Stack(stack_services(cfg), settings_env(settings))
     click.echo(f"llmq: OpenAI-compatible API on http://127.0.0.1:{cfg.http_port}/v1 ; "
                f"Kafka on {settings.bootstrap} ; workers: {cfg.short_workers} short, "
-               f"{cfg.long_workers} long, {cfg.any_workers} any (sim engine, "
+               f"{cfg.long_workers} long, {cfg.any_workers} any, {cfg.prefill_workers} "
+               f"prefill, {cfg.decode_workers} decode (sim engine, "
                f"profile {cfg.profile})")
     if detach:
         stack.start(log_dir=stack_dir(settings))

@@ -44,6 +44,9 @@ class StackConfig:
     short_workers: int = 2
     long_workers: int = 1
     any_workers: int = 0
+    #: Workers of a prefill/decode split (pool ``any``, roles ``prefill`` and ``decode``).
+    prefill_workers: int = 0
+    decode_workers: int = 0
     http_port: int = 8080
     health_port: int = 8081
     metrics_base_port: int = 9400
@@ -76,13 +79,17 @@ def stack_services(cfg: StackConfig) -> list[ServiceSpec]:
         ),
     ]
     slot = 0
-    for pool, count in (("short", cfg.short_workers), ("long", cfg.long_workers),
-                        ("any", cfg.any_workers)):
+    for pool, role, count in (("short", "mixed", cfg.short_workers),
+                              ("long", "mixed", cfg.long_workers),
+                              ("any", "mixed", cfg.any_workers),
+                              ("any", "prefill", cfg.prefill_workers),
+                              ("any", "decode", cfg.decode_workers)):
         for _ in range(count):
             specs.append(
                 ServiceSpec(
                     f"worker-{slot}",
                     (py, "-m", "services.worker", "--slot", str(slot), "--pool", pool,
+                     *(("--role", role) if role != "mixed" else ()),
                      "--engine", "sim", "--profile", cfg.profile, "--model", cfg.model,
                      "--time-scale", str(cfg.time_scale)),
                     (("LLMQ_METRICS_PORT", str(next(port))),),

@@ -136,11 +136,13 @@ def maintenance_reason(rec: WorkerRecord) -> str | None:
 
 
 def worker_registration(hb: WorkerHeartbeat, policy: HealthPolicy) -> ServiceRegistration:
-    """The ``llmq-worker`` instance of a worker; tags carry pool, model and engine."""
+    """The ``llmq-worker`` instance of a worker; tags carry pool, model and engine (and
+    the role of a prefill or decode worker)."""
     return ServiceRegistration(
         name=WORKER_SERVICE,
         service_id=hb.worker_id,
-        tags=(f"pool:{hb.pool}", f"model:{hb.model}", f"engine:{hb.engine}"),
+        tags=(f"pool:{hb.pool}", f"model:{hb.model}", f"engine:{hb.engine}",
+              *((f"role:{hb.role}",) if hb.role != "mixed" else ())),
         meta=(("slot", str(hb.partition)),),
         ttl_s=max(policy.min_ttl_s, freshness_window(hb, policy)),
     )

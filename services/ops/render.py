@@ -50,7 +50,9 @@ def workers_table(status: Mapping[str, Any]) -> Table:
         state = w["state"] + (" (drain requested)" if w.get("drain_requested") and
                               w["state"] == "up" else "")
         table.add_row(
-            str(w["slot"]), w["worker_id"], w["model"], w["pool"], w["engine"],
+            str(w["slot"]), w["worker_id"], w["model"],
+            w["pool"] if w.get("role", "mixed") == "mixed" else f"{w['pool']} ({w['role']})",
+            w["engine"],
             Text(state, style=STATE_STYLES.get(w["state"], "")),
             kv_bar(w["kv_used_pct"]),
             f"{tokens(w['kv_free_tokens'])}/{tokens(w['kv_total_tokens'])}",

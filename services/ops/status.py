@@ -9,7 +9,7 @@ health service and the tests shape it the same way.
 The document (``schema`` 1)::
 
     {"schema": 1, "generated_at": <unix s>, "bootstrap": "...", "topic_prefix": "llmq",
-     "workers": [{"worker_id", "slot", "model", "pool", "engine", "state",
+     "workers": [{"worker_id", "slot", "model", "pool", "role", "engine", "state",
                   "kv_free_tokens", "kv_total_tokens", "kv_free_pct", "kv_used_pct",
                   "running", "waiting", "max_num_seqs", "tokens_per_s", "gpu_util",
                   "draining", "drain_requested", "age_s", "interval_s", ...}, ...],
@@ -102,6 +102,7 @@ def worker_row(rec: WorkerRecord, now: float, policy: HealthPolicy) -> dict[str,
         "model": hb.model,
         "model_version": hb.model_version,
         "pool": hb.pool,
+        "role": hb.role,
         "engine": hb.engine,
         "state": worker_state(rec, now, policy),
         "kv_free_tokens": hb.kv_free_tokens,

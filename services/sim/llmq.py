@@ -32,12 +32,14 @@ This adapter only plays the parts of the Kafka plumbing:
 
 * **Prefill and decode apart** (a fleet with ``prefill`` and ``decode`` workers, e.g.
   ``llmq bench policies --pools pd``): the cycle places a request's prefill stage on a
-  prefill worker; when the simulator delivers its KV (``on_prefilled``) the prefill
-  reservation is released and the decode stage (``QueuedRequest.handoff()``) is pushed
-  back into the pending queue, where the next cycle places it on a decode worker. First
-  tokens are reported to the ledger (``mark_first_token``), which is how the cycle knows
-  how much prompt work each worker has left (the overflow rule of
-  :mod:`services.scheduler.core.cycle`).
+  prefill worker; when the simulator delivers its KV (``on_prefilled``) the decode stage
+  (``QueuedRequest.handoff()``, attempt 1) is pushed back into the pending queue, where a
+  cycle places it on a decode worker. The prefill reservation is kept until then (a real
+  prefill engine holds the prompt's KV until the decode side pulls it; the simulated one
+  frees it at once, so this only errs on the safe side), as the live scheduler keeps it
+  until the decode stage starts. First tokens are reported to the ledger
+  (``mark_first_token``), which is how the cycle knows how much prompt work each worker
+  has left (the overflow rule of :mod:`services.scheduler.core.cycle`).
 
 Every request asks for ``max_tokens`` (the true output length, times the bench's slack)
 and ``timeout_s``; its queue deadline is ``arrival + timeout_s``. The reservation is
@@ -144,6 +146,7 @@ class LlmqPolicy:
         self._block_size = 16
         self._sim: Simulator | None = None
         self._staged: dict[int, QueuedRequest] = {}  # prefill stages placed, by job
+        self._attempts: dict[int, int] = {}  # jobs placed at an attempt other than 0
         self.admission_checks: Counter[str] = Counter()
 
     @property
@@ -212,20 +215,19 @@ class LlmqPolicy:
         self._schedule(now)
 
     def on_finished(self, job: Job, now: float) -> None:
-        self._ledger.release(str(job.idx), 0, at=now)
+        self._ledger.release(str(job.idx), self._attempts.pop(job.idx, 0), at=now)
         used = job.prompt + job.output
         self._settle(job, used, now)
         self._drain.add(self._model, now, used)
         self._schedule(now)
 
     def on_prefilled(self, job: Job, now: float) -> None:
-        staged = self._staged.pop(job.idx)
-        self._ledger.release(staged.request_id, staged.attempt, at=now)
-        self._pending.push(staged.handoff(), force=True)
+        self._pending.push(self._staged[job.idx].handoff(), force=True)
+        self._queued_tokens += job.prompt + job.max_tokens
         self._schedule(now)
 
     def on_first_token(self, job: Job, now: float) -> None:
-        self._ledger.mark_first_token(str(job.idx), 0)
+        self._ledger.mark_first_token(str(job.idx), self._attempts.get(job.idx, 0))
 
     def queued(self) -> int:
         return len(self._pending)
@@ -251,18 +253,25 @@ class LlmqPolicy:
         for d in decisions:
             if isinstance(d, Placement):
                 job = jobs[int(d.request.request_id)]
-                if d.phase != "decode":  # a decode stage left the queued tokens before
-                    self._queued_tokens -= job.prompt + job.max_tokens
+                self._queued_tokens -= job.prompt + job.max_tokens
+                self._end_prefill(job)  # a decode stage pulls its KV: the prefill's ends
                 if d.phase == "prefill":
                     self._staged[job.idx] = d.request
+                if d.attempt:
+                    self._attempts[job.idx] = d.attempt
                 sim.dispatch(job, d.partition, self._engine_priority(d.request, now), d.phase)
                 self._ledger.mark_started(d.request.request_id, d.attempt, at=now)
             elif isinstance(d, Reject):
                 job = jobs[int(d.request_id)]
-                if job.phase != "prefill":  # not a decode stage that timed out
-                    self._queued_tokens -= job.prompt + job.max_tokens
+                self._queued_tokens -= job.prompt + job.max_tokens
+                self._end_prefill(job)
                 sim.reject(job, d.code)
                 self._settle(job, 0, now)
+
+    def _end_prefill(self, job: Job) -> None:
+        staged = self._staged.pop(job.idx, None)
+        if staged is not None:
+            self._ledger.release(staged.request_id, staged.attempt)
 
     def _engine_priority(self, request: QueuedRequest, now: float) -> int:
         # What the live worker submits for an assignment: the class the request has aged

@@ -26,7 +26,7 @@ from pydantic import ValidationError
 from services.common import tracing
 from services.common.settings import Settings, warn_unknown_env
 from services.worker.app import Worker, WorkerIdentity
-from services.worker.engines.registry import EngineConfig, build_engine
+from services.worker.engines.registry import EngineConfig, build_engine, check_role
 from services.worker.engines.sim.profiles import get_profile
 from services.worker.settings import WorkerSettings
 from services.worker.slot import SlotRefused
@@ -42,6 +42,9 @@ def _parse(argv: Sequence[str] | None) -> dict[str, Any]:
     p.add_argument("--slot", type=int, help="partition of <prefix>.assignments to own "
                    "(LLMQ_WORKER_SLOT)")
     p.add_argument("--pool", choices=("short", "long", "any"), help="lanes taken")
+    p.add_argument("--role", choices=("mixed", "prefill", "decode"),
+                   help="mixed (default): requests whole; prefill: prompts, their KV handed "
+                   "to a decode worker; decode: hand-offs (LLMQ_WORKER_ROLE)")
     p.add_argument("--engine", choices=("sim", "openai", "vllm"), help="engine (default sim)")
     p.add_argument("--profile", help="engine profile name (default llama3-8b-h100)")
     p.add_argument("--profile-file", dest="profile_file", help="extra profiles TOML")
@@ -94,9 +97,10 @@ def build(overrides: dict[str, Any]) -> Worker:
         openai_api_key=ws.openai_api_key, metrics_interval_s=ws.heartbeat_interval_s,
         vllm_args=ws.vllm_args, scheduling_policy=ws.scheduling_policy,
     ))
+    check_role(ws.role, engine)
     identity = WorkerIdentity(
         worker_id=ws.resolved_worker_id(), slot=ws.slot, pool=ws.pool, model=model,
-        model_version=ws.model_version, engine=engine.name,
+        model_version=ws.model_version, engine=engine.name, role=ws.role,
     )
     return Worker(settings, ws, engine, identity)
 

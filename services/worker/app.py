@@ -36,6 +36,14 @@ rules, ``services.worker.slot``, keep their meaning).
 Observability (:class:`~services.worker.metrics.WorkerMetrics`): capacity from each
 heartbeat, tokens, TTFT, end-to-end latency and terminal outcomes per request. Each run is
 a span under the context its assignment record carried (:mod:`services.worker.runner`).
+A prefill stage (role ``prefill``, ``Assignment.phase``) counts none of tokens, TTFT,
+latency or outcome: it streams nothing and sends no terminal (its one token is discarded;
+its decode stage, on a decode worker, counts them all), so ``llmq_requests_total`` still
+counts each request once and the heartbeat's ``tokens_per_s`` is tokens streamed.
+
+Role (``WorkerSettings.role``, in every heartbeat): ``mixed`` runs requests whole,
+``prefill`` and ``decode`` the stages the scheduler places on them; the worker runs
+whatever phase an assignment names (the scheduler matches phases to roles).
 
 Drain (SIGTERM or ``DrainWorker``): a draining heartbeat goes out at once so the scheduler
 stops placing work here; the worker keeps reading its partition and serves whatever still
@@ -65,7 +73,7 @@ from aiokafka.errors import KafkaError
 from aiokafka.structs import OffsetAndMetadata
 
 from schemas.codec import decode
-from schemas.common import Pool
+from schemas.common import Pool, Role
 from schemas.control import LeaseAnswer
 from schemas.messages import ASSIGNMENT_ADAPTER
 from schemas.requests import Assignment
@@ -123,6 +131,7 @@ class WorkerIdentity:
     model: str
     model_version: str | None
     engine: str
+    role: Role = "mixed"
 
 
 class _SlotListener(ConsumerRebalanceListener):  # type: ignore[misc]  # aiokafka is Any
@@ -239,9 +248,9 @@ class Worker:
                      self._engine_watch()):
             self._spawn(coro)
         self._serving = True  # only a worker that holds its slot heartbeats and commits
-        _log.info("worker %s: slot %d (%s), pool %s, engine %s, model %s, group %s",
+        _log.info("worker %s: slot %d (%s), pool %s, role %s, engine %s, model %s, group %s",
                   self.id.worker_id, self.id.slot, self.topics.assignments, self.id.pool,
-                  self.id.engine, self.id.model, self.group)
+                  self.id.role, self.id.engine, self.id.model, self.group)
 
     async def _check_slot(self, bootstrap: str) -> None:
         admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=10_000)
@@ -634,7 +643,8 @@ class Worker:
         draining = self.draining
         hb = WorkerHeartbeat(
             worker_id=self.id.worker_id, engine=self.id.engine, model=self.id.model,
-            model_version=self.id.model_version, pool=self.id.pool, partition=self.id.slot,
+            model_version=self.id.model_version, pool=self.id.pool, role=self.id.role,
+            partition=self.id.slot,
             draining=draining, interval_s=self.ws.heartbeat_interval_s,
             started_at=self.started_at, seq=self._seq, ts=self._clock(), renew=renew,
             **asdict(fields),

@@ -35,7 +35,7 @@ from aiokafka import TopicPartition
 
 from schemas.codec import SchemaError, decode
 from schemas.messages import ASSIGNMENT_ADAPTER, EVENT_ADAPTER
-from schemas.workers import EventAborted, EventDone, EventFailed
+from schemas.workers import EventAborted, EventDone, EventFailed, EventPrefilled
 from services.common.guard import Guard
 from services.common.kafka import make_consumer
 from services.common.log_reader import LogReader
@@ -90,7 +90,8 @@ async def already_ended(
     bootstrap: str, events_topic: str, assignments_topic: str, replayed: Iterable[Attempt],
     guard: Guard, timeout_s: float = 60.0,
 ) -> set[Attempt]:
-    """The ``replayed`` attempts that have a terminal event or a later attempt."""
+    """The ``replayed`` attempts that have a terminal event, an ``event.prefilled`` (a
+    prefill stage's end on its worker) or a later attempt."""
     replayed = list(replayed)
     wanted = {rid for rid, _ in replayed}
     if not wanted:
@@ -100,8 +101,8 @@ async def already_ended(
 
     def on_event(record: Any) -> None:
         event = decode(record.value, EVENT_ADAPTER)
-        if event.request_id in wanted and isinstance(event, EventDone | EventFailed
-                                                                | EventAborted):
+        if event.request_id in wanted and isinstance(
+                event, EventDone | EventFailed | EventAborted | EventPrefilled):
             ended.add((event.request_id, event.attempt))
 
     def on_assignment(record: Any) -> None:

@@ -35,6 +35,24 @@ refuses, a record too large) or ``give_up_after_s`` past the request's deadline.
 assignment's offset may be committed. Any unexpected error still ends the request with
 ``Error(worker_lost)``.
 
+Prefill and decode apart (``Assignment.phase``): a **prefill** stage (its engine request
+has ``max_tokens`` 1 and the phase's engine priority, ``schemas.common.engine_rank``) sends
+``event.started`` as usual and then nothing to the client: no ``event.first_token``, no
+chunk, no reply (its one token is discarded). When the engine's stream ends normally, its
+final delta must carry ``kv_transfer`` (without it: an engine failure, ``Error(worker_lost)``
++ ``event.failed``), and the run sends ``event.prefilled`` (those parameters, the prompt
+tokens) on the events topic in the terminal reply's place: once every earlier record was
+acknowledged, sent again until acknowledged, fenced and given up by the same rules, and
+when given up followed by the same ``event.failed(worker_lost)`` (the worker does not
+answer the client then, as after a given-up reply: ingest's HTTP side answers 504 past the
+timeout). Its :class:`Outcome` is ``prefilled``, with no ``terminal``: the request is not
+over, the scheduler places its decode stage on a decode worker next. Every other ending
+of a prefill stage is a whole run's: a deadline, a cancel or an engine failure sends the
+client its one terminal ``Error`` and the matching event (the request is over: no decode
+stage follows); a newer attempt or fencing ends it unanswered. A **decode** stage is a run
+like a whole one (chunks, ``event.first_token``, ``Done`` + ``event.done``) whose engine
+request carries the prefill's ``kv_transfer``.
+
 Everything the run waits on comes through one inbox (deltas, the end of the stream, a
 failure, a stop), so timeouts, cancels and tokens are handled in one loop without
 cancelling the engine's iterator mid-step.
@@ -59,6 +77,7 @@ from typing import Any, Literal
 from aiokafka.errors import KafkaError, KafkaTimeoutError
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from pydantic import ValidationError
 
 from schemas.common import ErrorCode, engine_rank, priority_rank
 from schemas.replies import Done, Error, Timings, TokenChunk, Usage
@@ -68,6 +87,7 @@ from schemas.workers import (
     EventDone,
     EventFailed,
     EventFirstToken,
+    EventPrefilled,
     EventStarted,
 )
 from services.common import tracing
@@ -86,7 +106,8 @@ from services.worker.kafka_io import Publisher
 _log = logging.getLogger(__name__)
 
 StopReason = Literal["cancelled", "timeout", "superseded"]
-OutcomeKind = Literal["done", "timeout", "cancelled", "superseded", "failed"]
+#: ``prefilled``: a prefill stage handed its KV on (not a terminal: the request goes on).
+OutcomeKind = Literal["done", "prefilled", "timeout", "cancelled", "superseded", "failed"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,8 +133,9 @@ class Outcome:
     """How a run ended, tokens streamed, and whether everything it sent was acknowledged.
 
     ``terminal`` is the terminal reply it sent, as ``llmq_requests_total`` labels it
-    (``done`` or the error code; None when it sent none: superseded, or sending failed);
-    ``e2e_s`` the time from the request's submission to that terminal.
+    (``done`` or the error code; None when it sent none: superseded, a prefill stage's
+    ``prefilled``, or sending failed); ``e2e_s`` the time from the request's submission to
+    that terminal.
     """
 
     kind: OutcomeKind
@@ -184,13 +206,31 @@ class _Ended:
 _Item = TokenDelta | _Stop | _Failed | _Ended
 
 
+@dataclass(frozen=True, slots=True)
+class _Answer:
+    """What a run sends at its end: ``first`` (the client's terminal reply, or a prefill
+    stage's ``event.prefilled``), then ``event`` (the terminal event after a reply; None
+    after ``event.prefilled``, which is its own news). ``label``: the terminal as
+    ``llmq_requests_total`` counts it, None for ``prefilled``."""
+
+    first: _Sent
+    event: Any | None
+    kind: OutcomeKind
+    label: str | None
+    usage: Usage
+
+    @property
+    def outcome(self) -> str:
+        return self.label or self.kind
+
+
 def engine_request(a: Assignment, engine_id: str) -> GenerateRequest:
-    """The engine's view of an assignment."""
+    """The engine's view of an assignment (a prefill stage samples one token)."""
     req, s = a.request, a.request.sampling
     return GenerateRequest(
         request_id=engine_id,
         model=req.model,
-        max_tokens=req.max_tokens,
+        max_tokens=1 if a.phase == "prefill" else req.max_tokens,
         prompt_tokens=a.admitted.prompt_tokens,
         prompt=req.prompt,
         messages=None if req.messages is None
@@ -201,8 +241,10 @@ def engine_request(a: Assignment, engine_id: str) -> GenerateRequest:
         priority=engine_rank(
             priority_rank(a.admitted.priority) if a.engine_priority is None
             else a.engine_priority,
-            a.admitted.lane,
+            a.admitted.lane, a.phase,
         ),
+        phase=a.phase,
+        kv_transfer=a.kv_transfer,
     )
 
 
@@ -237,6 +279,7 @@ class RequestRun:
         self._started_at: float | None = None
         self._first_token_at: float | None = None
         self._tokens = 0
+        self._prefill = assignment.phase == "prefill"  # streams nothing (module docstring)
         req = assignment.request
         self.deadline = deadline_of(req.created_at, req.timeout_s, assignment.deadline)
 
@@ -355,6 +398,8 @@ class RequestRun:
             await self._on_delta(item)
 
     async def _on_delta(self, delta: TokenDelta) -> None:
+        if self._prefill:
+            return  # its one token is discarded; the final delta comes with _Ended
         now = self._clock()
         if delta.tokens > 0 and self._first_token_at is None:
             self._first_token_at = now
@@ -410,12 +455,14 @@ class RequestRun:
             # and nothing it sent is needed any more: its offset may be committed.
             self._span.set_attribute(tracing.LLMQ_OUTCOME, "superseded")
             return Outcome("superseded", self._tokens, acked=True)
-        reply, event, kind = self._ending(ending)
-        label = "done" if isinstance(reply, Done) else str(reply.code)
-        self._annotate(label, event.usage)
-        if isinstance(reply, Done):
-            self._span.set_attribute(tracing.GEN_AI_RESPONSE_FINISH, [reply.finish_reason])
-        e2e = max(0.0, self._clock() - self.assignment.request.created_at)
+        end = self._ending(ending)
+        self._annotate(end.outcome, end.usage)
+        if isinstance(end.first.msg, Done):
+            self._span.set_attribute(tracing.GEN_AI_RESPONSE_FINISH,
+                                     [end.first.msg.finish_reason])
+        # Only a terminal reply ends the request for its client (not event.prefilled).
+        e2e = max(0.0, self._clock() - self.assignment.request.created_at) \
+            if end.label is not None else None
         if last is not None:  # buffered text goes ahead of the reply, and as surely
             self._sent.append(_Sent(self.assignment.admitted.reply_topic, self._chunk(last)))
         # Every chunk acknowledged before the reply goes: clients stop at the first
@@ -423,30 +470,34 @@ class RequestRun:
         unacked = [s for s in self._sent if not s.acked]
         sent = await self._until_acked(unacked, ask_first=True) if unacked else "acked"
         if sent == "acked":
-            sent = await self._until_acked(
-                [_Sent(self.assignment.admitted.reply_topic, reply)], ask_first=True)
+            sent = await self._until_acked([end.first], ask_first=True)
         if sent == "superseded":
             return Outcome("superseded", self._tokens, acked=True)
         if sent == "given_up":
-            # The client cannot be answered; the scheduler and ingest still must learn the
-            # attempt is over, or its KV booking and the tenant's slot stay taken for as
-            # long as this worker lives. An event only (it says no reply was sent).
-            unsent = self._event(EventFailed, code="worker_lost", usage=event.usage,
-                                 message=f"its {label} reply could not be sent")
+            # The client cannot be answered (nor, for event.prefilled, the decode stage
+            # placed); the scheduler and ingest still must learn the attempt is over, or
+            # its KV booking and the tenant's slot stay taken for as long as this worker
+            # lives. An event only (it says no reply was sent).
+            what = f"its {end.label} reply" if end.label is not None \
+                else f"its {end.first.msg.kind}"
+            unsent = self._event(EventFailed, code="worker_lost", usage=end.usage,
+                                 message=f"{what} could not be sent")
             with contextlib.suppress(Fenced):  # fenced: the scheduler ends it on its own
                 # Its own time to go out (the reply's was spent already), as long again,
                 # which still ends under ingest's 30 s reservation grace.
                 await self._until_acked(
                     [_Sent(self.cfg.events_topic, unsent)], ask_first=False,
                     give_up_at=self.assignment.deadline + 2 * self.cfg.give_up_after_s)
-            return Outcome(kind, self._tokens, acked=False, terminal=None, e2e_s=e2e)
-        try:
-            await self._until_acked([_Sent(self.cfg.events_topic, event)], ask_first=False)
-        except Fenced:
-            # The reply is durable; the scheduler ends or requeues the request on its own.
-            _log.warning("request %s: fenced before its terminal event was acknowledged",
-                         self.engine_id)
-        return Outcome(kind, self._tokens, acked=True, terminal=label, e2e_s=e2e)
+            return Outcome(end.kind, self._tokens, acked=False, terminal=None, e2e_s=e2e)
+        if end.event is not None:
+            try:
+                await self._until_acked([_Sent(self.cfg.events_topic, end.event)],
+                                        ask_first=False)
+            except Fenced:
+                # The reply is durable; the scheduler ends or requeues the request itself.
+                _log.warning("request %s: fenced before its terminal event was "
+                             "acknowledged", self.engine_id)
+        return Outcome(end.kind, self._tokens, acked=True, terminal=end.label, e2e_s=e2e)
 
     async def _until_acked(self, records: list[_Sent], *, ask_first: bool,
                            give_up_at: float | None = None) -> _Sending:
@@ -515,29 +566,55 @@ class RequestRun:
         if usage is not None:
             span.set_attributes({tracing.GEN_AI_INPUT_TOKENS: usage.prompt_tokens,
                                  tracing.GEN_AI_OUTPUT_TOKENS: usage.completion_tokens})
-        if outcome not in ("done", "cancelled"):
+        if outcome not in ("done", "prefilled", "cancelled"):
             span.set_status(Status(StatusCode.ERROR, outcome))
 
-    def _ending(self, ending: _Stop | _Failed | _Ended) -> tuple[Any, Any, OutcomeKind]:
-        """(reply, event, outcome kind) for how the run ended."""
+    def _ending(self, ending: _Stop | _Failed | _Ended) -> _Answer:
+        """What the run sends for how it ended."""
         now = self._clock()
+        reply_topic = self.assignment.admitted.reply_topic
         usage = self._usage(ending.last if isinstance(ending, _Ended) else None)
         if isinstance(ending, _Ended):
-            if ending.last is None or ending.last.finish_reason is None:
+            last = ending.last
+            if last is None or last.finish_reason is None:
                 ending = _Failed("worker_lost", "engine stream ended without finishing")
+            elif self._prefill:
+                prefilled = self._prefilled(last, usage)
+                if isinstance(prefilled, _Failed):
+                    ending = prefilled
+                else:
+                    return _Answer(_Sent(self.cfg.events_topic, prefilled), None,
+                                   "prefilled", None, usage)
             else:
-                return self._done(ending.last, usage, now), \
-                    self._event(EventDone, finish_reason=ending.last.finish_reason,
-                                usage=usage), "done"
+                return _Answer(_Sent(reply_topic, self._done(last, usage, now)),
+                               self._event(EventDone, finish_reason=last.finish_reason,
+                                           usage=usage), "done", "done", usage)
         if isinstance(ending, _Stop):
             if ending.reason == "timeout":
-                return self._error("timeout", ending.message, now), \
-                    self._event(EventAborted, code="timeout", usage=usage), "timeout"
-            return self._error("cancelled", ending.message, now), \
-                self._event(EventAborted, code="cancelled", usage=usage), "cancelled"
-        return self._error(ending.code, ending.message, now), \
-            self._event(EventFailed, code=ending.code, message=ending.message[:4096],
-                        usage=usage), "failed"
+                return _Answer(_Sent(reply_topic, self._error("timeout", ending.message, now)),
+                               self._event(EventAborted, code="timeout", usage=usage),
+                               "timeout", "timeout", usage)
+            return _Answer(_Sent(reply_topic, self._error("cancelled", ending.message, now)),
+                           self._event(EventAborted, code="cancelled", usage=usage),
+                           "cancelled", "cancelled", usage)
+        return _Answer(_Sent(reply_topic, self._error(ending.code, ending.message, now)),
+                       self._event(EventFailed, code=ending.code,
+                                   message=ending.message[:4096], usage=usage),
+                       "failed", ending.code, usage)
+
+    def _prefilled(self, last: TokenDelta, usage: Usage) -> EventPrefilled | _Failed:
+        """A prefill stage's news; a failure when the engine gave no usable parameters."""
+        if last.kv_transfer is None:
+            return _Failed("worker_lost", "engine ended the prefill without KV-transfer "
+                                          "parameters")
+        try:
+            event: EventPrefilled = self._event(EventPrefilled,
+                                                kv_transfer=dict(last.kv_transfer),
+                                                prompt_tokens=usage.prompt_tokens)
+        except ValidationError as exc:
+            return _Failed("worker_lost", "engine's KV-transfer parameters cannot go on the "
+                                          f"wire: {exc.errors()[0]['msg']}")
+        return event
 
     def _usage(self, last: TokenDelta | None) -> Usage:
         prompt = self.assignment.admitted.prompt_tokens

@@ -15,7 +15,7 @@ from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from schemas.base import ID_PATTERN, MODEL_PATTERN, NAME_PATTERN
-from schemas.common import Pool
+from schemas.common import Pool, Role
 from services.worker.engines.base import SchedulingPolicy
 
 EngineKind = Literal["sim", "openai", "vllm"]
@@ -31,6 +31,13 @@ class WorkerSettings(BaseSettings):
 
     slot: int = Field(ge=0, le=100_000, description="Partition of <prefix>.assignments owned.")
     pool: Pool = Field(default="any", description="Lanes taken: short, long or any.")
+    role: Role = Field(
+        default="mixed",
+        description="What the worker runs: mixed (requests whole), prefill (prompts; their KV "
+        "cache is handed to a decode worker) or decode (hand-offs, and long requests whole "
+        "when every prefill worker is loaded). prefill and decode need an engine that runs "
+        "them apart (sim, openai against vLLM with a KV connector); checked at startup.",
+    )
     engine: EngineKind = Field(default="sim", description="Engine: sim, openai or vllm.")
     profile: str = Field(
         default="llama3-8b-h100",

@@ -21,7 +21,8 @@ from tests.fakes.ports import free_port_block
 def loopback_config(**fields: object) -> StackConfig:
     """A :class:`StackConfig` whose HTTP, health and metrics ports are one free block."""
     cfg = StackConfig(**fields)  # type: ignore[arg-type]
-    workers = cfg.short_workers + cfg.long_workers + cfg.any_workers
+    workers = (cfg.short_workers + cfg.long_workers + cfg.any_workers + cfg.prefill_workers
+               + cfg.decode_workers)
     base = free_port_block(2 + 3 + workers)
     return replace(cfg, http_port=base, health_port=base + 1, metrics_base_port=base + 2)
 

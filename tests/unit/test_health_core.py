@@ -108,6 +108,10 @@ def test_registration_tags_and_ttl() -> None:
     assert d.registration.ttl_s == 15.0  # max(min_ttl_s, 3 × 5 s)
     small = desired_state(rec(0.0), NOW, POLICY)
     assert small is not None and small.registration.ttl_s == 10.0
+    decode = desired_state(rec(0.0, pool="any", model="m", engine="sim", role="decode"),
+                           NOW, POLICY)
+    assert decode is not None
+    assert decode.registration.tags == ("pool:any", "model:m", "engine:sim", "role:decode")
 
 
 def test_stale_note_says_why() -> None:

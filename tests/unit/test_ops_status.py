@@ -12,7 +12,7 @@ from rich.console import Console
 from schemas.status import QueueStatus
 from services.health.core import DrainRequest, HealthPolicy, WorkerRecord
 from services.health.lag import SlotLag, TopicFigures
-from services.ops.render import kv_bar, render_status, tokens
+from services.ops.render import kv_bar, render_status, tokens, workers_table
 from services.ops.status import build_status, read_metrics_urls, services_file, worker_row
 from tests.fakes.heartbeat_worker import heartbeat
 
@@ -45,6 +45,14 @@ def test_worker_row_kv_and_state() -> None:
     no_kv = worker_row(rec("w2", 0.0, kv_total_tokens=0, kv_free_tokens=0, kv_total_bytes=0,
                            kv_free_bytes=0), NOW, HealthPolicy())
     assert no_kv["kv_free_pct"] is None
+
+
+def test_worker_row_and_table_show_a_prefill_or_decode_role() -> None:
+    row = worker_row(rec("w1", 0.5, role="prefill"), NOW, HealthPolicy())
+    assert row["role"] == "prefill"
+    assert worker_row(rec("w2", 0.5), NOW, HealthPolicy())["role"] == "mixed"
+    table = workers_table({"workers": [row]})
+    assert list(table.columns[3].cells) == [f"{row['pool']} (prefill)"]
 
 
 def test_drain_requested_only_for_this_incarnation() -> None:

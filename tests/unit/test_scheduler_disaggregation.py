@@ -14,6 +14,7 @@ from services.scheduler import (
     Defer,
     Ledger,
     Placement,
+    Reject,
     build_pipeline,
     schedule,
 )
@@ -62,7 +63,8 @@ def test_the_handoff_is_placed_on_a_decode_worker_with_the_whole_reservation() -
     assert isinstance(placement, Placement)
     ledger.release("r1", 0)
     decode = placement.request.handoff()
-    assert (decode.phase, decode.kv_tokens, decode.enqueued_at) == ("decode", 1504, NOW - 5)
+    assert (decode.phase, decode.kv_tokens, decode.enqueued_at, decode.attempt) == (
+        "decode", 1504, NOW - 5, 1)
     [second], _ = cycle(fleet(), decode, ledger=ledger)
     assert isinstance(second, Placement)
     assert (second.worker_id, second.phase, second.kv_tokens) == ("d0", "decode", 1504)
@@ -96,20 +98,57 @@ def test_a_full_decode_pool_does_not_hold_up_new_prompts() -> None:
     assert [d.request_id for d in decisions if isinstance(d, Defer)] == ["b"]
 
 
-def test_mixed_workers_take_requests_whole_when_no_prefill_worker_can() -> None:
+def test_mixed_workers_take_requests_whole_when_the_stages_cannot_be_placed() -> None:
     workers = fleet(prefill=1, decode=1, mixed=1)
-    busy = [make_worker("p0", role="prefill", draining=True), *workers[1:]]
-    [placement], _ = cycle(busy, make_request("r1"))
+    # No live prefill worker: mixed workers first, then decode workers, take it whole.
+    no_prefill = [make_worker("p0", role="prefill", draining=True), *workers[1:]]
+    [placement], _ = cycle(no_prefill, make_request("r1"))
+    assert isinstance(placement, Placement)
+    assert (placement.worker_id, placement.phase) == ("m0", "whole")
+    [placement], _ = cycle(no_prefill[:2], make_request("r2", lane="long"))
+    assert isinstance(placement, Placement)
+    assert (placement.worker_id, placement.phase) == ("d0", "whole")
+    # No live decode worker: the prompt is not computed on a prefill worker for nothing.
+    no_decode = [workers[0], make_worker("d0", role="decode", draining=True), workers[2]]
+    [placement], _ = cycle(no_decode, make_request("r3"))
     assert isinstance(placement, Placement)
     assert (placement.worker_id, placement.phase) == ("m0", "whole")
 
 
-def test_a_fleet_without_roles_is_unchanged_and_never_uses_prefill_or_decode_workers() -> None:
+def test_a_request_no_decode_worker_could_hold_is_not_staged() -> None:
+    workers = [make_worker("p0", role="prefill", kv_total_tokens=100_000),
+               make_worker("d0", role="decode", kv_total_tokens=4_000, partition=1),
+               make_worker("m0", kv_total_tokens=100_000, partition=2)]
+    big = make_request("big", prompt_tokens=1000, max_tokens=8000, kv_tokens=9008)
+    [placement], _ = cycle(workers, big)
+    assert isinstance(placement, Placement)
+    assert (placement.worker_id, placement.phase) == ("m0", "whole")
+    # Without a mixed worker it is refused as it would be on any fleet too small for it.
+    [refusal], _ = cycle(workers[:2], big)
+    assert isinstance(refusal, Defer | Reject)
+
+
+def test_a_decode_stage_no_live_decode_worker_could_hold_runs_whole_on_a_mixed_one() -> None:
+    workers = fleet(prefill=1, decode=1, mixed=1)
+    [p], ledger = cycle(workers, make_request("r1", prompt_tokens=1000, max_tokens=500,
+                                              kv_tokens=1504))
+    assert isinstance(p, Placement) and p.phase == "prefill"
+    gone = [workers[0], make_worker("d0", role="decode", draining=True), workers[2]]
+    [again], _ = cycle(gone, p.request.handoff(), ledger=ledger)
+    assert isinstance(again, Placement)
+    assert (again.worker_id, again.phase, again.attempt, again.kv_tokens) == (
+        "m0", "whole", 1, 1504)
+    # With the decode worker live but busy, it waits for it instead.
+    busy = Ledger(kv_safety_margin=0.0)
+    assert busy.reserve(workers[1], make_request("other", kv_tokens=99_000))
+    [wait], _ = cycle(workers, p.request.handoff(), ledger=busy)
+    assert isinstance(wait, Defer)
+
+
+def test_a_fleet_without_roles_is_unchanged() -> None:
     [placement], _ = cycle([make_worker("m0")], make_request("r1"))
     assert isinstance(placement, Placement) and placement.phase == "whole"
-    # A decode worker is never given a new request whole below the overflow threshold.
-    decisions, _ = cycle([make_worker("d0", role="decode")], make_request("r2", lane="long"))
-    assert [type(d) for d in decisions] == [Defer]
+    assert placement.request.decode_kv_tokens is None
 
 
 def overloaded(ledger: Ledger, worker: WorkerState, tokens: int) -> None:

@@ -1,8 +1,9 @@
 """The ``openai`` engine's handling of what a vLLM server streams and publishes.
 
 Against a FAKE OpenAI-compatible server written here (Starlette on uvicorn, 127.0.0.1, a
-free port): every stream sends the SSE payloads the test scripts, then ``[DONE]``;
-``/metrics`` serves the text the test sets. No Kafka.
+free port): every stream sends the SSE payloads the test scripts, then ``[DONE]``; a
+non-streaming request (a prefill stage) gets the JSON answer the test sets; ``/metrics``
+serves the text the test sets. No Kafka.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from schemas.common import Phase
 from services.worker.engines import openai
-from services.worker.engines.base import EngineError, GenerateRequest, TokenDelta
+from services.worker.engines.base import EngineAborted, EngineError, GenerateRequest, TokenDelta
 from services.worker.engines.openai import OpenAIEngine
 from services.worker.engines.sim.model import EngineProfile
 from services.worker.engines.sim.profiles import get_profile
@@ -45,6 +47,25 @@ def final_usage(completion_tokens: int) -> dict[str, Any]:
     return {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": completion_tokens}}
 
 
+#: kv_transfer_params as a vLLM prefill server with NixlConnector answers them.
+NIXL_PARAMS = {"do_remote_prefill": True, "do_remote_decode": False,
+               "remote_block_ids": [1, 2, 3], "remote_engine_id": "eng-p",
+               "remote_request_id": "cmpl-x", "remote_host": "10.0.0.5", "remote_port": 5600,
+               "tp_size": 1}
+
+
+def prefill_answer(params: dict[str, Any] | None = NIXL_PARAMS,
+                   finish: str = "length") -> dict[str, Any]:
+    """A non-streaming /v1/completions answer of one token."""
+    answer: dict[str, Any] = {
+        "id": "cmpl-x", "object": "text_completion", "model": "m",
+        "choices": [{"index": 0, "text": " the", "finish_reason": finish}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}
+    if params is not None:
+        answer["kv_transfer_params"] = params
+    return answer
+
+
 @dataclass
 class FakeServer:
     """What the FAKE server answers and what it saw."""
@@ -59,6 +80,7 @@ class FakeServer:
     bodies: list[dict[str, Any]] = field(default_factory=list)
     strict: bool = False  # refuses stream_options it does not know, as OpenAI's API does
     flat_errors: bool = False  # its error body is {"object": "error", "message": ...}
+    answer: dict[str, Any] = field(default_factory=prefill_answer)  # for stream: false
 
     def app(self) -> Starlette:
         async def completions(request: Request) -> Response:
@@ -76,6 +98,10 @@ class FakeServer:
                     status_code=400)
             if self.status != 200:
                 return JSONResponse(self.error, status_code=self.status)
+            if body.get("stream") is False:
+                if self.hold is not None:
+                    await self.hold.wait()
+                return JSONResponse(self.answer)
             return StreamingResponse(self._stream(), media_type="text/event-stream")
 
         async def metrics(_: Request) -> Response:
@@ -323,3 +349,116 @@ async def test_requests_in_flight_at_the_first_refusal_are_asked_again_too(
     finally:
         await engine.close()
     assert all([d.text for d in r] == [" a", ""] for r in results)
+
+
+# ---- prefill and decode apart (vLLM's P/D protocol) -------------------------------------
+def stage(phase: Phase, kv_transfer: dict[str, Any] | None = None,
+          request_id: str = "r1") -> GenerateRequest:
+    return replace(make_req(request_id), phase=phase, kv_transfer=kv_transfer,
+                   max_tokens=1 if phase == "prefill" else 8, stop=("\n",))
+
+
+async def test_a_prefill_posts_the_pd_request_and_hands_on_the_servers_params(
+    server: tuple[str, FakeServer],
+) -> None:
+    url, fake = server
+    engine = await started(url)
+    try:
+        [last] = [d async for d in engine.generate(stage("prefill"))]
+    finally:
+        await engine.close()
+    [body] = fake.bodies
+    assert (body["max_tokens"], body["stream"], body["ignore_eos"]) == (1, False, True)
+    assert "stream_options" not in body and "stop" not in body
+    assert body["kv_transfer_params"] == {
+        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+        "remote_block_ids": None, "remote_host": None, "remote_port": None}
+    assert last.kv_transfer == NIXL_PARAMS
+    assert (last.finish_reason, last.prompt_tokens, last.completion_tokens) == ("length", 3, 1)
+
+
+@pytest.mark.parametrize(("finish", "cap_named"), [("length", False), ("stop", True)])
+async def test_a_prefill_answered_without_params_says_the_server_has_no_connector(
+    server: tuple[str, FakeServer], finish: str, cap_named: bool,
+) -> None:
+    url, fake = server
+    fake.answer = prefill_answer(params=None, finish=finish)
+    engine = await started(url)
+    try:
+        with pytest.raises(EngineError) as failed:
+            async for _ in engine.generate(stage("prefill")):
+                pass
+    finally:
+        await engine.close()
+    assert failed.value.code == "worker_lost"
+    assert "no KV connector configured" in failed.value.message
+    assert "--kv-transfer-config" in failed.value.message
+    assert ("not at its 1-token cap" in failed.value.message) == cap_named
+
+
+async def test_a_decode_streams_with_the_prefills_params(
+    server: tuple[str, FakeServer],
+) -> None:
+    url, fake = server
+    engine = await started(url)
+    try:
+        deltas = [d async for d in engine.generate(stage("decode", dict(NIXL_PARAMS)))]
+    finally:
+        await engine.close()
+    [body] = fake.bodies
+    assert body["kv_transfer_params"] == NIXL_PARAMS
+    assert (body["stream"], body["max_tokens"], body["stop"]) == (True, 8, ["\n"])
+    assert [d.text for d in deltas] == [" a", ""] and deltas[-1].finish_reason == "length"
+
+
+async def test_a_decode_without_params_is_invalid(server: tuple[str, FakeServer]) -> None:
+    url, fake = server
+    engine = await started(url)
+    try:
+        with pytest.raises(EngineError) as refused:
+            async for _ in engine.generate(stage("decode")):
+                pass
+    finally:
+        await engine.close()
+    assert refused.value.code == "invalid" and "kv_transfer" in refused.value.message
+    assert fake.bodies == []  # nothing was asked of the server
+
+
+async def test_aborting_a_prefill_cancels_its_request(server: tuple[str, FakeServer]) -> None:
+    # The answer's headers come only once the prompt is computed: closing a response
+    # (as a stream is aborted) could not reach it.
+    url, fake = server
+    fake.hold = asyncio.Event()
+    engine = await started(url)
+    try:
+        prefill = asyncio.create_task(anext(engine.generate(stage("prefill"))))
+        assert await eventually(lambda: len(fake.bodies) == 1)
+        await engine.abort("r1")
+        with pytest.raises(EngineAborted):
+            await asyncio.wait_for(prefill, 5.0)
+        assert engine._prefills == {} and engine._in_flight == {}
+    finally:
+        await engine.close()
+
+
+PREFILL_ANSWERS = {
+    "completions": (prefill_answer(), " the"),
+    "chat": ({"choices": [{"index": 0, "message": {"role": "assistant", "content": "Hi"},
+                           "finish_reason": "length"}],
+              "usage": {"prompt_tokens": 5, "completion_tokens": 1},
+              "kv_transfer_params": {"remote_request_id": "chatcmpl-1"}}, "Hi"),
+}
+
+
+@pytest.mark.parametrize(("answer", "text"), PREFILL_ANSWERS.values(),
+                         ids=PREFILL_ANSWERS.keys())
+def test_a_prefill_answer_becomes_one_final_delta(answer: dict[str, Any], text: str) -> None:
+    delta = openai.prefill_delta(answer)
+    assert (delta.text, delta.tokens, delta.finish_reason) == (text, 1, "length")
+    assert delta.kv_transfer == answer["kv_transfer_params"]
+
+
+def test_a_prefill_the_server_ended_in_error_fails() -> None:
+    with pytest.raises(EngineError) as failed:
+        openai.prefill_delta(prefill_answer(finish="error"))
+    assert failed.value.code == "worker_lost" and "error" in failed.value.message

@@ -47,16 +47,19 @@ Order of work:
 
 6. Prefill and decode apart. On a fleet with ``prefill`` and ``decode`` workers (their
    heartbeat's role; every other worker is ``mixed``), a new request of a route that has
-   prefill workers is placed as its *prefill stage* (``phase = "prefill"``; the KV of its
-   prompt plus the sampled token, in blocks) on a prefill worker, chosen by the pipeline
-   like any placement. When the prompt is computed the caller puts the *decode stage*
-   (``request.handoff()``: the whole reservation again) back into the queue, in a class of
-   its own (:mod:`.queue`), and the cycle places it on a decode worker. One exception
-   (the profile's ``pd_overflow_tokens``): when every prefill worker of the route has at
-   least that many prompt tokens placed and not computed (:meth:`Ledger.uncomputed_prompt`),
-   a long request goes whole to a decode worker that has none of its own. Mixed workers
-   take requests whole as before, when no prefill worker can take the prompt; spill
-   borrows only mixed workers.
+   live prefill workers and a live decode worker whose usable KV could hold it is placed
+   as its *prefill stage* (``phase = "prefill"``; the KV of its prompt plus the sampled
+   token, in blocks) on a prefill worker, chosen by the pipeline like any placement. When
+   the prompt is computed the caller puts the *decode stage* (``request.handoff()``: the
+   next attempt, the whole reservation again) back into the queue, in a class of its own
+   (:mod:`.queue`), and the cycle places it on a decode worker. Exceptions: when every
+   prefill worker of the route has at least ``pd_overflow_tokens`` (the profile's) prompt
+   tokens placed and not computed (:meth:`Ledger.uncomputed_prompt`), a long request goes
+   whole to a decode worker that has none of its own; a route with decode workers and no
+   live prefill worker runs requests whole on its decode workers; a decode stage that no
+   live decode worker could ever hold runs whole on a mixed worker. Mixed workers take
+   requests whole as before, when the stages cannot be placed; spill borrows only mixed
+   workers.
 
 Decisions come out in this order: rejections of cancelled and expired requests, then
 placements and rejections as they are decided, then one ``Defer`` per class head still
@@ -179,6 +182,9 @@ class _Cycle:
         "decisions",
         "hold_refused",
         "ledger",
+        "loaded",
+        "max_usable",
+        "no_overflow",
         "now",
         "pending",
         "pipeline",
@@ -211,6 +217,9 @@ class _Cycle:
         self.hold_refused = False
         self.spill_bound = 0  # > 0 while placing a spill with a per-worker bound
         self.prompt_free = False  # while placing an overflow: workers with no prompt work
+        self.max_usable: dict[int, int] = {}  # per route index (by id), see _max_usable
+        self.loaded: set[Route] = set()  # routes whose prefill workers are all loaded
+        self.no_overflow: set[Route] = set()  # routes whose overflow found no worker
 
     def run(self, max_placements: int | None) -> None:
         pending, ledger = self.pending, self.ledger
@@ -265,34 +274,47 @@ class _Cycle:
 
     def _decide(self, request: QueuedRequest) -> Decision:
         route: Route = (request.model, request.model_version, request.lane)
-        if request.phase == "decode":  # a computed prompt: decode workers only
-            index = self._index(request, "decode")
-            outcome = self._place(request, index)
+        # Where the head waits (and may hold a worker) when its mixed route has no member:
+        # the request as it would be placed there, and that index.
+        own: tuple[QueuedRequest, RouteIndex] | None = None
+        if request.phase == "decode":  # a computed prompt: decode workers ...
+            decode = self._index(request, "decode")
+            outcome = self._place(request, decode)
             if isinstance(outcome, Placement):
                 return outcome
-            return self._blocked(request, route, index, outcome)
-        stage: tuple[QueuedRequest, RouteIndex] | None = None
-        if _has_roles(self.snapshot):
-            prefill = self._index(request, "prefill")
-            if prefill.members:
-                overflow = self._overflow(request, prefill)
+            if self._max_usable(decode) >= request.kv_tokens:
+                return self._blocked(request, route, decode, outcome)
+            # ... unless none could ever hold it (none live, or all too small): it runs
+            # whole on a mixed worker (its prompt computed again), or waits as one would.
+            request = replace(request, phase="whole")
+        elif _has_roles(self.snapshot):
+            prefill, decode = self._index(request, "prefill"), self._index(request, "decode")
+            fits_decode = self._max_usable(decode) >= request.kv_tokens
+            if prefill.members and fits_decode:
+                overflow = self._overflow(request, route, prefill, decode)
                 if overflow is not None:
                     return overflow
                 staged = self._prefill_stage(request, prefill)
                 outcome = self._place(staged, prefill)
                 if isinstance(outcome, Placement):
                     return outcome
-                stage = (staged, prefill)
+                own = (staged, prefill)
+            elif fits_decode:  # no live prefill worker: after mixed workers, decode ones
+                own = (request, decode)
         index = self._index(request, "mixed")
         outcome = self._place(request, index)
         if isinstance(outcome, Placement):
             return outcome
+        if own is not None and own[0] is request:
+            whole = self._place(request, own[1])
+            if isinstance(whole, Placement):
+                return whole
         if self.pipeline.spill:
-            spilled = self._spill(request, own_pool=bool(index.members) or stage is not None)
+            spilled = self._spill(request, own_pool=bool(index.members) or own is not None)
             if spilled is not None:
                 return spilled
-        if stage is not None and not index.members:  # a prefill worker is its way in
-            return self._blocked(request, route, stage[1], outcome, stage=stage[0])
+        if own is not None and not index.members:
+            return self._blocked(request, route, own[1], outcome, stage=own[0])
         return self._blocked(request, route, index, outcome)
 
     def _index(self, request: QueuedRequest, role: Role) -> RouteIndex:
@@ -303,6 +325,15 @@ class _Cycle:
             self.snapshot, route, self.ledger, self._route_admits(request, role=role), owner
         )
 
+    def _max_usable(self, index: RouteIndex) -> int:
+        """The largest usable KV among ``index``'s members (0 without any), once a cycle."""
+        found = self.max_usable.get(id(index))
+        if found is None:
+            usable = self.ledger.usable_kv
+            found = self.max_usable[id(index)] = max(
+                (usable(w) for w in index.members), default=0)
+        return found
+
     @staticmethod
     def _prefill_stage(request: QueuedRequest, prefill: RouteIndex) -> QueuedRequest:
         """``request`` as a prefill stage: its prompt and the sampled token, in blocks."""
@@ -310,25 +341,31 @@ class _Cycle:
         return replace(request, phase="prefill", kv_tokens=min(kv, request.kv_tokens),
                        decode_kv_tokens=request.kv_tokens)
 
-    def _overflow(self, request: QueuedRequest, prefill: RouteIndex) -> Placement | None:
+    def _overflow(
+        self, request: QueuedRequest, route: Route, prefill: RouteIndex, decode: RouteIndex
+    ) -> Placement | None:
         """A long request whole on a decode worker with no prompt work, when every
-        prefill worker has ``pd_overflow_tokens`` or more to compute (step 6)."""
+        prefill worker has ``pd_overflow_tokens`` or more to compute (step 6). Within a
+        cycle prompt work only grows and room only shrinks, so a route found loaded stays
+        loaded, and one whose overflow found no worker finds none again."""
         threshold = self.pipeline.pd_overflow_tokens
-        if not threshold or request.lane != "long":
+        if not threshold or request.lane != "long" or route in self.no_overflow:
             return None
-        uncomputed = self.ledger.uncomputed_prompt
-        for worker in prefill.members:  # the first below the threshold ends it
-            if uncomputed(worker.worker_id) < threshold:
-                return None
-        decode = self._index(request, "decode")
-        if not decode.members:
-            return None
+        if route not in self.loaded:
+            uncomputed = self.ledger.uncomputed_prompt
+            for worker in prefill.members:  # the first below the threshold ends it
+                if uncomputed(worker.worker_id) < threshold:
+                    return None
+            self.loaded.add(route)
         self.prompt_free = True
         try:
             outcome = self._place(request, decode)
         finally:
             self.prompt_free = False
-        return outcome if isinstance(outcome, Placement) else None
+        if isinstance(outcome, Placement):
+            return outcome
+        self.no_overflow.add(route)
+        return None
 
     def _spill(self, request: QueuedRequest, own_pool: bool) -> Placement | None:
         """Place ``request`` on the other lane's dedicated pool, if step 5 allows it.

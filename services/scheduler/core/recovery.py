@@ -4,7 +4,8 @@ DESIGN.md: a worker whose heartbeat went stale (or whose Consul check fails) is 
 requests that streamed no token are requeued at attempt + 1 with their original priority
 and ``enqueued_at`` (so they keep their place in line); those that streamed tokens end with
 ``worker_lost`` — the client saw partial output, so only the client may retry. Either way
-the worker's reservations are released and its hold and affinity entries forgotten.
+the worker's reservations are released and its hold and affinity entries forgotten. A
+lost prefill or decode stage is requeued as the whole request (its prompt's KV is gone).
 
 A worker that restarted (a heartbeat from a newer process on the same id) is alive, but the
 work placed on its earlier process is as lost as a dead worker's: the new process drops
@@ -20,7 +21,6 @@ asking heartbeat, being fresh, keeps the worker alive.
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import replace
 
 from services.scheduler.core.ledger import Ledger
 from services.scheduler.core.types import Reject, Requeue, ReservationKey
@@ -55,7 +55,7 @@ def requeue_lost(
             )
         else:
             decisions.append(
-                Requeue(replace(request, attempt=request.attempt + 1), f"{worker_id} {cause}")
+                Requeue(request.as_whole(request.attempt + 1), f"{worker_id} {cause}")
             )
     return decisions
 

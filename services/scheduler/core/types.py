@@ -35,7 +35,8 @@ class QueuedRequest:
     ``phase`` is ``whole`` for a request as admitted. On a fleet with prefill and decode
     workers the cycle places it as a ``prefill`` stage (``kv_tokens`` = the prompt's
     blocks, ``decode_kv_tokens`` = the whole reservation it had); when the prompt is
-    computed, :meth:`handoff` gives the ``decode`` stage that goes back into the queue.
+    computed, :meth:`handoff` gives the ``decode`` stage (the next attempt) that goes back
+    into the queue.
     """
 
     request_id: str
@@ -65,13 +66,24 @@ class QueuedRequest:
     def key(self) -> ReservationKey:
         return (self.request_id, self.attempt)
 
+    def as_whole(self, attempt: int) -> QueuedRequest:
+        """This request at ``attempt`` as a whole request again (a lost stage is placed
+        from the start: its prompt's KV went with the worker)."""
+        if self.phase == "prefill":
+            if self.decode_kv_tokens is None:
+                raise ValueError(f"{self.request_id}: a prefill stage without its reservation")
+            return replace(self, phase="whole", kv_tokens=self.decode_kv_tokens,
+                           decode_kv_tokens=None, attempt=attempt)
+        return replace(self, phase="whole", attempt=attempt)
+
     def handoff(self) -> QueuedRequest:
-        """The decode stage of this placed prefill stage: same request, attempt and
-        times, the whole reservation again."""
+        """The decode stage of this placed prefill stage: the next attempt (a new
+        placement of the request, as after a requeue), same times, the whole reservation
+        again."""
         if self.phase != "prefill" or self.decode_kv_tokens is None:
             raise ValueError(f"{self.request_id}: only a prefill stage hands off")
         return replace(self, phase="decode", kv_tokens=self.decode_kv_tokens,
-                       decode_kv_tokens=None)
+                       decode_kv_tokens=None, attempt=self.attempt + 1)
 
 
 @dataclass(frozen=True, slots=True)

@@ -134,4 +134,5 @@ def worker_state(hb: WorkerHeartbeat) -> WorkerState:
         draining=hb.draining,
         heartbeat_ts=hb.ts,
         tokens_per_s=hb.tokens_per_s,
+        role=hb.role,
     )

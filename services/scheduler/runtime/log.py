@@ -8,29 +8,37 @@ restart (kill -9 included). The scheduler also records its own placements here t
 it decides them, so a redelivered request is recognised before its assignment is read back.
 
 Per request the log keeps the attempts assigned, started, streamed (``first_token``),
-ended (a terminal event) and lost (its worker died and the request was requeued). Records
-of the two topics may come in any order; the status is derived, not accumulated:
+prefilled (``event.prefilled``: a prefill stage handed its KV on), ended (a terminal event)
+and lost (its worker died and the request was requeued). Records of the two topics may
+come in any order; the status is derived, not accumulated:
 
 - ``finished``: some attempt ended, and no later attempt was assigned;
 - ``active``: the latest assigned attempt has not ended and was not lost;
 - ``lost``: the latest assigned attempt was lost (its requeue waits in the pending queue);
+- ``handoff``: the latest assigned attempt was a prefill stage that reported
+  ``event.prefilled`` (and was not lost first); its decode stage (the next attempt) waits
+  for the leader to place it (:meth:`AssignmentLog.handoffs`, with the parameters it
+  reported);
 - ``unknown``: never assigned nor ended.
 
 An active entry keeps its :class:`Assignment` (the reservation is rebuilt from it; a requeue
-needs the admitted request). A finished entry drops it and is forgotten
-``memory_s`` after its deadline (:meth:`AssignmentLog.prune`); an active or lost one is
-never pruned. Plain state, no I/O: one owner feeds it.
+needs the admitted request; so does a hand-off). A finished entry drops it and is forgotten
+``memory_s`` after its deadline (:meth:`AssignmentLog.prune`); an active, lost or handoff
+one is never pruned. Plain state, no I/O: one owner feeds it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Container, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from schemas.requests import Assignment
-from schemas.workers import EventFirstToken, EventStarted, LifecycleEvent
+from pydantic import JsonValue
 
-Status = Literal["unknown", "active", "finished", "lost"]
+from schemas.requests import Assignment
+from schemas.workers import EventFirstToken, EventPrefilled, EventStarted, LifecycleEvent
+
+Status = Literal["unknown", "active", "finished", "lost", "handoff"]
 
 
 @dataclass(slots=True)
@@ -40,6 +48,8 @@ class _Entry:
     streamed: set[int] = field(default_factory=set)
     ended: set[int] = field(default_factory=set)
     lost: set[int] = field(default_factory=set)
+    #: Prefill stages that handed their KV on: attempt -> the parameters they reported.
+    prefilled: dict[int, Mapping[str, JsonValue]] = field(default_factory=dict)
     #: The latest assignment, while it is active or lost (None once finished).
     latest: Assignment | None = None
     model: str | None = None
@@ -58,7 +68,9 @@ class _Entry:
             return "finished"
         if top == 0:
             return "unknown"
-        return "lost" if top in self.lost else "active"
+        if top in self.lost:  # its worker was declared dead: the prompt's KV went with it
+            return "lost"
+        return "handoff" if top in self.prefilled else "active"
 
 
 class AssignmentLog:
@@ -68,6 +80,7 @@ class AssignmentLog:
         self.memory_s = memory_s
         self._entries: dict[str, _Entry] = {}
         self._by_worker: dict[str, set[str]] = {}
+        self._handoffs: set[str] = set()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -96,6 +109,12 @@ class AssignmentLog:
         entry = self._entry(event.request_id)
         attempt = event.attempt
         entry.expires_at = max(entry.expires_at, event.ts)
+        if isinstance(event, EventPrefilled):
+            if attempt in entry.prefilled:
+                return False
+            entry.prefilled[attempt] = event.kv_transfer
+            self._settle(event.request_id, entry)
+            return True
         if isinstance(event, EventStarted):
             target = entry.started
         elif isinstance(event, EventFirstToken):
@@ -168,6 +187,19 @@ class AssignmentLog:
         entry = self._entries.get(request_id)
         return entry is not None and attempt in entry.started
 
+    def handoffs(self, skip: Container[str] = ()) -> list[Assignment]:
+        """The prefill assignments whose decode stage waits to be placed, oldest first,
+        but for the requests in ``skip``."""
+        found = [e.latest for rid in self._handoffs
+                 if rid not in skip and (e := self._entries[rid]).latest is not None]
+        found.sort(key=lambda a: (a.assigned_at, a.request_id))
+        return found
+
+    def prefilled(self, request_id: str, attempt: int) -> Mapping[str, JsonValue] | None:
+        """What the prefill stage ``attempt`` reported when it handed its KV on, if it did."""
+        entry = self._entries.get(request_id)
+        return None if entry is None else entry.prefilled.get(attempt)
+
     def streamed(self, request_id: str, attempt: int) -> bool:
         entry = self._entries.get(request_id)
         return entry is not None and attempt in entry.streamed
@@ -222,6 +254,11 @@ class AssignmentLog:
         status = entry.status()
         if status == "finished":
             entry.latest = None
+            entry.prefilled.clear()
+        if status == "handoff":
+            self._handoffs.add(request_id)
+        else:
+            self._handoffs.discard(request_id)
         worker = entry.latest.worker_id if status == "active" and entry.latest else None
         if worker == entry.indexed:
             return

@@ -3,6 +3,8 @@
 - :func:`queued_request`: an ``AdmittedRequest`` as the core's ``QueuedRequest`` (its KV
   reservation rounded up to whole blocks, its queue deadline, its place in line);
 - :func:`assignment`: a ``Placement`` as the ``Assignment`` for the chosen worker;
+- :func:`decode_stage`: the decode stage of a prefill stage that reported
+  ``event.prefilled``;
 - :func:`terminal`: a scheduler-side ending (``Reject`` code) as the terminal ``Error`` for
   the client and the matching terminal event for ingest (docs/live-system.md, "Who sends
   the terminal reply");
@@ -12,7 +14,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+from pydantic import JsonValue
 
 from schemas.base import WireMessage
 from schemas.codec import encode
@@ -87,21 +92,36 @@ def queued_request(
     )
 
 
-def restored_request(assignment: Assignment) -> QueuedRequest:
-    """The reservation an assignment stands for, exactly as it was placed."""
-    return queued_request(
+def restored_request(assignment: Assignment, block_size: int) -> QueuedRequest:
+    """The reservation an assignment stands for, exactly as it was placed (a prefill
+    stage with the whole request's reservation beside it, at ``block_size``, for when it
+    must start over)."""
+    queued = queued_request(
         assignment.admitted, 1, attempt=assignment.attempt, kv_tokens=assignment.kv_tokens
     )
+    if assignment.phase == "whole":
+        return queued
+    whole = kv_tokens_for(queued.prompt_tokens, queued.max_tokens, block_size)
+    return replace(queued, phase=assignment.phase,
+                   decode_kv_tokens=whole if assignment.phase == "prefill" else None)
+
+
+def decode_stage(prefill: Assignment, block_size: int) -> QueuedRequest:
+    """The decode stage of a prefill stage that reported ``event.prefilled``: the next
+    attempt, the whole reservation, in the queue from the request's admission on."""
+    queued = queued_request(prefill.admitted, block_size, attempt=prefill.attempt + 1)
+    return replace(queued, phase="decode")
 
 
 def assignment(
     admitted: AdmittedRequest, placement: Placement, now: float, *, engine_priority: int | None,
-    worker_started_at: float | None = None,
+    worker_started_at: float | None = None, kv_transfer: Mapping[str, JsonValue] | None = None,
 ) -> Assignment:
     """The Assignment for ``placement``: the admitted request verbatim, on the worker's
     partition, with the reservation, the end-to-end deadline, the class the request has
-    aged into (``PendingQueue.engine_priority``), which the worker gives its engine, and the
-    worker process it was placed on (its heartbeat's ``started_at``)."""
+    aged into (``PendingQueue.engine_priority``), which the worker gives its engine, the
+    worker process it was placed on (its heartbeat's ``started_at``), the stage it runs
+    and, for a decode stage, the prefill worker's KV-transfer parameters."""
     return Assignment(
         admitted=admitted,
         worker_id=placement.worker_id,
@@ -112,6 +132,8 @@ def assignment(
         assigned_at=now,
         engine_priority=engine_priority,
         worker_started_at=worker_started_at,
+        phase=placement.phase,
+        kv_transfer=None if kv_transfer is None else dict(kv_transfer),
     )
 
 

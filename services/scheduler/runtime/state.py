@@ -38,6 +38,8 @@ from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Final, Literal, Protocol
 
+from pydantic import JsonValue
+
 from schemas.common import ErrorCode, Lane, Priority
 from schemas.control import CancelRequest, LeaseAnswer
 from schemas.requests import AdmittedRequest, Assignment
@@ -46,6 +48,8 @@ from schemas.workers import (
     EventAborted,
     EventDone,
     EventFailed,
+    EventFirstToken,
+    EventPrefilled,
     EventStarted,
     LifecycleEvent,
     WorkerHeartbeat,
@@ -71,6 +75,7 @@ from services.scheduler.runtime.messages import (
     Outgoing,
     assignment,
     deadline_of,
+    decode_stage,
     queued_request,
     restored_request,
     terminal,
@@ -171,6 +176,10 @@ class RuntimeConfig:
     drain_window_s: float = 30.0
     cancel_memory_s: float = 600.0
     finished_memory_s: float = 3600.0
+    #: A replica that begins to lead waits this long before it places hand-offs, so that
+    #: it reads the decode stages the previous leader placed first (hand-offs, unlike
+    #: requeues, wait for no reply-topic check).
+    takeover_s: float = 3.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,11 +240,15 @@ class _Tracked:
 
     admitted: AdmittedRequest
     queued: QueuedRequest
-    origin: Literal["record", "requeue"]
+    #: record: read from a request topic; requeue: after a worker loss; handoff: a decode
+    #: stage after its prefill (the last two are the leader's alone).
+    origin: Literal["record", "requeue", "handoff"]
     tickets: list[Ticket] = field(default_factory=list)
-    #: When it (re-)entered the queue: admission, or the requeue after a worker loss.
+    #: When it (re-)entered the queue: admission, the requeue, or the hand-off.
     since: float = 0.0
     trace: TraceHeaders = ()
+    #: A decode stage's KV-transfer parameters (from its prefill's event.prefilled).
+    kv_transfer: Mapping[str, JsonValue] | None = None
 
 
 class SchedulerState:
@@ -282,6 +295,7 @@ class SchedulerState:
         self._renewals: dict[str, WorkerHeartbeat] = {}
         self._lost_incarnations: dict[str, set[float]] = {}
         self._pending_models: dict[str, list[int]] = {}  # model -> [requests, tokens]
+        self._leading_since = 0.0  # when this replica last began to lead
 
     # -- fleet ------------------------------------------------------------------------
 
@@ -304,15 +318,19 @@ class SchedulerState:
         """An assignment read from ``llmq.assignments`` (ours, or another replica's), with
         the trace headers it carried."""
         previous = self.log.latest(record.request_id)
-        if previous is not None and previous.attempt < record.attempt:
+        if previous is not None and previous.attempt < record.attempt \
+                and not (record.phase == "decode" and previous.phase == "prefill"):
             # Requeued (by us, or by the replica that led then): the incarnation that held
             # the earlier attempt may not renew its lease (``_answer_renewals``).
             self._lost_incarnation(previous.worker_id, previous.worker_started_at)
         if self.restored:
             # Earlier attempts are over, whatever this record's own status: a follower
-            # may read the new attempt's terminal event before its assignment.
+            # may read the new attempt's terminal event before its assignment. All but a
+            # decode stage's prefill, whose KV stays on its worker until the decode side
+            # pulls it: its booking ends when the decode stage starts (observe_event).
             for older in range(1, record.attempt):
-                self.ledger.release(record.request_id, older)
+                if record.phase != "decode" or older != record.attempt - 1:
+                    self.ledger.release(record.request_id, older)
         if not self.log.observe_assignment(record):
             return []
         hb = self.fleet.get(record.worker_id)
@@ -343,7 +361,20 @@ class SchedulerState:
             # ``at`` (the worker's clock, like its heartbeats) lets the ledger credit capacity
             # freed after the worker's last heartbeat instead of waiting for the next one.
             self.ledger.mark_started(event.request_id, event.attempt, at=event.ts)
+            # A decode stage started: it pulls its prompt's KV, which the prefill worker
+            # then frees (no credit to older heartbeats: when is the prefill engine's).
+            if event.attempt > 1 and self.log.prefilled(event.request_id, event.attempt - 1):
+                return self.ledger.release(event.request_id, event.attempt - 1) > 0
             return False
+        if isinstance(event, EventFirstToken):
+            # Its prompt is computed: no longer prompt work on that worker (core.ledger).
+            self.ledger.mark_first_token(event.request_id, event.attempt)
+            return False
+        if isinstance(event, EventPrefilled):
+            # The prefill stage is over on its worker; the leader places the decode stage
+            # (tick). Its booking stays until the decode stage starts (the prompt's KV
+            # waits there for it), or the request ends. Worth a cycle: there is a hand-off.
+            return True
         if not isinstance(event, EventDone | EventFailed | EventAborted):
             return False
         freed = self.ledger.release(event.request_id, event.attempt, at=event.ts) > 0
@@ -372,15 +403,20 @@ class SchedulerState:
             return
         holder = self.log.latest(event.request_id)
         if holder is not None and holder.attempt <= event.attempt \
-                and holder.worker_id != event.worker_id:
+                and holder.worker_id != event.worker_id \
+                and not (holder.phase == "prefill" and holder.attempt < event.attempt):
+            # (A prefill stage's later attempt is its decode stage, or what ended it
+            # between the stages: the prefill worker lost nothing.)
             self._lost_incarnation(holder.worker_id, holder.worker_started_at)
 
     def _withdraw_answered_requeue(self, event: LifecycleEvent) -> None:
         """A lost attempt's terminal event came after all (the worker answered, and its
         event was read after the loss was decided): the requeue waiting for a worker would
-        be a second terminal. It leaves the queue."""
+        be a second terminal. It leaves the queue. So does a queued hand-off whose prefill
+        ended after all (its event.prefilled was delivered but never acknowledged, and the
+        worker, giving up, sent event.failed: the request is over)."""
         tracked = self._tracked.get(event.request_id)
-        if tracked is None or tracked.origin != "requeue" \
+        if tracked is None or tracked.origin == "record" \
                 or tracked.queued.attempt <= event.attempt:
             return
         _log.warning("scheduler: %s#%d was answered by its worker after all (its terminal "
@@ -397,6 +433,8 @@ class SchedulerState:
         active = self.log.all_active()
         for record in active:
             self._book(record)
+        for prefill in self.log.handoffs():  # the prompt's KV waits there for its decode
+            self._book(prefill)
         self.restored = True
         return len(active)
 
@@ -491,7 +529,11 @@ class SchedulerState:
         effects: list[Effect] = []
         if self.leading and not handle_losses:
             self._give_up_requeues(now)
+        if handle_losses and not self.leading:
+            self._leading_since = now
         self.leading = handle_losses
+        if handle_losses and now - self._leading_since >= self.config.takeover_s:
+            effects.extend(self._adopt_handoffs(now))
         lost = [w for w in self.log.workers() if not self.fleet.may_be_alive(w, now)] \
             if handle_losses else []
         held: list[HeldRequeue] = []
@@ -542,6 +584,40 @@ class SchedulerState:
         more = self.config.max_placements is not None and placed_n >= self.config.max_placements
         return TickResult(effects, placed_n, rejected, len(held), lost, schedule_s, more,
                           tuple(placements), deferred, restarted, tuple(held), tuple(leases))
+
+    def _adopt_handoffs(self, now: float) -> list[Effect]:
+        """Queue the decode stage of every prefill that handed its KV on and is not queued
+        here yet (the leader's alone, like requeues: every replica reads the same
+        event.prefilled, one places the next attempt). A cancel remembered for it ends it
+        instead; a prefill worker no longer alive took the prompt's KV with it, so the
+        request starts over, whole. Runs each leading cycle (after ``takeover_s`` of
+        leading), so a new leader, or a restarted scheduler, takes over the hand-offs the
+        log shows."""
+        effects: list[Effect] = []
+        for prefill in self.log.handoffs(skip=self._tracked):
+            request_id, attempt = prefill.request_id, prefill.attempt + 1
+            trace = self._active_trace.get(request_id, ())
+            tenant = prefill.request.tenant
+            if self.cancels.matches(request_id, tenant, now):
+                self.cancels.discard(request_id, tenant)
+                effects.append(self._end(prefill.admitted, attempt, "cancelled",
+                                         "cancelled after its prefill", now, (),
+                                         reply_attempt=attempt, trace=trace))
+                continue
+            block = self.fleet.block_size(prefill.request.model) \
+                or self.config.default_block_size
+            kv_transfer = self.log.prefilled(request_id, prefill.attempt)
+            if self.fleet.may_be_alive(prefill.worker_id, now):
+                queued = decode_stage(prefill, block)
+            else:
+                _log.warning("scheduler: %s#%d handed off from %s, which is gone; placed "
+                             "whole as attempt %d", request_id, prefill.attempt,
+                             prefill.worker_id, attempt)
+                queued, kv_transfer = queued_request(prefill.admitted, block, attempt), None
+            self.pending.push(queued, force=True)  # already admitted work
+            self._track(_Tracked(prefill.admitted, queued, "handoff", since=now, trace=trace,
+                                 kv_transfer=kv_transfer))
+        return effects
 
     def _answer_renewals(self, now: float, effects: list[Effect]) -> list[tuple[str, bool]]:
         """Answer each worker that asked to renew its lapsed lease (a heartbeat with
@@ -623,7 +699,8 @@ class SchedulerState:
         self.cancels.prune(now)
         # Contexts of assignments whose end this replica never saw (replay order, another
         # replica's requests): keep only what is still active.
-        for request_id in [r for r in self._active_trace if self.log.status(r) != "active"]:
+        for request_id in [r for r in self._active_trace
+                           if self.log.status(r) not in ("active", "handoff")]:
             del self._active_trace[request_id]
 
     # -- views --------------------------------------------------------------------------
@@ -647,9 +724,12 @@ class SchedulerState:
     def _placed(self, placement: Placement, now: float, schedule_s: float) -> tuple[Effect, Placed]:
         request = placement.request
         hb = self.fleet.get(placement.worker_id)
-        record = assignment(self._tracked[request.request_id].admitted, placement, now,
+        tracked_now = self._tracked[request.request_id]
+        record = assignment(tracked_now.admitted, placement, now,
                             engine_priority=self.pending.engine_priority(request, now),
-                            worker_started_at=None if hb is None else hb.started_at)
+                            worker_started_at=None if hb is None else hb.started_at,
+                            kv_transfer=tracked_now.kv_transfer
+                            if placement.phase == "decode" else None)
         tracked = self._untrack(request.request_id)  # only once the record could be built
         self.log.observe_assignment(record)
         trace = tracked.trace
@@ -745,6 +825,13 @@ class SchedulerState:
         what the log showed before (its lost attempt active on the dead worker, booked),
         so whoever leads requeues it once; its record on Kafka never left the log."""
         for request_id, tracked in list(self._tracked.items()):
+            if tracked.origin == "handoff":
+                # Its prefill's event.prefilled is in the log: the next leader places it.
+                if self.pending.withdraw_cancelled(request_id):
+                    self.cancels.add(request_id, tracked.admitted.request.tenant, now, now)
+                self.pending.remove(request_id)
+                self._untrack(request_id)
+                continue
             if tracked.origin != "requeue":
                 continue
             record = self.log.latest(request_id)
@@ -770,6 +857,11 @@ class SchedulerState:
 
     def _requeue(self, record: Assignment, fate: Requeue, now: float) -> list[Effect]:
         request = fate.request
+        newest = self.log.latest(request.request_id)
+        if newest is not None and newest.attempt >= request.attempt:
+            _log.warning("scheduler: %s#%d was placed again meanwhile (attempt %d); no "
+                         "requeue", request.request_id, record.attempt, newest.attempt)
+            return []
         # The lost attempt's placement is the parent of what happens to the request next.
         trace = self._active_trace.pop(request.request_id, ())
         if self.cancels.matches(request.request_id, request.tenant, now):
@@ -777,6 +869,8 @@ class SchedulerState:
             return [self._end(record.admitted, request.attempt, "cancelled",
                               "cancelled while its worker was lost", now, (),
                               reply_attempt=request.attempt, trace=trace)]
+        for older in range(1, request.attempt):  # from the start: whatever an earlier
+            self.ledger.release(request.request_id, older)  # stage held is over
         self.pending.push(request, force=True)  # already admitted work: past the bound
         self._track(_Tracked(record.admitted, request, "requeue", since=now, trace=trace))
         return []
@@ -829,10 +923,13 @@ class SchedulerState:
                 max_num_seqs=1, draining=True, heartbeat_ts=0.0, tokens_per_s=0.0,
             )
         )
-        self.ledger.reserve(stand_in, restored_request(record))
+        block = self.fleet.block_size(record.request.model) or self.config.default_block_size
+        self.ledger.reserve(stand_in, restored_request(record, block))
         if self.log.started(record.request_id, record.attempt):
             # Its started event may have been read before the booking (replay order).
             self.ledger.mark_started(record.request_id, record.attempt)
+        if self.log.streamed(record.request_id, record.attempt):
+            self.ledger.mark_first_token(record.request_id, record.attempt)
 
     def _track(self, tracked: _Tracked) -> None:
         self._tracked[tracked.queued.request_id] = tracked

@@ -16,6 +16,21 @@ Stream contract (what the worker relies on):
 - a request the engine cannot run raises :class:`EngineError` with the terminal error code
   the client should get.
 
+Prefill and decode apart (``GenerateRequest.phase``), as vLLM's P/D proxy asks its two
+instances; only a worker of role prefill or decode is given these phases, and its engine
+must have ``disaggregation`` True (checked at startup):
+
+- ``prefill``: compute the prompt and sample one token (``max_tokens`` is 1), which the
+  worker discards — nothing of a prefill stage reaches the client. The stream ends as any
+  other, and its final delta also carries ``kv_transfer``: what a decode engine needs to
+  take the prompt's KV cache over (vLLM's ``kv_transfer_params``), plain JSON values. A
+  prefill stream that ends without it is an engine failure. The engine keeps the KV for
+  the decode side to fetch, as its connector does (e.g. until a timeout);
+- ``decode``: ``kv_transfer`` holds the prefill's parameters; the engine takes the prompt's
+  KV from there instead of computing it and streams the whole output as for ``whole`` (it
+  samples every output token itself: the prefill's token is not one of them). Parameters
+  it cannot use (missing, or another engine's) are an :class:`EngineError` ``invalid``.
+
 Note: :class:`EngineCapacity` here is the live load view of an engine; the unrelated
 ``services.worker.engines.sim.capacity.EngineCapacity`` is the saturated throughput of a
 simulated profile (used by benchmarks).
@@ -23,11 +38,11 @@ simulated profile (used by benchmarks).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
-from schemas.common import ErrorCode
+from schemas.common import ErrorCode, Phase
 
 FinishReason = Literal["stop", "length"]
 #: How an engine orders the requests it has not started: by ``GenerateRequest.priority``
@@ -49,6 +64,7 @@ class GenerateRequest:
 
     Exactly one of ``prompt`` and ``messages`` is set. ``prompt_tokens`` is admission's
     estimate (the ``sim`` engine uses it as the prompt length; real engines count their own).
+    ``phase`` and ``kv_transfer``: prefill and decode apart (module docstring).
     """
 
     request_id: str
@@ -68,6 +84,11 @@ class GenerateRequest:
     #: 5 = low long). Engines that schedule by priority (vLLM's ``--scheduling-policy
     #: priority``: lower first) use it; FCFS ignores it.
     priority: int = 0
+    #: ``whole`` (the request), ``prefill`` (its prompt, one token sampled and discarded) or
+    #: ``decode`` (its output, from the KV cache a prefill engine computed).
+    phase: Phase = "whole"
+    #: For ``decode``: the prefill engine's KV-transfer parameters (its final delta's).
+    kv_transfer: Mapping[str, object] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +96,9 @@ class TokenDelta:
     """New output of one request: ``text`` made of ``tokens`` tokens.
 
     The final delta carries ``finish_reason``, and where the engine knows them the
-    authoritative ``prompt_tokens`` / ``completion_tokens`` of the whole request.
+    authoritative ``prompt_tokens`` / ``completion_tokens`` of the whole request; the final
+    delta of a ``prefill`` request also ``kv_transfer``, the parameters its decode stage's
+    engine needs (module docstring).
     """
 
     text: str
@@ -83,6 +106,7 @@ class TokenDelta:
     finish_reason: FinishReason | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    kv_transfer: Mapping[str, object] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +150,9 @@ class Engine(Protocol):
 
     #: Engine kind as heartbeats report it: ``sim``, ``vllm``, ``openai``.
     name: str
+    #: Whether it runs ``prefill`` and ``decode`` requests (module docstring); a worker
+    #: with role prefill or decode needs an engine that does.
+    disaggregation: bool
 
     async def start(self) -> None:
         """Load the model / open connections; ready to generate when it returns."""

@@ -36,6 +36,24 @@ Unknown state fails closed (STYLE.md §6): while ``/metrics`` cannot be read (se
 free KV, so the scheduler sends nothing; the background poll keeps trying. A server without a
 ``/metrics`` endpoint at all (404) is accounted locally instead: free KV = pool − Σ (prompt +
 max tokens) of the requests in flight.
+
+Prefill and decode apart (``GenerateRequest.phase``): vLLM's P/D protocol, as its proxy
+(``tests/v1/kv_connector/nixl_integration/toy_proxy_server.py``) speaks it to two servers
+started with a KV connector (``--kv-transfer-config``, e.g. ``NixlConnector``). A
+``prefill`` request is one non-streaming ``POST`` of the same body with ``max_tokens: 1``,
+``stream: false``, no ``stream_options`` and ``kv_transfer_params`` ``{"do_remote_decode":
+true, "do_remote_prefill": false, "remote_engine_id": null, "remote_block_ids": null,
+"remote_host": null, "remote_port": null}``; the answer's ``kv_transfer_params`` go on the
+final delta. Unlike the proxy it also sends ``ignore_eos: true`` and no ``stop``: vLLM's
+connectors hand the KV on only for a prefill that ended at its length cap, and the one
+token it samples is discarded anyway. An answer without ``kv_transfer_params`` (a server
+without a connector) fails the request ``worker_lost``, saying so. Aborting a prefill
+cancels its request: the connection closes, and vLLM aborts a request whose client went
+away. A ``decode`` request is the usual stream with ``"kv_transfer_params"``: the
+prefill's parameters (without them: ``invalid``). The parameters must identify the
+prefill's request themselves (NixlConnector's ``remote_request_id``): the two stages are
+two attempts with two ids here, so a connector that pairs them by the proxy's shared
+``X-Request-Id`` header is not served.
 """
 
 from __future__ import annotations
@@ -73,6 +91,11 @@ _KV_USAGE: Final = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 _RUNNING: Final = "vllm:num_requests_running"
 _WAITING: Final = "vllm:num_requests_waiting"
 _CACHE_INFO: Final = "vllm:cache_config_info"
+#: A prefill stage's ``kv_transfer_params``: keep the prompt's KV for a remote decode.
+PREFILL_KV_PARAMS: Final[dict[str, Any]] = {
+    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+    "remote_block_ids": None, "remote_host": None, "remote_port": None,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,11 +197,12 @@ def request_body(
     req: GenerateRequest, served_model: str, *, priority: bool = False,
     continuous_usage: bool = True,
 ) -> tuple[str, dict[str, Any]]:
-    """Path and JSON body of the streaming request for ``req``; with ``priority``, the
-    request's ``priority`` (class, then lane) as vLLM's ``priority`` field (a vLLM
-    extension, accepted only by a server started with ``--scheduling-policy priority``; it
-    refuses non-zero values otherwise, so it is sent only when the worker is told the
-    server schedules by it)."""
+    """Path and JSON body of the request for ``req``: streaming, or for a prefill stage the
+    non-streaming one of the module docstring; a decode stage's carries the prefill's
+    ``kv_transfer_params``. With ``priority``, the request's ``priority`` (class, then lane)
+    as vLLM's ``priority`` field (a vLLM extension, accepted only by a server started with
+    ``--scheduling-policy priority``; it refuses non-zero values otherwise, so it is sent
+    only when the worker is told the server schedules by it)."""
     body: dict[str, Any] = {
         "model": served_model,
         "max_tokens": req.max_tokens,
@@ -199,6 +223,13 @@ def request_body(
         body["top_k"] = req.top_k  # a vLLM extension; OpenAI itself has no top_k
     if priority:
         body["priority"] = req.priority
+    if req.phase == "prefill":
+        body.update(max_tokens=1, stream=False, ignore_eos=True,
+                    kv_transfer_params=dict(PREFILL_KV_PARAMS))
+        del body["stream_options"]  # vLLM refuses them without stream
+        body.pop("stop", None)
+    elif req.phase == "decode" and req.kv_transfer is not None:
+        body["kv_transfer_params"] = dict(req.kv_transfer)
     if req.messages is not None:
         body["messages"] = [{"role": m.role, "content": m.content} for m in req.messages]
         return "/v1/chat/completions", body
@@ -251,10 +282,42 @@ def _opt_int(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def prefill_delta(answer: object) -> TokenDelta:
+    """The final (and only) delta of a prefill stage from the server's JSON ``answer``,
+    carrying its ``kv_transfer_params``; ``EngineError`` when it has none."""
+    if not isinstance(answer, dict):
+        raise EngineError("worker_lost", f"engine server's prefill answer is not an object: "
+                                         f"{str(answer)[:200]}")
+    choices = answer.get("choices")
+    choice = choices[0] if isinstance(choices, list) and choices \
+        and isinstance(choices[0], dict) else {}
+    reason = choice.get("finish_reason")
+    _finish(reason)  # vLLM's "error" fails the request here too
+    params = answer.get("kv_transfer_params")
+    if not isinstance(params, dict) or not params:
+        ended = "" if reason in (None, "length") else (
+            f"; or the prefill ended {reason!r}, not at its 1-token cap (vLLM's connectors "
+            "hand the KV on only then)")
+        raise EngineError("worker_lost", "engine server answered the prefill without "
+                          "kv_transfer_params: it has no KV connector configured (start vLLM "
+                          f"with --kv-transfer-config, e.g. NixlConnector){ended}")
+    usage = answer.get("usage")
+    usage = usage if isinstance(usage, dict) else {}
+    message = choice.get("message")
+    text = choice.get("text") if message is None else \
+        (message.get("content") if isinstance(message, dict) else None)
+    completion = _opt_int(usage.get("completion_tokens"))
+    return TokenDelta(text if isinstance(text, str) else "", 1 if completion is None
+                      else completion, finish_reason="length",
+                      prompt_tokens=_opt_int(usage.get("prompt_tokens")),
+                      completion_tokens=completion, kv_transfer=params)
+
+
 class OpenAIEngine:
     """The ``openai`` engine (see the module docstring)."""
 
     name = "openai"
+    disaggregation = True  # vLLM's P/D protocol (module docstring)
 
     def __init__(self, base_url: str, served_model: str, *, profile: EngineProfile,
                  api_key: str | None = None, metrics_interval_s: float = 1.0,
@@ -282,6 +345,7 @@ class OpenAIEngine:
         self._load: ServerLoad | None = None
         self._metrics_missing = False  # the server answered 404 on /metrics
         self._responses: dict[str, httpx.Response] = {}
+        self._prefills: dict[str, asyncio.Future[httpx.Response]] = {}  # prefills posted
         self._in_flight: dict[str, int] = {}  # request_id -> prompt + max tokens
         self._aborted: set[str] = set()
         self._rate = RateMeter()
@@ -301,7 +365,7 @@ class OpenAIEngine:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._poller
             self._poller = None
-        for request_id in list(self._responses):
+        for request_id in [*self._responses, *self._prefills]:
             await self.abort(request_id)
         if self._client is not None:
             await self._client.aclose()
@@ -314,10 +378,16 @@ class OpenAIEngine:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
         if self._client is None:
             raise EngineError("worker_lost", "openai engine is not started")
+        if request.phase == "decode" and not request.kv_transfer:
+            raise EngineError("invalid", "a decode request needs kv_transfer (the prefill "
+                                         "server's kv_transfer_params); it has none")
         rid = request.request_id
         self._in_flight[rid] = request.prompt_tokens + request.max_tokens
         tally = _Tally()
         try:
+            if request.phase == "prefill":
+                yield await self._prefill(request)
+                return
             while True:
                 path, body = request_body(request, self.served_model,
                                           priority=self._by_priority,
@@ -359,7 +429,36 @@ class OpenAIEngine:
             self._in_flight.pop(rid, None)
             self._aborted.discard(rid)
 
+    async def _prefill(self, request: GenerateRequest) -> TokenDelta:
+        """A prefill stage: one non-streaming request (module docstring). Its answer's
+        headers come only once the prompt is computed, so it runs as a task that
+        :meth:`abort` cancels (closing the connection, which makes vLLM abort it)."""
+        assert self._client is not None
+        rid = request.request_id
+        path, body = request_body(request, self.served_model, priority=self._by_priority)
+        post = asyncio.ensure_future(self._client.post(path, json=body))
+        self._prefills[rid] = post
+        try:
+            await asyncio.wait({post})
+        finally:
+            post.cancel()  # a no-op once done; cancelled ourselves: the request goes too
+            self._prefills.pop(rid, None)
+        if post.cancelled():
+            raise EngineAborted(f"request {rid} aborted")
+        response = post.result()
+        await self._check_status(response)
+        try:
+            answer = response.json()
+        except ValueError:
+            raise EngineError("worker_lost", "engine server's prefill answer is not JSON: "
+                                             f"{response.text[:200]!r}") from None
+        return prefill_delta(answer)
+
     async def abort(self, request_id: str) -> None:
+        post = self._prefills.get(request_id)
+        if post is not None:
+            self._aborted.add(request_id)
+            post.cancel()
         response = self._responses.get(request_id)
         if response is not None:
             self._aborted.add(request_id)

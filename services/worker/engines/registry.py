@@ -2,6 +2,8 @@
 
 ``build_engine(config)`` looks the kind up in :data:`ENGINES`. Factories import their
 engine module lazily, so a worker that runs ``sim`` never imports httpx or vLLM.
+``check_role(role, engine)`` refuses a prefill or decode worker whose engine cannot run
+prefill and decode apart (``Engine.disaggregation``).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Final
 
+from schemas.common import Role
 from services.worker.engines.base import Engine, SchedulingPolicy
 from services.worker.engines.sim.model import EngineProfile
 
@@ -75,3 +78,27 @@ def build_engine(cfg: EngineConfig) -> Engine:
     except KeyError:
         raise ValueError(f"unknown engine {cfg.kind!r}; known: {', '.join(ENGINES)}") from None
     return factory(cfg)
+
+
+def check_role(role: Role, engine: Engine) -> None:
+    """ValueError when a worker of ``role`` would run ``engine`` but the role needs prefill
+    and decode apart and the engine cannot run them; the message names those that can."""
+    if role == "mixed" or engine.disaggregation:
+        return
+    raise ValueError(
+        f"role {role} needs an engine that runs prefill and decode apart; the {engine.name} "
+        f"engine does not (engines that do: {', '.join(_disaggregating())}), so run it "
+        "with role mixed or choose one of those engines")
+
+
+def _disaggregating() -> list[str]:
+    """The kinds whose engine runs prefill and decode apart. Imports every engine module
+    (not vLLM itself): only for the error above."""
+    from services.worker.engines.openai import OpenAIEngine
+    from services.worker.engines.sim.engine import SimEngine
+    from services.worker.engines.vllm import VllmEngine
+
+    classes: dict[str, type[Engine]] = {
+        "sim": SimEngine, "openai": OpenAIEngine, "vllm": VllmEngine}
+    assert classes.keys() == ENGINES.keys(), "an engine is missing here"
+    return [kind for kind, cls in classes.items() if cls.disaggregation]

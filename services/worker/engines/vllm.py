@@ -60,6 +60,12 @@ class VllmEngine:
     """The ``vllm`` engine (see the module docstring)."""
 
     name = "vllm"
+    #: Not built: prefill/decode apart would pass ``kv_transfer_params`` in
+    #: ``SamplingParams.extra_args`` (as vLLM's OpenAI server does) to a KV connector
+    #: configured in the engine args (``kv_transfer_config``), and read the prefill's from
+    #: ``RequestOutput.kv_transfer_params``; none of it can be tested without vLLM.
+    #: Roles prefill and decode are refused at startup for this engine; use ``openai``.
+    disaggregation = False
 
     def __init__(self, model: str, *, profile: EngineProfile,
                  engine_args: Mapping[str, Any] | None = None,

@@ -17,6 +17,16 @@ rate matches the calibrated model rather than drifting with scheduling jitter.
 Text is SIMULATED: each token is a word drawn from a fixed list by an RNG seeded with
 ``(seed, request_id)``, so a request's output is deterministic and obviously not a model's.
 Every sequence generates exactly ``max_tokens`` tokens (``finish_reason = "length"``).
+
+Prefill and decode apart (``GenerateRequest.phase``, ``services.worker.engines.base``), with
+a LABELLED FAKE of a KV connector: no KV moves anywhere, only a claim that it did. A
+``prefill`` request computes its prompt and samples exactly one token; its final delta
+carries ``kv_transfer = {"engine": "sim", "prompt_tokens": P}``. A ``decode`` request with
+those parameters goes into the core with ``cached_tokens = P - 1`` (the prompt's KV
+"arrived"; the last prompt token is computed here, its logits give the first output
+token, as after a vLLM connector's load) and generates its whole ``max_tokens``. The time
+a real transfer takes is not modelled. Parameters that are missing, another engine's, or
+for another prompt length are refused (``EngineError("invalid")``).
 """
 
 from __future__ import annotations
@@ -26,7 +36,7 @@ import itertools
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Final
 
 from services.worker.core.rate import RateMeter
@@ -51,15 +61,42 @@ WORDS: Final = (
 )
 
 
+#: ``kv_transfer["engine"]`` of the fake connector's parameters (module docstring).
+KV_ENGINE: Final = "sim"
+
+
+def _cached_tokens(request: GenerateRequest, prompt: int) -> int:
+    """Prompt tokens whose KV a ``decode`` request brings (0 for the other phases);
+    ``EngineError("invalid")`` for parameters this engine cannot have made."""
+    if request.phase != "decode":
+        return 0
+    params = request.kv_transfer
+    if params is None:
+        raise EngineError("invalid", "a decode request needs kv_transfer (the prefill "
+                                     "engine's parameters); it has none")
+    if params.get("engine") != KV_ENGINE:
+        raise EngineError("invalid", f"kv_transfer.engine is {params.get('engine')!r}: not "
+                                     f"a {KV_ENGINE} engine's prefill")
+    sent = params.get("prompt_tokens")
+    if not isinstance(sent, int) or isinstance(sent, bool) or sent != prompt:
+        raise EngineError("invalid", f"kv_transfer.prompt_tokens is {sent!r}, not the "
+                                     f"request's prompt of {prompt} tokens")
+    return prompt - 1
+
+
 class _Stream:
-    """One request inside the engine: its sequence id, RNG, and the queue it reads."""
+    """One request inside the engine: its sequence id, RNG, the queue it reads, and for a
+    prefill the parameters its final delta carries."""
 
-    __slots__ = ("done", "prompt_tokens", "queue", "request_id", "rng", "seq_id")
+    __slots__ = ("done", "kv_transfer", "prompt_tokens", "queue", "request_id", "rng",
+                 "seq_id")
 
-    def __init__(self, request_id: str, seq_id: int, prompt_tokens: int, seed: int) -> None:
+    def __init__(self, request_id: str, seq_id: int, prompt_tokens: int, seed: int,
+                 kv_transfer: Mapping[str, object] | None = None) -> None:
         self.request_id = request_id
         self.seq_id = seq_id
         self.prompt_tokens = prompt_tokens
+        self.kv_transfer = kv_transfer
         self.rng = random.Random(f"{seed}:{request_id}")
         self.queue: asyncio.Queue[TokenDelta | Exception] = asyncio.Queue()
         self.done = False
@@ -72,6 +109,7 @@ class SimEngine:
     """The ``sim`` engine (see the module docstring). Start it before generating."""
 
     name = "sim"
+    disaggregation = True  # with a fake connector (module docstring)
 
     def __init__(self, profile: EngineProfile, *, time_scale: float = 1.0, seed: int = 0,
                  scheduling_policy: SchedulingPolicy = "priority",
@@ -158,16 +196,22 @@ class SimEngine:
         if request.request_id in self._streams:
             raise EngineError("invalid", f"request {request.request_id} is already running")
         prompt = max(1, request.prompt_tokens)
-        if prompt + request.max_tokens > self.profile.max_seq_tokens():
+        prefill = request.phase == "prefill"
+        output = 1 if prefill else request.max_tokens  # a prefill samples one token
+        if prompt + output > self.profile.max_seq_tokens():
             raise EngineError(
                 "too_large",
-                f"{prompt} prompt + {request.max_tokens} output tokens exceed the KV cache of "
+                f"{prompt} prompt + {output} output tokens exceed the KV cache of "
                 f"{self.profile.kv_total_tokens} tokens ({self.profile.name})",
             )
-        stream = _Stream(request.request_id, next(self._seq_ids), prompt, self._seed)
+        cached = _cached_tokens(request, prompt)
+        kv_transfer = {"engine": KV_ENGINE, "prompt_tokens": prompt} if prefill else None
+        stream = _Stream(request.request_id, next(self._seq_ids), prompt, self._seed,
+                         kv_transfer)
         priority = request.priority if self._by_priority else 0
         self._core.add(
-            SimRequest(stream.seq_id, prompt, request.max_tokens, priority=priority), self._vnow()
+            SimRequest(stream.seq_id, prompt, output, priority=priority, cached_tokens=cached),
+            self._vnow(),
         )
         self._streams[stream.request_id] = stream
         self._by_seq[stream.seq_id] = stream
@@ -222,6 +266,7 @@ class SimEngine:
                 stream.queue.put_nowait(TokenDelta(
                     stream.word(), 1, finish_reason="length",
                     prompt_tokens=stream.prompt_tokens, completion_tokens=generated,
+                    kv_transfer=stream.kv_transfer,
                 ))
                 stream.done = True
                 self._streams.pop(stream.request_id, None)

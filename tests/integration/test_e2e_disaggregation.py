@@ -1,0 +1,144 @@
+"""Prefill and decode apart, live: real processes on the real broker.
+
+One stack (ingest, scheduler, health, one prefill and one decode ``sim`` worker at 20×
+simulated speed; the sim engine's KV hand-off is a labelled fake of a KV connector: it
+moves no bytes, the decode engine counts the prompt as cached). A request is placed as its
+prefill stage (attempt 1) on the prefill worker, which reports ``event.prefilled`` and
+sends nothing to the client; the scheduler places the decode stage (attempt 2) on the
+decode worker, which streams the answer. Checked from the topics themselves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from aiokafka import TopicPartition
+
+from llmq.client import LlmqClient
+from schemas.codec import decode
+from schemas.messages import ASSIGNMENT_ADAPTER, EVENT_ADAPTER, REPLY_ADAPTER, STATUS_ADAPTER
+from schemas.replies import Done, Error, TokenChunk
+from schemas.topics import catalog, reply_spec
+from services.common.kafka import make_consumer
+from services.common.replies import topic_partitions
+from services.common.settings import Settings
+from services.stack import Stack, settings_env, stack_services
+from tests.fakes.live_stack import loopback_config, wait_stack_ready, write_tenants_file
+from tests.prefixes import unique_prefix
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+
+MODEL = "llama-3.1-8b"
+
+
+class PdStack:
+    def __init__(self, tmp: Path, bootstrap: str) -> None:
+        self.prefix = unique_prefix("pd")
+        self.bootstrap = bootstrap
+        settings = Settings(topic_prefix=self.prefix, assignment_partitions=4)
+        self.cfg = loopback_config(time_scale=0.05, model=MODEL, short_workers=0,
+                                   long_workers=0, prefill_workers=1, decode_workers=1)
+        env = settings_env(settings) | {
+            "LLMQ_TENANTS_FILE": str(write_tenants_file(tmp / "tenants.toml"))}
+        self.log_dir = tmp / "logs"
+        self.stack = Stack(stack_services(self.cfg), env)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.cfg.http_port}"
+
+    def topic(self, suffix: str) -> str:
+        return next(s.name for s in catalog(self.prefix) if s.name.endswith(suffix))
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory: pytest.TempPathFactory, bootstrap: str) -> Iterator[PdStack]:
+    stack = PdStack(tmp_path_factory.mktemp("pd"), bootstrap)
+    stack.stack.start(log_dir=stack.log_dir)
+    try:
+        wait_stack_ready(stack.stack, stack.base_url, stack.log_dir, 180.0)
+        yield stack
+    finally:
+        stack.stack.stop(grace_s=20.0)
+
+
+async def _read_all(bootstrap: str, topic: str, adapter: Any) -> list[Any]:
+    """Every record of ``topic`` from its start to its end, decoded."""
+    tps = [TopicPartition(topic, p) for p in await topic_partitions(bootstrap, topic)]
+    consumer = make_consumer(bootstrap)
+    await consumer.start()
+    out: list[Any] = []
+    try:
+        consumer.assign(tps)
+        ends = await consumer.end_offsets(tps)
+        await consumer.seek_to_beginning(*tps)
+        while [tp for tp in tps if await consumer.position(tp) < ends[tp]]:
+            for records in (await consumer.getmany(timeout_ms=500)).values():
+                out.extend(decode(r.value, adapter) for r in records if r.value is not None)
+    finally:
+        await consumer.stop()
+    return out
+
+
+def test_http_chat_is_served_through_both_stages(pd: PdStack) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "split me " * 50}],
+            "max_tokens": 20}
+    resp = httpx.post(f"{pd.base_url}/v1/chat/completions", json=body,
+                      headers={"Authorization": "Bearer open-key"}, timeout=60)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["completion_tokens"] == 20
+
+
+async def test_a_request_runs_prefill_then_decode_with_one_terminal(pd: PdStack) -> None:
+    async with LlmqClient(pd.bootstrap, prefix=pd.prefix, default_model=MODEL) as client:
+        handle = await client.submit(prompt="x" * 3_000, max_tokens=40, timeout_s=60)
+        chunks = []
+        async for chunk in handle:
+            chunks.append(chunk)
+        end = handle.result
+    assert isinstance(end, Done), end
+    assert end.usage.completion_tokens == 40
+    assert all(isinstance(c, TokenChunk) and c.attempt == 2 for c in chunks)
+    rid = handle.request_id
+    placed = sorted((a for a in await _read_all(pd.bootstrap, pd.topic(".assignments"),
+                                                ASSIGNMENT_ADAPTER) if a.request_id == rid),
+                    key=lambda a: a.attempt)  # one partition per worker: read in any order
+    assert [(a.attempt, a.phase) for a in placed] == [(1, "prefill"), (2, "decode")]
+    prefill, decode_stage = placed
+    assert prefill.worker_id != decode_stage.worker_id
+    assert decode_stage.kv_transfer is not None and decode_stage.kv_transfer["engine"] == "sim"
+    seen = [(e.kind, e.attempt) for e in await _read_all(
+        pd.bootstrap, pd.topic(".events"), EVENT_ADAPTER) if e.request_id == rid]
+    assert ("event.prefilled", 1) in seen and ("event.done", 2) in seen
+    assert ("event.first_token", 1) not in seen  # the prefill's token is not the client's
+    replies = [r for r in await _read_all(pd.bootstrap, reply_spec(pd.prefix, "default").name,
+                                          REPLY_ADAPTER) if r.request_id == rid]
+    terminals = [r for r in replies if isinstance(r, Done | Error)]
+    assert len(terminals) == 1 and terminals[0].attempt == 2
+    assert {r.attempt for r in replies} == {2}  # nothing from the prefill stage
+
+
+async def test_a_burst_is_served_and_every_reservation_returns(pd: PdStack) -> None:
+    async with LlmqClient(pd.bootstrap, prefix=pd.prefix, default_model=MODEL) as client:
+        handles = [await client.submit(prompt="y" * (200 + 400 * i), max_tokens=16 + i,
+                                       timeout_s=90, priority=("high", "normal", "low")[i % 3])
+                   for i in range(12)]
+        ends = [(await h.wait())[1] for h in handles]
+    assert all(isinstance(e, Done) for e in ends), ends
+    deadline = time.monotonic() + 30
+    status = None
+    while time.monotonic() < deadline:
+        statuses = await _read_all(pd.bootstrap, pd.topic(".status"), STATUS_ADAPTER)
+        mine = [s for s in statuses if s.model == MODEL]
+        status = mine[-1] if mine else None
+        if status is not None and status.running_tokens == 0 and status.pending_requests == 0 \
+                and time.time() - status.ts < 5:
+            return
+        await asyncio.sleep(1.0)
+    raise AssertionError(f"reservations did not return to zero: {status}")

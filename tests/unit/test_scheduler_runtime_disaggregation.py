@@ -1,0 +1,266 @@
+"""SchedulerState with prefill and decode workers: the prefill stage's assignment, the
+hand-off (event.prefilled) placed by the leader as the next attempt, replicas, restarts,
+losses, cancels and deadlines between the two stages. No Kafka."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from schemas.codec import decode
+from schemas.control import LeaseAnswer
+from schemas.messages import CONTROL_ADAPTER
+from schemas.requests import Assignment
+from schemas.workers import EventAborted, EventFailed, EventPrefilled, WorkerHeartbeat
+from services.scheduler.runtime.state import SchedulerState
+from tests.unit.test_scheduler_runtime_state import (
+    SCHED,
+    T,
+    admitted,
+    assignments,
+    beat,
+    cancel,
+    done,
+    events,
+    new_state,
+    replies,
+    started,
+    tick_and_release,
+)
+
+PARAMS: dict[str, Any] = {"engine": "sim", "prompt_tokens": 1_000}
+
+
+def pd_beat(worker_id: str, partition: int, role: str, ts: float = T, **changes: Any
+            ) -> WorkerHeartbeat:
+    return beat(worker_id, partition, ts, role=role, **changes)
+
+
+def pd_state(ts: float = T, **config: Any) -> SchedulerState:
+    state = new_state(**{"takeover_s": 0.0, **config})
+    state.observe_heartbeat(pd_beat("p0", 0, "prefill", ts))
+    state.observe_heartbeat(pd_beat("d0", 1, "decode", ts))
+    state.restore()
+    return state
+
+
+def prefilled(a: Assignment, ts: float = T + 1) -> EventPrefilled:
+    return EventPrefilled(request_id=a.request_id, tenant="acme", attempt=a.attempt,
+                          worker_id=a.worker_id, ts=ts, kv_transfer=PARAMS, prompt_tokens=1_000)
+
+
+def place_prefill(state: SchedulerState, rid: str = "r1", **kw: Any) -> Assignment:
+    state.on_request(admitted(rid, **kw), ("tp", 0), T)
+    ((partition, a),) = assignments(state.tick(T).effects)
+    assert (a.worker_id, partition, a.phase, a.attempt) == ("p0", 0, "prefill", 1)
+    return a
+
+
+def test_a_request_runs_its_prefill_then_its_decode_stage_as_the_next_attempt() -> None:
+    state = pd_state()
+    a = place_prefill(state)
+    assert a.kv_tokens == 1_008  # 1,000 prompt tokens + the sampled one, in blocks
+    assert a.kv_transfer is None
+    state.observe_event(started(a, "p0"))
+    assert state.observe_event(prefilled(a))  # worth a cycle: a hand-off waits
+    assert state.log.status("r1") == "handoff"
+    result = state.tick(T + 1)
+    ((partition, b),) = assignments(result.effects)
+    assert (b.worker_id, partition, b.phase, b.attempt) == ("d0", 1, "decode", 2)
+    assert b.kv_transfer == PARAMS and b.kv_tokens == 1_024 and b.admitted == a.admitted
+    assert b.engine_priority == 0  # hand-offs go first
+    assert state.reserved_kv("d0") == 1_024 and state.log.status("r1") == "active"
+    # The prompt's KV stays on the prefill worker until the decode stage pulls it.
+    assert state.reserved_kv("p0") == 1_008
+    assert state.observe_event(started(b, "d0"))
+    assert state.reserved_kv("p0") == 0
+    state.observe_event(done(b, "d0"))
+    assert state.log.status("r1") == "finished" and state.reserved_kv("d0") == 0
+    assert replies(result.effects) == []  # nothing from the scheduler to the client
+
+
+def test_only_the_leader_places_a_hand_off_and_replicas_book_it_from_the_log() -> None:
+    leader, other = pd_state(), pd_state()
+    a = place_prefill(leader)
+    other.observe_assignment(a)
+    for state in (leader, other):
+        state.observe_event(prefilled(a))
+    assert assignments(other.tick(T + 1, handle_losses=False).effects) == []
+    ((_, b),) = assignments(leader.tick(T + 1).effects)
+    other.observe_assignment(b)
+    assert other.reserved_kv("d0") == 1_024 and other.reserved_kv("p0") == 1_008
+    other.observe_event(started(b, "d0"))
+    assert other.reserved_kv("p0") == 0
+    # The prefill worker's process lost nothing: its lease may be renewed.
+    other.observe_heartbeat(pd_beat("p0", 0, "prefill", T + 2, renew=True))
+    (out,) = [o for e in other.tick(T + 2).effects for o in e.first
+               if o.topic == "llmq.control"]
+    answer = decode(out.value, CONTROL_ADAPTER)
+    assert isinstance(answer, LeaseAnswer) and answer.granted, answer
+
+
+def test_a_new_leader_places_the_hand_off_the_old_one_left() -> None:
+    old, new = pd_state(), pd_state()
+    a = place_prefill(old)
+    new.observe_assignment(a)
+    for state in (old, new):
+        state.observe_event(prefilled(a))
+    assert len(old.tick(T + 1, handle_losses=False).effects) == 0  # never led: nothing
+    old_led = old.tick(T + 1)  # leads now: adopts and places it ...
+    assert [b.attempt for _, b in assignments(old_led.effects)] == [2]
+    # ... while a replica that adopted it but lost the lead before placing gives it back.
+    third = pd_state()
+    third.observe_assignment(a)
+    third.observe_event(prefilled(a))
+    third.observe_heartbeat(pd_beat("d0", 1, "decode", T + 1, draining=True))
+    assert assignments(third.tick(T + 1).effects) == []  # adopted, no decode worker
+    assert len(third.pending) == 1
+    third.tick(T + 1, handle_losses=False)
+    assert len(third.pending) == 0 and third.log.status("r1") == "handoff"
+
+
+def test_a_restarted_scheduler_places_the_hand_off_from_the_log() -> None:
+    before = pd_state()
+    a = place_prefill(before)
+    after = new_state(takeover_s=0.0)
+    after.observe_heartbeat(pd_beat("p0", 0, "prefill"))
+    after.observe_heartbeat(pd_beat("d0", 1, "decode"))
+    after.observe_event(prefilled(a))  # replayed in any order
+    after.observe_assignment(a)
+    assert after.restore() == 0  # no active assignment ...
+    assert after.reserved_kv("p0") == a.kv_tokens  # ... but the prompt's KV waits on p0
+    # The request's record is redelivered (its offset was committed with the prefill's
+    # assignment, or not): acked, not placed again from the start.
+    assert [e.tickets for e in after.on_request(admitted("r1"), ("tp", 0), T)] == [
+        (("tp", 0),)]
+    ((_, b),) = assignments(after.tick(T + 1).effects)
+    assert (b.phase, b.attempt, b.kv_transfer) == ("decode", 2, PARAMS)
+
+
+def test_a_lost_decode_worker_requeues_the_whole_request() -> None:
+    state = pd_state()
+    a = place_prefill(state)
+    state.observe_event(prefilled(a))
+    ((_, b),) = assignments(state.tick(T + 1).effects)
+    assert b.worker_id == "d0"
+    state.observe_heartbeat(pd_beat("p0", 0, "prefill", T + 5))
+    state.observe_heartbeat(pd_beat("d1", 3, "decode", T + 5))
+    result = tick_and_release(state, T + 5)  # d0 last beat at T: lost, nothing streamed
+    assert result.lost_workers == ["d0"]
+    ((_, again),) = assignments(result.effects)
+    assert (again.attempt, again.phase, again.worker_id, again.kv_tokens) == (
+        3, "prefill", "p0", 1_008)  # from the start: the prompt's KV went with d0
+    assert state.reserved_kv("p0") == 1_008  # the new prefill only: the old one is over
+
+
+def test_a_lost_prefill_worker_requeues_its_prefill_stage_as_the_whole_request() -> None:
+    state = pd_state()
+    a = place_prefill(state)
+    state.observe_heartbeat(pd_beat("d0", 1, "decode", T + 5))
+    state.observe_heartbeat(pd_beat("p1", 2, "prefill", T + 5))
+    result = tick_and_release(state, T + 5)
+    assert result.lost_workers == ["p0"]
+    ((_, again),) = assignments(result.effects)
+    assert (again.attempt, again.phase, again.worker_id) == (2, "prefill", "p1")
+    assert state.reserved_kv("p1") == a.kv_tokens
+
+
+def test_cancel_and_deadline_between_the_stages_end_at_the_decode_attempt() -> None:
+    # Cancelled after its prefill, before the leader queued the decode stage.
+    state = pd_state()
+    a = place_prefill(state)
+    state.observe_event(prefilled(a))
+    state.on_cancel(cancel("r1"), T + 1)
+    result = state.tick(T + 1)
+    assert assignments(result.effects) == []
+    (error,) = replies(result.effects)
+    (event,) = events(result.effects)
+    assert (error.code, error.attempt) == ("cancelled", 2)
+    assert isinstance(event, EventAborted) and (event.attempt, event.worker_id) == (2, SCHED)
+    assert state.log.status("r1") == "finished"
+    # Past its deadline while its decode stage waits (no decode worker takes it).
+    state = pd_state()
+    a = place_prefill(state, "r2", timeout_s=5.0)
+    state.observe_heartbeat(pd_beat("d0", 1, "decode", T + 1, draining=True))
+    state.observe_event(prefilled(a))
+    assert assignments(state.tick(T + 1).effects) == []
+    result = state.tick(T + 6)
+    (error,) = replies(result.effects)
+    (event,) = events(result.effects)
+    assert (error.code, error.attempt) == ("queue_timeout", 2)
+    assert isinstance(event, EventFailed) and event.attempt == 2
+    assert len(state.pending) == state.tracked() == 0
+
+
+def test_a_prefill_failure_ends_the_request_without_a_decode_stage() -> None:
+    state = pd_state()
+    a = place_prefill(state)
+    state.observe_event(EventFailed(request_id="r1", tenant="acme", attempt=1, worker_id="p0",
+                                    ts=T + 1, code="invalid", message="bad prompt"))
+    assert state.log.status("r1") == "finished"
+    assert assignments(state.tick(T + 1).effects) == [] and state.reserved_kv("p0") == 0
+    assert a.attempt == 1
+
+
+def test_a_new_leader_waits_before_it_places_hand_offs() -> None:
+    # The old leader placed r1#2; the new one has not read that assignment yet when it
+    # begins to lead: it must not place attempt 2 a second time.
+    old = pd_state()
+    new = pd_state(takeover_s=1.0)
+    a = place_prefill(old)
+    new.observe_assignment(a)
+    for state in (old, new):
+        state.observe_event(prefilled(a))
+    ((_, b),) = assignments(old.tick(T + 1).effects)
+    assert assignments(new.tick(T + 1).effects) == []  # just began to lead: waits
+    new.observe_assignment(b)  # ... and reads the old leader's placement meanwhile
+    assert assignments(new.tick(T + 2.5).effects) == []
+    assert new.log.status("r1") == "active"
+
+
+def test_a_prefill_worker_lost_before_its_late_hand_off_is_requeued_once() -> None:
+    # p0 goes stale while prefilling; the loss is decided (held for the reply check), then
+    # p0's event.prefilled is read: the request starts over once, whole, not also decoded.
+    state = pd_state()
+    a = place_prefill(state)
+    state.observe_heartbeat(pd_beat("d0", 1, "decode", T + 5))
+    state.observe_heartbeat(pd_beat("p1", 2, "prefill", T + 5))
+    first = state.tick(T + 5)
+    assert first.lost_workers == ["p0"] and len(first.held) == 1
+    state.observe_event(prefilled(a, ts=T + 5))
+    assert state.log.status("r1") == "lost"
+    assert assignments(state.tick(T + 5).effects) == []  # not adopted
+    released = [e for h in first.held for e in state.release(h, False, T + 5)]
+    placed = assignments([*released, *state.tick(T + 5).effects])
+    assert [(b.attempt, b.phase, b.worker_id) for _, b in placed] == [(2, "prefill", "p1")]
+
+
+def test_a_hand_off_from_a_gone_prefill_worker_starts_over_whole() -> None:
+    state = pd_state()
+    a = place_prefill(state)
+    state.observe_event(prefilled(a))
+    state.observe_heartbeat(pd_beat("d0", 1, "decode", T + 10))
+    state.observe_heartbeat(pd_beat("p1", 2, "prefill", T + 10))
+    placed = assignments(state.tick(T + 10).effects)
+    assert [(b.attempt, b.phase, b.worker_id, b.kv_transfer) for _, b in placed] == [
+        (2, "prefill", "p1", None)]
+
+
+def test_followers_keep_the_prefill_workers_lease_in_any_read_order() -> None:
+    for order in ("assignment first", "done first"):
+        leader, other = pd_state(), pd_state()
+        a = place_prefill(leader)
+        other.observe_assignment(a)
+        leader.observe_event(prefilled(a))
+        ((_, b),) = assignments(leader.tick(T + 1).effects)
+        if order == "assignment first":  # the assignments topic ahead of the events topic
+            other.observe_assignment(b)
+            other.observe_event(prefilled(a))
+        else:  # the events topic ahead
+            other.observe_event(prefilled(a))
+            other.observe_event(done(b, "d0"))
+            other.observe_assignment(b)
+        other.observe_heartbeat(pd_beat("p0", 0, "prefill", T + 2, renew=True))
+        (out,) = [o for e in other.tick(T + 2).effects for o in e.first
+                  if o.topic == "llmq.control"]
+        answer = decode(out.value, CONTROL_ADAPTER)
+        assert isinstance(answer, LeaseAnswer) and answer.granted, (order, answer)

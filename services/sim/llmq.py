@@ -222,7 +222,9 @@ class LlmqPolicy:
         self._schedule(now)
 
     def on_prefilled(self, job: Job, now: float) -> None:
-        self._pending.push(self._staged[job.idx].handoff(), force=True)
+        staged = self._staged[job.idx]
+        self._ledger.mark_first_token(staged.request_id, staged.attempt)  # computed
+        self._pending.push(staged.handoff(), force=True)
         self._queued_tokens += job.prompt + job.max_tokens
         self._schedule(now)
 

@@ -42,11 +42,17 @@ chunk, no reply (its one token is discarded). When the engine's stream ends norm
 final delta must carry ``kv_transfer`` (without it: an engine failure, ``Error(worker_lost)``
 + ``event.failed``), and the run sends ``event.prefilled`` (those parameters, the prompt
 tokens) on the events topic in the terminal reply's place: once every earlier record was
-acknowledged, sent again until acknowledged, fenced and given up by the same rules, and
-when given up followed by the same ``event.failed(worker_lost)`` (the worker does not
-answer the client then, as after a given-up reply: ingest's HTTP side answers 504 past the
-timeout). Its :class:`Outcome` is ``prefilled``, with no ``terminal``: the request is not
-over, the scheduler places its decode stage on a decode worker next. Every other ending
+acknowledged, sent again until acknowledged, fenced and given up by the same rules. Given
+up past the deadline, it is followed by the same ``event.failed(worker_lost)`` (the worker
+does not answer the client then, as after a given-up reply: ingest's HTTP side answers 504
+past the timeout; the record may yet have been written). Refused for good (an error no
+retry mends), it certainly was not written, so the client gets its one terminal: the run
+fails ``worker_lost`` (``Error`` + ``event.failed``, sent as any run's terminal). Parameters
+whose event would encode to more than :data:`MAX_PREFILLED_BYTES` (under Kafka's default
+1 MiB record limit) fail the run the same way, before anything is sent. A run whose
+``event.prefilled`` was sent ends with the :class:`Outcome` ``prefilled``, with no
+``terminal``: the request is not over, the scheduler places its decode stage on a decode
+worker next. Every other ending
 of a prefill stage is a whole run's: a deadline, a cancel or an engine failure sends the
 client its one terminal ``Error`` and the matching event (the request is over: no decode
 stage follows); a newer attempt or fencing ends it unanswered. A **decode** stage is a run
@@ -72,13 +78,14 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from aiokafka.errors import KafkaError, KafkaTimeoutError
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from pydantic import ValidationError
 
+from schemas.codec import encode
 from schemas.common import ErrorCode, engine_rank, priority_rank
 from schemas.replies import Done, Error, Timings, TokenChunk, Usage
 from schemas.requests import Assignment
@@ -106,6 +113,9 @@ from services.worker.kafka_io import Publisher
 _log = logging.getLogger(__name__)
 
 StopReason = Literal["cancelled", "timeout", "superseded"]
+#: The largest ``event.prefilled`` a run sends, encoded: under Kafka's default record limit
+#: (1 MiB; the events topic keeps it), with room for the record's key, headers and batch.
+MAX_PREFILLED_BYTES: Final = 900 << 10
 #: ``prefilled``: a prefill stage handed its KV on (not a terminal: the request goes on).
 OutcomeKind = Literal["done", "prefilled", "timeout", "cancelled", "superseded", "failed"]
 
@@ -175,8 +185,10 @@ class _Sent:
         return f is None or (f.done() and not self.acked)
 
 
-#: How sending a terminal ended (:meth:`RequestRun._until_acked`).
-_Sending = Literal["acked", "given_up", "superseded"]
+#: How sending a terminal ended (:meth:`RequestRun._until_acked`): ``given_up`` past its
+#: time (the record may yet have been written), ``refused`` on an error no retry mends (it
+#: certainly was not).
+_Sending = Literal["acked", "given_up", "refused", "superseded"]
 
 
 class _GiveUp(Exception):
@@ -471,9 +483,18 @@ class RequestRun:
         sent = await self._until_acked(unacked, ask_first=True) if unacked else "acked"
         if sent == "acked":
             sent = await self._until_acked([end.first], ask_first=True)
+            if sent == "refused" and end.kind == "prefilled":
+                # event.prefilled is certainly not durable, so no decode stage follows: the
+                # client gets its one terminal, as for any failed run.
+                end = self._ending(_Failed("worker_lost", "the worker could not hand the "
+                                           "prefill's KV on: the broker refuses its "
+                                           "event.prefilled"), end.usage)
+                self._annotate(end.outcome, end.usage)
+                e2e = max(0.0, self._clock() - self.assignment.request.created_at)
+                sent = await self._until_acked([end.first], ask_first=True)
         if sent == "superseded":
             return Outcome("superseded", self._tokens, acked=True)
-        if sent == "given_up":
+        if sent in ("given_up", "refused"):
             # The client cannot be answered (nor, for event.prefilled, the decode stage
             # placed); the scheduler and ingest still must learn the attempt is over, or
             # its KV booking and the tenant's slot stay taken for as long as this worker
@@ -507,10 +528,10 @@ class RequestRun:
         False asks ``may_send`` first and raises :class:`Fenced` once it says no: the
         terminal event after a durable reply goes out at once, as that reply's news.
 
-        It stops short, as ``given_up``, on an error no retry mends (a refused topic, a
-        record too large: :func:`_permanent`) or ``give_up_after_s`` past the request's
-        deadline (the client has gone by then); and as ``superseded`` once a newer attempt
-        or a new holder of the slot took the request over."""
+        It stops short as ``refused`` on an error no retry mends (a refused topic, a
+        record too large: :func:`_permanent`), as ``given_up`` ``give_up_after_s`` past the
+        request's deadline (the client has gone by then), and as ``superseded`` once a newer
+        attempt or a new holder of the slot took the request over."""
         wait = self.cfg.retry_first_s
         if give_up_at is None:
             give_up_at = self.assignment.deadline + self.cfg.give_up_after_s
@@ -527,7 +548,7 @@ class RequestRun:
             except _GiveUp as exc:
                 _log.error("request %s: %s cannot be sent (%r); given up", self.engine_id,
                            records[-1].msg.kind, exc.__cause__)
-                return "given_up"
+                return "refused"
             if self._clock() >= give_up_at:
                 _log.error("request %s: %s still not acknowledged %.0f s past its deadline; "
                            "given up", self.engine_id, records[-1].msg.kind,
@@ -569,11 +590,12 @@ class RequestRun:
         if outcome not in ("done", "prefilled", "cancelled"):
             span.set_status(Status(StatusCode.ERROR, outcome))
 
-    def _ending(self, ending: _Stop | _Failed | _Ended) -> _Answer:
-        """What the run sends for how it ended."""
+    def _ending(self, ending: _Stop | _Failed | _Ended, usage: Usage | None = None) -> _Answer:
+        """What the run sends for how it ended (``usage``: as counted already, if it was)."""
         now = self._clock()
         reply_topic = self.assignment.admitted.reply_topic
-        usage = self._usage(ending.last if isinstance(ending, _Ended) else None)
+        if usage is None:
+            usage = self._usage(ending.last if isinstance(ending, _Ended) else None)
         if isinstance(ending, _Ended):
             last = ending.last
             if last is None or last.finish_reason is None:
@@ -603,7 +625,8 @@ class RequestRun:
                        "failed", ending.code, usage)
 
     def _prefilled(self, last: TokenDelta, usage: Usage) -> EventPrefilled | _Failed:
-        """A prefill stage's news; a failure when the engine gave no usable parameters."""
+        """A prefill stage's news; a failure when the engine gave no usable parameters
+        (none, not wire values, or more than :data:`MAX_PREFILLED_BYTES` encoded)."""
         if last.kv_transfer is None:
             return _Failed("worker_lost", "engine ended the prefill without KV-transfer "
                                           "parameters")
@@ -614,6 +637,11 @@ class RequestRun:
         except ValidationError as exc:
             return _Failed("worker_lost", "engine's KV-transfer parameters cannot go on the "
                                           f"wire: {exc.errors()[0]['msg']}")
+        size = len(encode(event))
+        if size > MAX_PREFILLED_BYTES:
+            return _Failed("worker_lost", f"engine's KV-transfer parameters are too large: "
+                                          f"their event.prefilled is {size} bytes, over "
+                                          f"{MAX_PREFILLED_BYTES}")
         return event
 
     def _usage(self, last: TokenDelta | None) -> Usage:

@@ -264,3 +264,91 @@ def test_followers_keep_the_prefill_workers_lease_in_any_read_order() -> None:
                   if o.topic == "llmq.control"]
         answer = decode(out.value, CONTROL_ADAPTER)
         assert isinstance(answer, LeaseAnswer) and answer.granted, (order, answer)
+
+
+def test_a_hand_off_from_a_restarted_prefill_worker_starts_over_whole() -> None:
+    state = pd_state()
+    a = place_prefill(state)
+    state.observe_event(prefilled(a))
+    # p0 restarted (a newer process, fresh heartbeat) before the hand-off was adopted.
+    state.observe_heartbeat(pd_beat("p0", 0, "prefill", T + 1, started_at=T + 0.5))
+    placed = assignments(state.tick(T + 1).effects)
+    assert [(b.attempt, b.phase, b.kv_transfer) for _, b in placed] == [(2, "prefill", None)]
+
+
+def test_a_queued_hand_off_whose_prefill_worker_dies_starts_over_whole() -> None:
+    state = pd_state()
+    a = place_prefill(state)
+    state.observe_heartbeat(pd_beat("d0", 1, "decode", T, draining=True, seq=5))  # no decode
+    state.observe_event(prefilled(a))
+    assert assignments(state.tick(T + 1).effects) == [] and len(state.pending) == 1
+    # p0 goes stale while the decode stage waits; a decode worker comes back.
+    state.observe_heartbeat(pd_beat("d0", 1, "decode", T + 5, seq=10))
+    state.observe_heartbeat(pd_beat("p1", 2, "prefill", T + 5))
+    placed = assignments(state.tick(T + 5).effects)
+    assert [(b.attempt, b.phase, b.worker_id, b.kv_transfer) for _, b in placed] == [
+        (2, "prefill", "p1", None)]
+    assert state.reserved_kv("p0") == 0  # the KV p0 held went with it
+
+
+def test_a_hand_off_run_whole_keeps_the_prefill_workers_lease() -> None:
+    # The decode stage ran whole on a mixed worker (no decode worker could): followers
+    # must not take that for a requeue of the prefill worker's work.
+    leader, other = pd_state(), pd_state()
+    for state in (leader, other):
+        state.observe_heartbeat(beat("m0", 4))
+    a = place_prefill(leader)
+    other.observe_assignment(a)
+    for state in (leader, other):
+        state.observe_event(prefilled(a))
+        state.observe_heartbeat(pd_beat("d0", 1, "decode", T, draining=True, seq=5))
+    ((_, b),) = assignments(leader.tick(T + 1).effects)
+    assert (b.worker_id, b.phase, b.attempt) == ("m0", "whole", 2)
+    other.observe_assignment(b)
+    other.observe_heartbeat(pd_beat("p0", 0, "prefill", T + 2, renew=True))
+    (out,) = [o for e in other.tick(T + 2).effects for o in e.first
+              if o.topic == "llmq.control"]
+    answer = decode(out.value, CONTROL_ADAPTER)
+    assert isinstance(answer, LeaseAnswer) and answer.granted, answer
+
+
+def test_a_prefill_workers_lost_work_ended_in_the_queue_refuses_its_lease() -> None:
+    # p0 died mid-prefill (no event.prefilled); its requeue ended in the queue, signed by
+    # the leader. A follower must refuse that incarnation's renewal, as for any worker.
+    leader, other = pd_state(), pd_state()
+    a = place_prefill(leader, timeout_s=7.0)
+    other.observe_assignment(a)
+    for state in (leader, other):  # no worker left that could run it
+        state.observe_heartbeat(pd_beat("d0", 1, "decode", T + 5, draining=True))
+    result = tick_and_release(leader, T + 5)  # p0 stale: requeued, no prefill worker left
+    assert result.lost_workers == ["p0"]
+    ended = leader.tick(T + 8)  # the requeue's deadline passed in the queue
+    for event in events(ended.effects):
+        other.observe_event(event)
+    other.observe_heartbeat(pd_beat("p0", 0, "prefill", T + 8.5, renew=True))
+    (out,) = [o for e in other.tick(T + 8.5).effects for o in e.first
+              if o.topic == "llmq.control"]
+    answer = decode(out.value, CONTROL_ADAPTER)
+    assert isinstance(answer, LeaseAnswer) and not answer.granted, answer
+
+
+def test_a_prefilled_prompt_is_no_longer_prompt_work() -> None:
+    state = pd_state()
+    a = place_prefill(state)
+    assert state.ledger.uncomputed_prompt("p0") == 1_000
+    state.observe_event(prefilled(a))
+    assert state.ledger.uncomputed_prompt("p0") == 0
+    assert state.reserved_kv("p0") == 1_008  # still held until the decode stage starts
+
+
+def test_a_request_no_decode_worker_could_hold_is_refused_too_large_at_once() -> None:
+    state = new_state(takeover_s=0.0)
+    state.observe_heartbeat(pd_beat("p0", 0, "prefill", kv_total_tokens=100_000,
+                                    kv_free_tokens=100_000, kv_total_bytes=100_000,
+                                    kv_free_bytes=100_000))
+    state.observe_heartbeat(pd_beat("d0", 1, "decode"))  # 10,000 tokens
+    state.restore()
+    state.on_request(admitted("big", prompt=20_000, max_tokens=8, timeout_s=120.0),
+                     ("tp", 0), T)
+    (error,) = replies(state.tick(T).effects)
+    assert error.code == "too_large"

@@ -16,7 +16,11 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from aiokafka.errors import TopicAuthorizationFailedError
+from aiokafka.errors import (
+    KafkaTimeoutError,
+    MessageSizeTooLargeError,
+    TopicAuthorizationFailedError,
+)
 from pydantic import ValidationError
 
 from schemas.common import Phase, engine_rank
@@ -36,7 +40,13 @@ from services.worker.engines.sim.model import StepResult
 from services.worker.engines.sim.profiles import get_profile
 from services.worker.engines.vllm import VllmEngine
 from services.worker.kafka_io import Publisher
-from services.worker.runner import Outcome, RequestRun, RunConfig, engine_request
+from services.worker.runner import (
+    MAX_PREFILLED_BYTES,
+    Outcome,
+    RequestRun,
+    RunConfig,
+    engine_request,
+)
 from services.worker.settings import WorkerSettings
 from tests.unit.test_worker_runner import _CFG, EVENTS, REPLIES, _assignment, _Gate, _Producer
 
@@ -181,9 +191,45 @@ async def test_a_fenced_prefill_sends_no_event_prefilled(
     assert _kinds(producer) == kinds
 
 
-async def test_an_event_prefilled_no_retry_can_send_is_followed_by_the_attempts_end() -> None:
-    producer = _Producer(fail=frozenset({1}), error=TopicAuthorizationFailedError)
+@pytest.mark.parametrize("error", [TopicAuthorizationFailedError, MessageSizeTooLargeError])
+@pytest.mark.parametrize("how", ["raises", "is refused"])
+async def test_an_event_prefilled_the_broker_refuses_fails_the_run_for_the_client(
+    error: type[Exception], how: str,
+) -> None:
+    # Certainly not written, so no decode stage follows: the client got no answer at all
+    # (and ingest's HTTP side a 504 past the timeout) when only event.failed went out.
+    fail, nack = (frozenset({1}), frozenset()) if how == "raises" else (frozenset(), frozenset({1}))
+    producer = _Producer(fail=fail, nack=nack, error=error)
     outcome = await _run_stage(_stage("prefill"), _StageEngine([_prefilled_delta()]), producer)
+    assert (outcome.kind, outcome.terminal, outcome.acked) == ("failed", "worker_lost", True)
+    assert outcome.e2e_s is not None
+    assert producer.terminals() == [("error", "worker_lost"), ("event.failed", "worker_lost")]
+    assert _kinds(producer, REPLIES) == ["error"]
+    assert "event.prefilled" not in _kinds(producer)
+    error_reply, failed = producer.records[-2][1], producer.records[-1][1]
+    assert "refuses its event.prefilled" in error_reply["message"]
+    assert failed["message"] == error_reply["message"]
+    assert failed["usage"]["prompt_tokens"] == 9  # the engine's count, kept
+
+
+class _PrefilledDown(_Producer):
+    """The events topic takes everything but ``event.prefilled``, which fails transiently
+    every time (a broker that does not answer in time)."""
+
+    async def send(self, topic: str, value: bytes, *, key: bytes,
+                   headers: list[tuple[str, bytes]] | None = None) -> asyncio.Future[None]:
+        if json.loads(value)["kind"] == "event.prefilled":
+            self.sends += 1
+            raise KafkaTimeoutError()
+        return await super().send(topic, value, key=key, headers=headers)
+
+
+async def test_an_event_prefilled_given_up_past_the_deadline_only_ends_the_attempt() -> None:
+    # It may yet have been written (and its decode stage placed): no reply to the client.
+    producer = _PrefilledDown()
+    outcome = await _run_stage(_stage("prefill", timeout_s=0.2),
+                               _StageEngine([_prefilled_delta()]), producer,
+                               cfg=replace(_CFG, give_up_after_s=0.1))
     assert (outcome.kind, outcome.terminal, outcome.acked) == ("prefilled", None, False)
     assert producer.terminals() == [("event.failed", "worker_lost")]
     assert _kinds(producer, REPLIES) == []
@@ -192,12 +238,14 @@ async def test_an_event_prefilled_no_retry_can_send_is_followed_by_the_attempts_
 
 
 # ---- a prefill stage that ends otherwise: a whole run's ending -------------------------
-@pytest.mark.parametrize("kv_transfer", [
-    None,  # the engine gave no parameters
-    {f"k{i}": i for i in range(65)},  # more than the wire takes (64 keys)
+@pytest.mark.parametrize(("kv_transfer", "says"), [
+    (None, "without KV-transfer parameters"),  # the engine gave none
+    ({f"k{i}": i for i in range(65)}, "cannot go on the wire"),  # over 64 keys
+    # Over Kafka's default record limit, encoded: the broker would refuse it.
+    ({"blocks": list(range(200_000))}, "KV-transfer parameters are too large"),
 ])
 async def test_a_prefill_without_usable_params_fails_worker_lost(
-    kv_transfer: dict[str, object] | None,
+    kv_transfer: dict[str, object] | None, says: str,
 ) -> None:
     producer = _Producer()
     outcome = await _run_stage(_stage("prefill"), _StageEngine([_prefilled_delta(kv_transfer)]),
@@ -206,6 +254,17 @@ async def test_a_prefill_without_usable_params_fails_worker_lost(
     assert producer.terminals() == [("error", "worker_lost"), ("event.failed", "worker_lost")]
     assert "event.prefilled" not in _kinds(producer)
     assert _kinds(producer, REPLIES) == ["error"]  # the client's one terminal, no chunk
+    assert says in producer.records[-1][1]["message"]
+
+
+async def test_params_just_under_the_bound_go_out() -> None:
+    # The bound is on the encoded event, not on the parameters alone.
+    producer = _Producer()
+    params = {"blob": "x" * (MAX_PREFILLED_BYTES - 1024)}
+    outcome = await _run_stage(_stage("prefill"), _StageEngine([_prefilled_delta(params)]),
+                               producer)
+    assert (outcome.kind, outcome.acked) == ("prefilled", True)
+    assert len(json.dumps(producer.records[-1][1], separators=(",", ":"))) <= MAX_PREFILLED_BYTES
 
 
 async def test_a_prefill_past_its_deadline_times_out_for_the_client() -> None:
@@ -356,7 +415,8 @@ async def test_a_sim_decode_refuses_params_no_sim_prefill_made(
                 pass
     finally:
         await engine.close()
-    assert refused.value.code == "invalid"
+    # The fleet's fault (a prefill of another engine), not the client's: 503, retryable.
+    assert refused.value.code == "worker_lost"
     assert names in refused.value.message
 
 

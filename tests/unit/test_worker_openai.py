@@ -23,7 +23,7 @@ from starlette.routing import Route
 from schemas.common import Phase
 from services.worker.engines import openai
 from services.worker.engines.base import EngineAborted, EngineError, GenerateRequest, TokenDelta
-from services.worker.engines.openai import OpenAIEngine
+from services.worker.engines.openai import Handoff, OpenAIEngine
 from services.worker.engines.sim.model import EngineProfile
 from services.worker.engines.sim.profiles import get_profile
 from tests.fakes.http_server import serving
@@ -78,6 +78,7 @@ class FakeServer:
     hold: asyncio.Event | None = None  # when set, streams wait for it after their first event
     streaming: int = 0  # streams open now
     bodies: list[dict[str, Any]] = field(default_factory=list)
+    request_ids: list[str | None] = field(default_factory=list)  # X-Request-Id, per request
     strict: bool = False  # refuses stream_options it does not know, as OpenAI's API does
     flat_errors: bool = False  # its error body is {"object": "error", "message": ...}
     answer: dict[str, Any] = field(default_factory=prefill_answer)  # for stream: false
@@ -86,6 +87,7 @@ class FakeServer:
         async def completions(request: Request) -> Response:
             body = await request.json()
             self.bodies.append(body)
+            self.request_ids.append(request.headers.get("x-request-id"))
             if self.strict and "continuous_usage_stats" in body.get("stream_options", {}):
                 message = "Unknown parameter: 'stream_options.continuous_usage_stats'."
                 if self.flat_errors:  # vLLM's older servers and their kin
@@ -373,8 +375,24 @@ async def test_a_prefill_posts_the_pd_request_and_hands_on_the_servers_params(
     assert body["kv_transfer_params"] == {
         "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
         "remote_block_ids": None, "remote_host": None, "remote_port": None}
-    assert last.kv_transfer == NIXL_PARAMS
+    # The server's parameters in the engine's envelope, with the header the prefill was
+    # sent with: the decode worker sends the same one (vLLM's proxy's pairing).
+    [x_request_id] = fake.request_ids
+    assert x_request_id and len(x_request_id) >= 32
+    assert last.kv_transfer == {"engine": "openai", "kv_transfer_params": NIXL_PARAMS,
+                                "x_request_id": x_request_id}
     assert (last.finish_reason, last.prompt_tokens, last.completion_tokens) == ("length", 3, 1)
+
+
+async def test_every_prefill_has_its_own_request_id(server: tuple[str, FakeServer]) -> None:
+    url, fake = server
+    engine = await started(url)
+    try:
+        for rid in ("r1", "r2"):
+            [_ async for _ in engine.generate(stage("prefill", request_id=rid))]
+    finally:
+        await engine.close()
+    assert len(set(fake.request_ids)) == 2 and None not in fake.request_ids
 
 
 @pytest.mark.parametrize(("finish", "cap_named"), [("length", False), ("stop", True)])
@@ -396,32 +414,141 @@ async def test_a_prefill_answered_without_params_says_the_server_has_no_connecto
     assert ("not at its 1-token cap" in failed.value.message) == cap_named
 
 
-async def test_a_decode_streams_with_the_prefills_params(
+async def test_a_server_without_a_kv_connector_kills_the_engine(
+    server: tuple[str, FakeServer], caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Every prefill placed here would fail the client's request while the worker kept
+    # heartbeating healthy: dead, the worker exits and the scheduler requeues its work.
+    url, fake = server
+    fake.answer = prefill_answer(params=None)
+    fake.hold = asyncio.Event()
+    engine = await started(url, metrics_interval_s=3600)
+
+    async def prefill(rid: str) -> list[TokenDelta]:
+        return [d async for d in engine.generate(stage("prefill", request_id=rid))]
+
+    try:
+        assert engine.capacity().alive
+        prefills = [asyncio.create_task(prefill(rid)) for rid in ("r1", "r2")]
+        assert await eventually(lambda: len(fake.bodies) == 2)  # both in flight
+        fake.hold.set()
+        failed = await asyncio.gather(*prefills, return_exceptions=True)
+        assert all(isinstance(f, EngineError) and f.code == "worker_lost" for f in failed)
+        capacity = engine.capacity()
+        assert (capacity.alive, capacity.kv_free_tokens, capacity.kv_free_bytes) == \
+            (False, 0, 0)
+        with pytest.raises(EngineError) as refused:  # nothing more goes to the server
+            await collect(engine, "r3")
+        assert refused.value.code == "worker_lost"
+        assert len(fake.bodies) == 2
+    finally:
+        await engine.close()
+    [logged] = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert "no KV connector" in logged.getMessage()
+    assert "--kv-transfer-config" in logged.getMessage()
+    assert "this worker stops" in logged.getMessage()
+
+
+@pytest.mark.parametrize(("params", "warned"), [
+    (NIXL_PARAMS, False),
+    ({k: v for k, v in NIXL_PARAMS.items() if k != "remote_request_id"}, True),
+    ({**NIXL_PARAMS, "remote_request_id": None}, True),
+    ({"some_connector": 1}, False),  # no NixlConnector: nothing to say
+])
+async def test_a_vllm_pairing_by_the_header_only_is_logged_once(
+    server: tuple[str, FakeServer], caplog: pytest.LogCaptureFixture,
+    params: dict[str, Any], warned: bool,
+) -> None:
+    url, fake = server
+    fake.answer = prefill_answer(params=params)
+    engine = await started(url)
+    try:
+        for rid in ("r1", "r2"):
+            [_ async for _ in engine.generate(stage("prefill", request_id=rid))]
+    finally:
+        await engine.close()
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"
+                and "remote_request_id" in r.getMessage()]
+    assert len(warnings) == (1 if warned else 0)
+
+
+#: What an openai prefill worker reports (its final delta's kv_transfer).
+ENVELOPE = Handoff(NIXL_PARAMS, "4f1c2a9e-0b7d-4e55-9a51-2f0e8c3d6b17").envelope()
+
+
+async def test_a_decode_streams_with_the_prefills_params_and_request_id(
     server: tuple[str, FakeServer],
 ) -> None:
     url, fake = server
     engine = await started(url)
     try:
-        deltas = [d async for d in engine.generate(stage("decode", dict(NIXL_PARAMS)))]
+        deltas = [d async for d in engine.generate(stage("decode", ENVELOPE))]
     finally:
         await engine.close()
     [body] = fake.bodies
-    assert body["kv_transfer_params"] == NIXL_PARAMS
+    assert body["kv_transfer_params"] == NIXL_PARAMS  # unwrapped: the server's own
+    assert fake.request_ids == [ENVELOPE["x_request_id"]]  # the prefill's header
     assert (body["stream"], body["max_tokens"], body["stop"]) == (True, 8, ["\n"])
     assert [d.text for d in deltas] == [" a", ""] and deltas[-1].finish_reason == "length"
 
 
-async def test_a_decode_without_params_is_invalid(server: tuple[str, FakeServer]) -> None:
+BAD_HANDOFFS: dict[str, tuple[dict[str, Any] | None, str]] = {
+    "none": (None, "needs kv_transfer"),
+    "the server's params, unwrapped": (dict(NIXL_PARAMS), "kv_transfer.engine"),
+    "a sim prefill's": ({"engine": "sim", "prompt_tokens": 3}, "kv_transfer.engine"),
+    "no params": ({**ENVELOPE, "kv_transfer_params": None}, "kv_transfer_params"),
+    "empty params": ({**ENVELOPE, "kv_transfer_params": {}}, "kv_transfer_params"),
+    "no request id": ({k: v for k, v in ENVELOPE.items() if k != "x_request_id"},
+                      "x_request_id"),
+    "a request id no header takes": ({**ENVELOPE, "x_request_id": "a\nb"}, "x_request_id"),
+}
+
+
+@pytest.mark.parametrize(("kv_transfer", "names"), BAD_HANDOFFS.values(),
+                         ids=BAD_HANDOFFS.keys())
+async def test_a_decode_without_this_engines_handoff_is_the_fleets_fault(
+    server: tuple[str, FakeServer], kv_transfer: dict[str, Any] | None, names: str,
+) -> None:
+    # The client did nothing wrong, and its retry works on a fleet whose stages match:
+    # worker_lost (503, retryable), not invalid (400).
     url, fake = server
     engine = await started(url)
     try:
         with pytest.raises(EngineError) as refused:
-            async for _ in engine.generate(stage("decode")):
+            async for _ in engine.generate(stage("decode", kv_transfer)):
+                pass
+        assert engine._in_flight == {}
+    finally:
+        await engine.close()
+    assert refused.value.code == "worker_lost" and names in refused.value.message
+    assert fake.bodies == []  # nothing was asked of the server
+
+
+@pytest.mark.parametrize(("phase", "status", "message", "code"), [
+    # A decode's body passed the prefill server already: what is refused is the hand-off.
+    ("decode", 400, "kv_transfer_params: remote_block_ids is invalid", "worker_lost"),
+    ("decode", 422, "kv_transfer_params: field required", "worker_lost"),
+    ("decode", 400, TOO_LONG, "too_large"),
+    ("whole", 400, "temperature must be non-negative, got -1.0.", "invalid"),
+    ("whole", 422, "field required", "invalid"),
+    ("prefill", 400, "temperature must be non-negative, got -1.0.", "invalid"),
+])
+async def test_a_400_to_a_decode_is_the_fleets_fault(
+    server: tuple[str, FakeServer], phase: Phase, status: int, message: str, code: str,
+) -> None:
+    url, fake = server
+    fake.status = status
+    fake.error = {"object": "error", "message": message, "type": "BadRequestError",
+                  "code": status}
+    engine = await started(url)
+    try:
+        with pytest.raises(EngineError) as refused:
+            async for _ in engine.generate(stage(phase, ENVELOPE if phase == "decode"
+                                                 else None)):
                 pass
     finally:
         await engine.close()
-    assert refused.value.code == "invalid" and "kv_transfer" in refused.value.message
-    assert fake.bodies == []  # nothing was asked of the server
+    assert refused.value.code == code
 
 
 async def test_aborting_a_prefill_cancels_its_request(server: tuple[str, FakeServer]) -> None:
@@ -453,12 +580,16 @@ PREFILL_ANSWERS = {
 @pytest.mark.parametrize(("answer", "text"), PREFILL_ANSWERS.values(),
                          ids=PREFILL_ANSWERS.keys())
 def test_a_prefill_answer_becomes_one_final_delta(answer: dict[str, Any], text: str) -> None:
-    delta = openai.prefill_delta(answer)
+    delta = openai.prefill_delta(answer, "xid-1")
     assert (delta.text, delta.tokens, delta.finish_reason) == (text, 1, "length")
-    assert delta.kv_transfer == answer["kv_transfer_params"]
+    assert delta.kv_transfer == {"engine": "openai",
+                                 "kv_transfer_params": answer["kv_transfer_params"],
+                                 "x_request_id": "xid-1"}
+    # What the decode worker unwraps is what the prefill server said.
+    assert Handoff.of(delta.kv_transfer) == Handoff(answer["kv_transfer_params"], "xid-1")
 
 
 def test_a_prefill_the_server_ended_in_error_fails() -> None:
     with pytest.raises(EngineError) as failed:
-        openai.prefill_delta(prefill_answer(finish="error"))
+        openai.prefill_delta(prefill_answer(finish="error"), "xid-1")
     assert failed.value.code == "worker_lost" and "error" in failed.value.message

@@ -155,7 +155,9 @@ class Capacity:
     """What the live fleet could ever offer a route; decides Reject versus Defer.
 
     Live = fresh heartbeat. Draining workers count as serving the model (a replacement is
-    usually on its way) but not as able to take the request: they never will.
+    usually on its way) but not as able to take the request: they never will. Nor do
+    prefill workers: they compute prompts only, and a request is staged there only when a
+    decode worker could hold it (:mod:`.cycle`, step 6).
     """
 
     __slots__ = (
@@ -188,8 +190,8 @@ class Capacity:
             if w.pool != "any" and w.pool != lane:
                 continue
             self.lane_served = True
-            if not w.draining:
-                self.accepting += 1
+            if not w.draining and w.role != "prefill":  # a prefill worker runs no request
+                self.accepting += 1                      # to its end
                 self.max_usable = max(self.max_usable, ledger.usable_kv(w))
 
 

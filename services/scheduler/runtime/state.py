@@ -178,8 +178,9 @@ class RuntimeConfig:
     finished_memory_s: float = 3600.0
     #: A replica that begins to lead waits this long before it places hand-offs, so that
     #: it reads the decode stages the previous leader placed first (hand-offs, unlike
-    #: requeues, wait for no reply-topic check).
-    takeover_s: float = 3.0
+    #: requeues, wait for no reply-topic check): past the previous leader's send timeout
+    #: (10 s), which may still deliver a placement it made.
+    takeover_s: float = 15.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,6 +250,8 @@ class _Tracked:
     trace: TraceHeaders = ()
     #: A decode stage's KV-transfer parameters (from its prefill's event.prefilled).
     kv_transfer: Mapping[str, JsonValue] | None = None
+    #: A hand-off's prefill stage, whose worker holds the prompt's KV.
+    prefill: Assignment | None = None
 
 
 class SchedulerState:
@@ -318,8 +321,11 @@ class SchedulerState:
         """An assignment read from ``llmq.assignments`` (ours, or another replica's), with
         the trace headers it carried."""
         previous = self.log.latest(record.request_id)
-        if previous is not None and previous.attempt < record.attempt \
-                and not (record.phase == "decode" and previous.phase == "prefill"):
+        handed_on = previous is not None and previous.phase == "prefill" \
+            and record.attempt == previous.attempt + 1 and (
+                record.phase == "decode"
+                or self.log.prefilled(record.request_id, previous.attempt) is not None)
+        if previous is not None and previous.attempt < record.attempt and not handed_on:
             # Requeued (by us, or by the replica that led then): the incarnation that held
             # the earlier attempt may not renew its lease (``_answer_renewals``).
             self._lost_incarnation(previous.worker_id, previous.worker_started_at)
@@ -373,7 +379,9 @@ class SchedulerState:
         if isinstance(event, EventPrefilled):
             # The prefill stage is over on its worker; the leader places the decode stage
             # (tick). Its booking stays until the decode stage starts (the prompt's KV
-            # waits there for it), or the request ends. Worth a cycle: there is a hand-off.
+            # waits there for it), or the request ends; its prompt is computed. Worth a
+            # cycle: there is a hand-off.
+            self.ledger.mark_first_token(event.request_id, event.attempt)
             return True
         if not isinstance(event, EventDone | EventFailed | EventAborted):
             return False
@@ -404,9 +412,9 @@ class SchedulerState:
         holder = self.log.latest(event.request_id)
         if holder is not None and holder.attempt <= event.attempt \
                 and holder.worker_id != event.worker_id \
-                and not (holder.phase == "prefill" and holder.attempt < event.attempt):
-            # (A prefill stage's later attempt is its decode stage, or what ended it
-            # between the stages: the prefill worker lost nothing.)
+                and self.log.prefilled(event.request_id, holder.attempt) is None:
+            # (A prefill stage that handed its KV on is over; what ends a later attempt,
+            # its decode stage or what ended it between the stages, cost it nothing.)
             self._lost_incarnation(holder.worker_id, holder.worker_started_at)
 
     def _withdraw_answered_requeue(self, event: LifecycleEvent) -> None:
@@ -607,17 +615,39 @@ class SchedulerState:
             block = self.fleet.block_size(prefill.request.model) \
                 or self.config.default_block_size
             kv_transfer = self.log.prefilled(request_id, prefill.attempt)
-            if self.fleet.may_be_alive(prefill.worker_id, now):
-                queued = decode_stage(prefill, block)
-            else:
-                _log.warning("scheduler: %s#%d handed off from %s, which is gone; placed "
-                             "whole as attempt %d", request_id, prefill.attempt,
-                             prefill.worker_id, attempt)
-                queued, kv_transfer = queued_request(prefill.admitted, block, attempt), None
+            queued = decode_stage(prefill, block)
             self.pending.push(queued, force=True)  # already admitted work
             self._track(_Tracked(prefill.admitted, queued, "handoff", since=now, trace=trace,
-                                 kv_transfer=kv_transfer))
+                                 kv_transfer=kv_transfer, prefill=prefill))
+        for tracked in list(self._tracked.values()):
+            if tracked.prefill is not None and tracked.queued.phase == "decode" \
+                    and self._prefill_gone(tracked.prefill, now):
+                self._start_over(tracked)
         return effects
+
+    def _prefill_gone(self, prefill: Assignment, now: float) -> bool:
+        """Whether the process that computed a hand-off's prompt is gone (stale, or
+        replaced by a newer process of the worker): its KV went with it."""
+        if not self.fleet.may_be_alive(prefill.worker_id, now):
+            return True
+        hb = self.fleet.get(prefill.worker_id)
+        return hb is not None and prefill.worker_started_at is not None \
+            and hb.started_at != prefill.worker_started_at
+
+    def _start_over(self, tracked: _Tracked) -> None:
+        """A queued hand-off whose prefill worker is gone: the whole request instead, at
+        the same attempt (the prompt is computed again)."""
+        prefill = tracked.prefill
+        assert prefill is not None
+        _log.warning("scheduler: %s#%d handed off from %s, which is gone; placed whole as "
+                     "attempt %d", prefill.request_id, prefill.attempt, prefill.worker_id,
+                     tracked.queued.attempt)
+        block = self.fleet.block_size(prefill.request.model) or self.config.default_block_size
+        whole = queued_request(prefill.admitted, block, tracked.queued.attempt)
+        self.pending.remove(prefill.request_id)
+        self.pending.push(whole, force=True)
+        tracked.queued, tracked.kv_transfer = whole, None
+        self.ledger.release(prefill.request_id, prefill.attempt)  # the KV it held is gone
 
     def _answer_renewals(self, now: float, effects: list[Effect]) -> list[tuple[str, bool]]:
         """Answer each worker that asked to renew its lapsed lease (a heartbeat with
@@ -928,7 +958,8 @@ class SchedulerState:
         if self.log.started(record.request_id, record.attempt):
             # Its started event may have been read before the booking (replay order).
             self.ledger.mark_started(record.request_id, record.attempt)
-        if self.log.streamed(record.request_id, record.attempt):
+        if self.log.streamed(record.request_id, record.attempt) \
+                or self.log.prefilled(record.request_id, record.attempt) is not None:
             self.ledger.mark_first_token(record.request_id, record.attempt)
 
     def _track(self, tracked: _Tracked) -> None:

@@ -29,7 +29,9 @@ must have ``disaggregation`` True (checked at startup):
 - ``decode``: ``kv_transfer`` holds the prefill's parameters; the engine takes the prompt's
   KV from there instead of computing it and streams the whole output as for ``whole`` (it
   samples every output token itself: the prefill's token is not one of them). Parameters
-  it cannot use (missing, or another engine's) are an :class:`EngineError` ``invalid``.
+  it cannot use (missing, malformed, or another engine's) are an :class:`EngineError`
+  ``worker_lost``, not ``invalid``: the fleet handed them over, the client did nothing
+  wrong, and a retry (retryable, 503) works on a fleet whose stages match.
 
 Note: :class:`EngineCapacity` here is the live load view of an engine; the unrelated
 ``services.worker.engines.sim.capacity.EngineCapacity`` is the saturated throughput of a

@@ -43,17 +43,43 @@ started with a KV connector (``--kv-transfer-config``, e.g. ``NixlConnector``). 
 ``prefill`` request is one non-streaming ``POST`` of the same body with ``max_tokens: 1``,
 ``stream: false``, no ``stream_options`` and ``kv_transfer_params`` ``{"do_remote_decode":
 true, "do_remote_prefill": false, "remote_engine_id": null, "remote_block_ids": null,
-"remote_host": null, "remote_port": null}``; the answer's ``kv_transfer_params`` go on the
-final delta. Unlike the proxy it also sends ``ignore_eos: true`` and no ``stop``: vLLM's
-connectors hand the KV on only for a prefill that ended at its length cap, and the one
-token it samples is discarded anyway. An answer without ``kv_transfer_params`` (a server
-without a connector) fails the request ``worker_lost``, saying so. Aborting a prefill
-cancels its request: the connection closes, and vLLM aborts a request whose client went
-away. A ``decode`` request is the usual stream with ``"kv_transfer_params"``: the
-prefill's parameters (without them: ``invalid``). The parameters must identify the
-prefill's request themselves (NixlConnector's ``remote_request_id``): the two stages are
-two attempts with two ids here, so a connector that pairs them by the proxy's shared
-``X-Request-Id`` header is not served.
+"remote_host": null, "remote_port": null}``, and a fresh ``X-Request-Id`` header (a UUID, as
+the proxy makes). Unlike the proxy it also sends ``ignore_eos: true`` and no ``stop``:
+vLLM's connectors hand the KV on only for a prefill that ended at its length cap, and the
+one token it samples is discarded anyway. Aborting a prefill cancels its request: the
+connection closes, and vLLM aborts a request whose client went away. A ``decode`` request
+is the usual stream with the prefill's ``kv_transfer_params`` and the prefill's
+``X-Request-Id`` header.
+
+The two stages run on two workers, and the decode worker knows only the ``kv_transfer``
+mapping the prefill worker reported (``event.prefilled``, then the decode stage's
+assignment), so the prefill's final delta carries both values in an llmq envelope owned
+by this engine::
+
+    {"engine": "openai",                      # whose envelope it is
+     "kv_transfer_params": {...},             # the prefill server's answer, as it is
+     "x_request_id": "<the prefill's X-Request-Id>"}
+
+and a decode request unwraps it. The shared header is what the proxy sends both servers:
+some vLLM/NixlConnector versions pair the stages by it (the decode side tells the prefill
+side it is done by its own request id, and without a shared one the prefill server keeps
+the blocks until ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``); newer ones also put the prefill's
+id in the parameters (``remote_request_id``). Parameters with ``remote_engine_id`` but no
+``remote_request_id`` (an older vLLM: pairing by the header only) are logged once.
+
+Failures of the two stages, and whose fault they are:
+
+- A prefill answer without ``kv_transfer_params`` means a server without a KV connector:
+  that request fails ``worker_lost``, and so would every prefill placed here, so the engine
+  reports itself dead (``capacity().alive`` False, with one error log line): the worker
+  exits, the scheduler declares it lost and requeues its work elsewhere. Requests that
+  come after that are refused ``worker_lost``.
+- A decode request whose ``kv_transfer`` is missing or not this engine's envelope (another
+  engine's prefill) is refused ``worker_lost`` before anything is sent: the fleet's fault,
+  not the client's, and a retry would work on a sane fleet. For the same reason a 400/422
+  answer to a decode request is ``worker_lost`` (its body passed the prefill server
+  already, so what the decode server refuses is the hand-off), unless it says the prompt
+  is over the model's length (``too_large``, as for any request).
 """
 
 from __future__ import annotations
@@ -64,14 +90,15 @@ import json
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+import uuid
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from schemas.common import ErrorCode
+from schemas.common import ErrorCode, Phase
 from services.worker.core.rate import RateMeter
 from services.worker.engines.base import (
     EngineAborted,
@@ -96,6 +123,47 @@ PREFILL_KV_PARAMS: Final[dict[str, Any]] = {
     "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
     "remote_block_ids": None, "remote_host": None, "remote_port": None,
 }
+#: ``kv_transfer["engine"]`` of this engine's envelope (module docstring).
+KV_ENGINE: Final = "openai"
+#: The header both stages of a request are sent with (vLLM's proxy's).
+REQUEST_ID_HEADER: Final = "X-Request-Id"
+
+
+@dataclass(frozen=True, slots=True)
+class Handoff:
+    """What a prefill stage hands its decode stage: the prefill server's
+    ``kv_transfer_params`` and the ``X-Request-Id`` both stages are sent with (module
+    docstring); :meth:`envelope` is its ``kv_transfer`` on the wire."""
+
+    params: Mapping[str, Any]
+    x_request_id: str
+
+    def envelope(self) -> dict[str, object]:
+        return {"engine": KV_ENGINE, "kv_transfer_params": dict(self.params),
+                "x_request_id": self.x_request_id}
+
+    @classmethod
+    def of(cls, kv_transfer: Mapping[str, object] | None) -> Handoff:
+        """A decode request's ``kv_transfer`` unwrapped; ``EngineError("worker_lost")``
+        when it is missing or not this engine's envelope (the fleet's fault, not the
+        client's: module docstring)."""
+        if not kv_transfer:
+            raise EngineError("worker_lost", "a decode request needs kv_transfer (the "
+                                             "prefill engine's parameters); it has none")
+        if kv_transfer.get("engine") != KV_ENGINE:
+            raise EngineError("worker_lost", f"kv_transfer.engine is "
+                              f"{kv_transfer.get('engine')!r}: not an {KV_ENGINE} engine's "
+                              "prefill")
+        params = kv_transfer.get("kv_transfer_params")
+        if not isinstance(params, Mapping) or not params:
+            raise EngineError("worker_lost", "kv_transfer.kv_transfer_params is not the "
+                                             f"prefill server's parameters: {params!r:.200}")
+        rid = kv_transfer.get("x_request_id")
+        if not (isinstance(rid, str) and 0 < len(rid) <= 256 and rid.isascii()
+                and rid.isprintable()):
+            raise EngineError("worker_lost", "kv_transfer.x_request_id is not a request id: "
+                                             f"{rid!r:.200}")
+        return cls(params, rid)
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,15 +210,19 @@ def _int_label(labels: dict[str, str], name: str) -> int | None:
     return int(raw) if raw.isdigit() and int(raw) > 0 else None
 
 
-def _status_code(status: int, body: str) -> ErrorCode:
-    """Terminal error code for an HTTP error from the server, whose answer is ``body``."""
+def _status_code(status: int, body: str, phase: Phase = "whole") -> ErrorCode:
+    """Terminal error code for an HTTP error from the server, whose answer is ``body``, to
+    a request of ``phase``."""
     if status == 404:
         return "unknown_model"
     if status == 413:
         return "too_large"
     if status in (400, 422):
         # vLLM refuses a prompt over max_model_len with a 400 that says so.
-        return "too_large" if says_prompt_too_long(body) else "invalid"
+        if says_prompt_too_long(body):
+            return "too_large"
+        # A decode's body passed the prefill server: what is refused is the hand-off.
+        return "worker_lost" if phase == "decode" else "invalid"
     if status in (429, 503):
         return "overloaded"
     return "worker_lost"
@@ -199,10 +271,11 @@ def request_body(
 ) -> tuple[str, dict[str, Any]]:
     """Path and JSON body of the request for ``req``: streaming, or for a prefill stage the
     non-streaming one of the module docstring; a decode stage's carries the prefill's
-    ``kv_transfer_params``. With ``priority``, the request's ``priority`` (class, then lane)
-    as vLLM's ``priority`` field (a vLLM extension, accepted only by a server started with
-    ``--scheduling-policy priority``; it refuses non-zero values otherwise, so it is sent
-    only when the worker is told the server schedules by it)."""
+    ``kv_transfer_params`` (unwrapped from its envelope: :meth:`Handoff.of`, which raises
+    for one that is not this engine's). With ``priority``, the request's ``priority``
+    (class, then lane) as vLLM's ``priority`` field (a vLLM extension, accepted only by a
+    server started with ``--scheduling-policy priority``; it refuses non-zero values
+    otherwise, so it is sent only when the worker is told the server schedules by it)."""
     body: dict[str, Any] = {
         "model": served_model,
         "max_tokens": req.max_tokens,
@@ -228,8 +301,8 @@ def request_body(
                     kv_transfer_params=dict(PREFILL_KV_PARAMS))
         del body["stream_options"]  # vLLM refuses them without stream
         body.pop("stop", None)
-    elif req.phase == "decode" and req.kv_transfer is not None:
-        body["kv_transfer_params"] = dict(req.kv_transfer)
+    elif req.phase == "decode":
+        body["kv_transfer_params"] = dict(Handoff.of(req.kv_transfer).params)
     if req.messages is not None:
         body["messages"] = [{"role": m.role, "content": m.content} for m in req.messages]
         return "/v1/chat/completions", body
@@ -282,9 +355,16 @@ def _opt_int(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def prefill_delta(answer: object) -> TokenDelta:
-    """The final (and only) delta of a prefill stage from the server's JSON ``answer``,
-    carrying its ``kv_transfer_params``; ``EngineError`` when it has none."""
+class NoKvConnector(EngineError):
+    """A prefill answer without ``kv_transfer_params``: the server has no KV connector, so
+    every prefill sent there fails the same way (the engine reports itself dead)."""
+
+
+def prefill_delta(answer: object, x_request_id: str) -> TokenDelta:
+    """The final (and only) delta of a prefill stage from the server's JSON ``answer`` to
+    the request sent with ``x_request_id``, carrying both as :class:`Handoff`'s envelope
+    (module docstring). :class:`NoKvConnector` when the answer has no
+    ``kv_transfer_params``, ``EngineError`` when it is not an answer."""
     if not isinstance(answer, dict):
         raise EngineError("worker_lost", f"engine server's prefill answer is not an object: "
                                          f"{str(answer)[:200]}")
@@ -298,7 +378,7 @@ def prefill_delta(answer: object) -> TokenDelta:
         ended = "" if reason in (None, "length") else (
             f"; or the prefill ended {reason!r}, not at its 1-token cap (vLLM's connectors "
             "hand the KV on only then)")
-        raise EngineError("worker_lost", "engine server answered the prefill without "
+        raise NoKvConnector("worker_lost", "engine server answered the prefill without "
                           "kv_transfer_params: it has no KV connector configured (start vLLM "
                           f"with --kv-transfer-config, e.g. NixlConnector){ended}")
     usage = answer.get("usage")
@@ -310,7 +390,8 @@ def prefill_delta(answer: object) -> TokenDelta:
     return TokenDelta(text if isinstance(text, str) else "", 1 if completion is None
                       else completion, finish_reason="length",
                       prompt_tokens=_opt_int(usage.get("prompt_tokens")),
-                      completion_tokens=completion, kv_transfer=params)
+                      completion_tokens=completion,
+                      kv_transfer=Handoff(params, x_request_id).envelope())
 
 
 class OpenAIEngine:
@@ -349,6 +430,10 @@ class OpenAIEngine:
         self._in_flight: dict[str, int] = {}  # request_id -> prompt + max tokens
         self._aborted: set[str] = set()
         self._rate = RateMeter()
+        # Set once a prefill answer showed the server has no KV connector (module
+        # docstring): the engine is dead for the worker, which exits.
+        self._no_connector: str | None = None
+        self._warned_header_pairing = False  # logged once (module docstring)
 
     async def start(self) -> None:
         self._client = httpx.AsyncClient(base_url=self.base_url, headers=self._headers,
@@ -378,9 +463,11 @@ class OpenAIEngine:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
         if self._client is None:
             raise EngineError("worker_lost", "openai engine is not started")
-        if request.phase == "decode" and not request.kv_transfer:
-            raise EngineError("invalid", "a decode request needs kv_transfer (the prefill "
-                                         "server's kv_transfer_params); it has none")
+        if self._no_connector is not None:
+            raise EngineError("worker_lost", self._no_connector)
+        # A decode's hand-off is checked before anything is sent (Handoff.of raises).
+        headers = {REQUEST_ID_HEADER: Handoff.of(request.kv_transfer).x_request_id} \
+            if request.phase == "decode" else None
         rid = request.request_id
         self._in_flight[rid] = request.prompt_tokens + request.max_tokens
         tally = _Tally()
@@ -392,7 +479,8 @@ class OpenAIEngine:
                 path, body = request_body(request, self.served_model,
                                           priority=self._by_priority,
                                           continuous_usage=self._continuous_usage)
-                async with self._client.stream("POST", path, json=body) as response:
+                async with self._client.stream("POST", path, json=body,
+                                               headers=headers) as response:
                     self._responses[rid] = response
                     sent_it = "continuous_usage_stats" in body["stream_options"]
                     if sent_it and await _refuses_usage_stats(response):
@@ -406,7 +494,7 @@ class OpenAIEngine:
                         if rid in self._aborted:
                             raise EngineAborted(f"request {rid} aborted")
                         continue  # the same request again, without it (nothing streamed)
-                    await self._check_status(response)
+                    await self._check_status(response, request.phase)
                     async for event in self._events(response):
                         if rid in self._aborted:
                             # Lines already buffered still arrive after aclose(): drop them.
@@ -430,13 +518,16 @@ class OpenAIEngine:
             self._aborted.discard(rid)
 
     async def _prefill(self, request: GenerateRequest) -> TokenDelta:
-        """A prefill stage: one non-streaming request (module docstring). Its answer's
-        headers come only once the prompt is computed, so it runs as a task that
-        :meth:`abort` cancels (closing the connection, which makes vLLM abort it)."""
+        """A prefill stage: one non-streaming request with a fresh ``X-Request-Id``
+        (module docstring). Its answer's headers come only once the prompt is computed, so
+        it runs as a task that :meth:`abort` cancels (closing the connection, which makes
+        vLLM abort it). An answer without ``kv_transfer_params`` kills the engine."""
         assert self._client is not None
         rid = request.request_id
         path, body = request_body(request, self.served_model, priority=self._by_priority)
-        post = asyncio.ensure_future(self._client.post(path, json=body))
+        x_request_id = str(uuid.uuid4())  # as vLLM's proxy makes them
+        post = asyncio.ensure_future(self._client.post(
+            path, json=body, headers={REQUEST_ID_HEADER: x_request_id}))
         self._prefills[rid] = post
         try:
             await asyncio.wait({post})
@@ -446,13 +537,39 @@ class OpenAIEngine:
         if post.cancelled():
             raise EngineAborted(f"request {rid} aborted")
         response = post.result()
-        await self._check_status(response)
+        await self._check_status(response, request.phase)
         try:
             answer = response.json()
         except ValueError:
             raise EngineError("worker_lost", "engine server's prefill answer is not JSON: "
                                              f"{response.text[:200]!r}") from None
-        return prefill_delta(answer)
+        try:
+            delta = prefill_delta(answer, x_request_id)
+        except NoKvConnector as exc:
+            self._die(exc.message)
+            raise
+        self._check_pairing(answer["kv_transfer_params"])
+        return delta
+
+    def _die(self, message: str) -> None:
+        """Report the engine dead (``capacity().alive`` False): the server cannot run a
+        prefill stage, so the worker must go (module docstring). Logged once."""
+        if self._no_connector is None:
+            self._no_connector = message
+            _log.error("openai engine: the server at %s has no KV connector (start vLLM with "
+                       "--kv-transfer-config): it answered a prefill without "
+                       "kv_transfer_params; this worker stops", self.base_url)
+
+    def _check_pairing(self, params: Mapping[str, Any]) -> None:
+        """Warn once of a vLLM that pairs the stages by the ``X-Request-Id`` header only
+        (its parameters name the prefill's engine but not its request)."""
+        if self._warned_header_pairing or params.get("remote_engine_id") is None \
+                or params.get("remote_request_id") is not None:
+            return
+        self._warned_header_pairing = True
+        _log.warning("openai engine: the server's kv_transfer_params have remote_engine_id "
+                     "but no remote_request_id (an older vLLM): its stages are paired by the "
+                     "X-Request-Id header only, which llmq sends both of them")
 
     async def abort(self, request_id: str) -> None:
         post = self._prefills.get(request_id)
@@ -465,11 +582,11 @@ class OpenAIEngine:
             await response.aclose()  # vLLM aborts a request whose client went away
 
     @staticmethod
-    async def _check_status(response: httpx.Response) -> None:
+    async def _check_status(response: httpx.Response, phase: Phase) -> None:
         if response.status_code < 400:
             return
         body = (await response.aread()).decode(errors="replace")[:500]
-        raise EngineError(_status_code(response.status_code, body),
+        raise EngineError(_status_code(response.status_code, body, phase),
                           f"engine server answered {response.status_code}: {body}")
 
     @staticmethod
@@ -530,6 +647,8 @@ class OpenAIEngine:
                 self._load, self._metrics_missing = None, False
 
     def capacity(self) -> EngineCapacity:
+        """The load of the last scrape (module docstring); not alive, with no free KV, once
+        the server showed it has no KV connector."""
         load, p = self._load, self.profile
         block_size = (load.block_size if load else None) or p.block_size
         blocks = (load.num_gpu_blocks if load else None) or p.num_blocks
@@ -544,6 +663,8 @@ class OpenAIEngine:
         else:
             free = 0  # unknown: fail closed
             running, waiting = len(self._in_flight), 0
+        alive = self._no_connector is None
+        free = free if alive else 0
         return EngineCapacity(
             kv_total_tokens=total,
             kv_free_tokens=free,
@@ -554,4 +675,5 @@ class OpenAIEngine:
             waiting=waiting,
             max_num_seqs=p.max_num_seqs,
             tokens_per_s=self._rate.rate(time.monotonic()),
+            alive=alive,
         )

@@ -26,7 +26,8 @@ those parameters goes into the core with ``cached_tokens = P - 1`` (the prompt's
 "arrived"; the last prompt token is computed here, its logits give the first output
 token, as after a vLLM connector's load) and generates its whole ``max_tokens``. The time
 a real transfer takes is not modelled. Parameters that are missing, another engine's, or
-for another prompt length are refused (``EngineError("invalid")``).
+for another prompt length are refused ``EngineError("worker_lost")``: the fleet's fault,
+not the client's (``services.worker.engines.base``).
 """
 
 from __future__ import annotations
@@ -67,20 +68,21 @@ KV_ENGINE: Final = "sim"
 
 def _cached_tokens(request: GenerateRequest, prompt: int) -> int:
     """Prompt tokens whose KV a ``decode`` request brings (0 for the other phases);
-    ``EngineError("invalid")`` for parameters this engine cannot have made."""
+    ``EngineError("worker_lost")`` for parameters this engine cannot have made (the
+    fleet's fault, not the client's: the module docstring)."""
     if request.phase != "decode":
         return 0
     params = request.kv_transfer
     if params is None:
-        raise EngineError("invalid", "a decode request needs kv_transfer (the prefill "
-                                     "engine's parameters); it has none")
+        raise EngineError("worker_lost", "a decode request needs kv_transfer (the prefill "
+                                         "engine's parameters); it has none")
     if params.get("engine") != KV_ENGINE:
-        raise EngineError("invalid", f"kv_transfer.engine is {params.get('engine')!r}: not "
-                                     f"a {KV_ENGINE} engine's prefill")
+        raise EngineError("worker_lost", f"kv_transfer.engine is {params.get('engine')!r}: "
+                                         f"not a {KV_ENGINE} engine's prefill")
     sent = params.get("prompt_tokens")
     if not isinstance(sent, int) or isinstance(sent, bool) or sent != prompt:
-        raise EngineError("invalid", f"kv_transfer.prompt_tokens is {sent!r}, not the "
-                                     f"request's prompt of {prompt} tokens")
+        raise EngineError("worker_lost", f"kv_transfer.prompt_tokens is {sent!r}, not the "
+                                         f"request's prompt of {prompt} tokens")
     return prompt - 1
 
 

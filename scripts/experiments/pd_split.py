@@ -6,9 +6,10 @@ and decode together, a short request's decode steps carry other requests' prefil
 Azure traces the benchmark replays) separates the two phases onto different machines.
 This driver measures what that would do on the benchmark's own arrivals, fleet and cost
 model, against the baselines of ``llmq bench policies`` run in the same process, with the
-same metrics code (``services.sim.metrics.summarize``). llmq does not do this: its
-workers cannot hand a request's KV cache to another worker (docs/benchmarks.md, "Eleventh
-round", says what building it would take).
+same metrics code (``services.sim.metrics.summarize``). It came before llmq could do
+this; llmq now does (worker roles, hand-offs and this overflow rule in its core and
+services: ``llmq bench policies --pools pd``, docs/benchmarks.md "Thirteenth round"). The
+driver stays as the reference those figures were first measured with.
 
 The model, deliberately simple (every engine is the same calibrated ``sim`` engine core):
 

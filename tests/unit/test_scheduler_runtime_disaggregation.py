@@ -43,6 +43,15 @@ def pd_state(ts: float = T, **config: Any) -> SchedulerState:
     return state
 
 
+def lease_answer(state: SchedulerState, now: float) -> LeaseAnswer:
+    """The answer ``state``'s next (leading) cycle gives a worker that asked to renew."""
+    (out,) = [o for e in state.tick(now).effects for o in e.first
+              if o.topic == "llmq.control"]
+    answer = decode(out.value, CONTROL_ADAPTER)
+    assert isinstance(answer, LeaseAnswer)
+    return answer
+
+
 def prefilled(a: Assignment, ts: float = T + 1) -> EventPrefilled:
     return EventPrefilled(request_id=a.request_id, tenant="acme", attempt=a.attempt,
                           worker_id=a.worker_id, ts=ts, kv_transfer=PARAMS, prompt_tokens=1_000)
@@ -92,10 +101,8 @@ def test_only_the_leader_places_a_hand_off_and_replicas_book_it_from_the_log() -
     assert other.reserved_kv("p0") == 0
     # The prefill worker's process lost nothing: its lease may be renewed.
     other.observe_heartbeat(pd_beat("p0", 0, "prefill", T + 2, renew=True))
-    (out,) = [o for e in other.tick(T + 2).effects for o in e.first
-               if o.topic == "llmq.control"]
-    answer = decode(out.value, CONTROL_ADAPTER)
-    assert isinstance(answer, LeaseAnswer) and answer.granted, answer
+    answer = lease_answer(other, T + 2)
+    assert answer.granted, answer
 
 
 def test_a_new_leader_places_the_hand_off_the_old_one_left() -> None:
@@ -260,10 +267,8 @@ def test_followers_keep_the_prefill_workers_lease_in_any_read_order() -> None:
             other.observe_event(done(b, "d0"))
             other.observe_assignment(b)
         other.observe_heartbeat(pd_beat("p0", 0, "prefill", T + 2, renew=True))
-        (out,) = [o for e in other.tick(T + 2).effects for o in e.first
-                  if o.topic == "llmq.control"]
-        answer = decode(out.value, CONTROL_ADAPTER)
-        assert isinstance(answer, LeaseAnswer) and answer.granted, (order, answer)
+        answer = lease_answer(other, T + 2)
+        assert answer.granted, (order, answer)
 
 
 def test_a_hand_off_from_a_restarted_prefill_worker_starts_over_whole() -> None:
@@ -306,10 +311,8 @@ def test_a_hand_off_run_whole_keeps_the_prefill_workers_lease() -> None:
     assert (b.worker_id, b.phase, b.attempt) == ("m0", "whole", 2)
     other.observe_assignment(b)
     other.observe_heartbeat(pd_beat("p0", 0, "prefill", T + 2, renew=True))
-    (out,) = [o for e in other.tick(T + 2).effects for o in e.first
-              if o.topic == "llmq.control"]
-    answer = decode(out.value, CONTROL_ADAPTER)
-    assert isinstance(answer, LeaseAnswer) and answer.granted, answer
+    answer = lease_answer(other, T + 2)
+    assert answer.granted, answer
 
 
 def test_a_prefill_workers_lost_work_ended_in_the_queue_refuses_its_lease() -> None:
@@ -326,10 +329,8 @@ def test_a_prefill_workers_lost_work_ended_in_the_queue_refuses_its_lease() -> N
     for event in events(ended.effects):
         other.observe_event(event)
     other.observe_heartbeat(pd_beat("p0", 0, "prefill", T + 8.5, renew=True))
-    (out,) = [o for e in other.tick(T + 8.5).effects for o in e.first
-              if o.topic == "llmq.control"]
-    answer = decode(out.value, CONTROL_ADAPTER)
-    assert isinstance(answer, LeaseAnswer) and not answer.granted, answer
+    answer = lease_answer(other, T + 8.5)
+    assert not answer.granted, answer
 
 
 def test_a_prefilled_prompt_is_no_longer_prompt_work() -> None:

@@ -48,6 +48,7 @@ from services.worker.runner import (
     engine_request,
 )
 from services.worker.settings import WorkerSettings
+from tests.unit.test_worker_app import _Producer as _AckingProducer
 from tests.unit.test_worker_runner import _CFG, EVENTS, REPLIES, _assignment, _Gate, _Producer
 
 PROFILE = get_profile("llama3-8b-h100")
@@ -459,20 +460,6 @@ def test_a_split_role_on_an_engine_without_it_exits_2(capsys: pytest.CaptureFixt
     assert worker_main(["--slot", "0", "--role", "decode", "--engine", "vllm"]) == 2
     err = capsys.readouterr().err
     assert "invalid configuration" in err and "role decode needs" in err
-
-
-class _AckingProducer:
-    """Every send acknowledged and kept."""
-
-    def __init__(self) -> None:
-        self.records: list[tuple[str, dict[str, Any]]] = []
-
-    async def send(self, topic: str, value: bytes, *, key: bytes,
-                   headers: list[tuple[str, bytes]] | None = None) -> asyncio.Future[None]:
-        self.records.append((topic, json.loads(value)))
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        done.set_result(None)
-        return done
 
 
 @pytest.mark.parametrize("role", ["mixed", "prefill", "decode"])

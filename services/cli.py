@@ -376,7 +376,8 @@ def demo(settings: Settings, n: int, rate: float, trace: Path | None, url: str, 
 @click.option("--any-workers", default=0, show_default=True, type=click.IntRange(0))
 @click.option("--prefill-workers", default=0, show_default=True, type=click.IntRange(0),
               help="Workers that compute prompts and hand their KV cache on (prefill and "
-                   "decode apart; give --decode-workers too).")
+                   "decode apart; give --decode-workers too; the short and long workers "
+                   "then default to 0).")
 @click.option("--decode-workers", default=0, show_default=True, type=click.IntRange(0),
               help="Workers that take the prefill workers' hand-offs.")
 @click.option("--http-port", default=8080, show_default=True, help="Ingest HTTP port.")
@@ -411,6 +412,11 @@ def up(ctx: click.Context, detach: bool, short_workers: int, long_workers: int,
         raise click.BadParameter(
             "prefill workers hand their requests to decode workers: give both "
             "--prefill-workers and --decode-workers, or neither", param_hint="--decode-workers")
+    if prefill_workers:  # a split fleet: no lane-pool workers beside it unless asked for
+        given = {name for name in ("short_workers", "long_workers")
+                 if ctx.get_parameter_source(name) != click.core.ParameterSource.DEFAULT}
+        short_workers = short_workers if "short_workers" in given else 0
+        long_workers = long_workers if "long_workers" in given else 0
     settings: Settings = ctx.obj
     running = running_services(settings)
     if running and not kafka_only:

@@ -75,7 +75,8 @@ class ClusterTracker:
         self._statuses[(self._canonical(status.model), status.scheduler_id)] = status
 
     def live_workers(self, now: float) -> list[WorkerHeartbeat]:
-        """Fresh, not draining, with a KV budget."""
+        """Fresh, not draining, with a KV budget, able to run a request to its end (not a
+        prefill worker: it only computes prompts for decode workers)."""
         return [hb for hb in self._workers.values() if self._live(hb, now)]
 
     def served_models(self, now: float) -> list[str]:
@@ -106,7 +107,7 @@ class ClusterTracker:
     def _live(self, hb: WorkerHeartbeat, now: float) -> bool:
         # Either side of now: a heartbeat from a clock far ahead is not fresh.
         fresh = abs(now - hb.ts) <= self._freshness.heartbeat_staleness * hb.interval_s
-        return fresh and not hb.draining and hb.kv_total_tokens > 0
+        return fresh and not hb.draining and hb.kv_total_tokens > 0 and hb.role != "prefill"
 
     def _canonical(self, model: str) -> str:
         shape = self._registry.get(model)

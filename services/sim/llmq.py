@@ -313,12 +313,14 @@ class LlmqPolicy:
         )
 
     def _cluster_view(self, states: list[WorkerState], now: float) -> ClusterView:
+        # As ingest counts the fleet: prefill workers run no request to its end.
+        states = [s for s in states if s.role != "prefill"]
         usable = [self._ledger.usable_kv(s) for s in states]
         reserved = sum(self._ledger.reserved_kv(s.worker_id) for s in states)
         capacity = ModelCapacity(
             model=self._model,
             live_workers=len(states),
-            max_usable_kv_tokens=max(usable),
+            max_usable_kv_tokens=max(usable, default=0),
             queued_tokens=self._queued_tokens,
             drain_tokens_per_s=self._drain.rate(self._model, now),
             kv_headroom_tokens=max(0, sum(usable) - reserved),

@@ -22,7 +22,13 @@ from aiokafka import TopicPartition
 
 from llmq.client import LlmqClient
 from schemas.codec import decode
-from schemas.messages import ASSIGNMENT_ADAPTER, EVENT_ADAPTER, REPLY_ADAPTER, STATUS_ADAPTER
+from schemas.messages import (
+    ASSIGNMENT_ADAPTER,
+    EVENT_ADAPTER,
+    HEARTBEAT_ADAPTER,
+    REPLY_ADAPTER,
+    STATUS_ADAPTER,
+)
 from schemas.replies import Done, Error, TokenChunk
 from schemas.topics import catalog, reply_spec
 from services.common.kafka import make_consumer
@@ -61,8 +67,17 @@ class PdStack:
 def pd(tmp_path_factory: pytest.TempPathFactory, bootstrap: str) -> Iterator[PdStack]:
     stack = PdStack(tmp_path_factory.mktemp("pd"), bootstrap)
     stack.stack.start(log_dir=stack.log_dir)
+
+    def both_roles_beat(deadline: float) -> bool:
+        # Ready as soon as a decode worker beats; a request placed before the prefill
+        # worker's first beat would run whole, and the phase checks below would fail.
+        beats = asyncio.run(_read_all(bootstrap, stack.topic(".heartbeats"), HEARTBEAT_ADAPTER))
+        fresh = {hb.role for hb in beats if time.time() - hb.ts < 3 * hb.interval_s}
+        return {"prefill", "decode"} <= fresh
+
     try:
-        wait_stack_ready(stack.stack, stack.base_url, stack.log_dir, 180.0)
+        wait_stack_ready(stack.stack, stack.base_url, stack.log_dir, 180.0,
+                         also=both_roles_beat)
         yield stack
     finally:
         stack.stack.stop(grace_s=20.0)
@@ -86,13 +101,23 @@ async def _read_all(bootstrap: str, topic: str, adapter: Any) -> list[Any]:
     return out
 
 
-def test_http_chat_is_served_through_both_stages(pd: PdStack) -> None:
+async def _stages(pd: PdStack, request_id: str) -> list[tuple[int, str]]:
+    placed = [a for a in await _read_all(pd.bootstrap, pd.topic(".assignments"),
+                                         ASSIGNMENT_ADAPTER) if a.request_id == request_id]
+    return sorted((a.attempt, a.phase) for a in placed)  # one partition per worker
+
+
+async def test_http_chat_is_served_through_both_stages(pd: PdStack) -> None:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "split me " * 50}],
             "max_tokens": 20}
-    resp = httpx.post(f"{pd.base_url}/v1/chat/completions", json=body,
-                      headers={"Authorization": "Bearer open-key"}, timeout=60)
+    async with httpx.AsyncClient(timeout=60) as http:
+        resp = await http.post(f"{pd.base_url}/v1/chat/completions", json=body,
+                               headers={"Authorization": "Bearer open-key",
+                                        "x-request-id": "pd-http-1"})
     assert resp.status_code == 200, resp.text
     assert resp.json()["usage"]["completion_tokens"] == 20
+    # Downstream, the caller's id is scoped to its tenant (docs/live-system.md).
+    assert await _stages(pd, "default:pd-http-1") == [(1, "prefill"), (2, "decode")]
 
 
 async def test_a_request_runs_prefill_then_decode_with_one_terminal(pd: PdStack) -> None:
@@ -110,6 +135,7 @@ async def test_a_request_runs_prefill_then_decode_with_one_terminal(pd: PdStack)
                                                 ASSIGNMENT_ADAPTER) if a.request_id == rid),
                     key=lambda a: a.attempt)  # one partition per worker: read in any order
     assert [(a.attempt, a.phase) for a in placed] == [(1, "prefill"), (2, "decode")]
+    assert end.usage.prompt_tokens == placed[0].admitted.prompt_tokens
     prefill, decode_stage = placed
     assert prefill.worker_id != decode_stage.worker_id
     assert decode_stage.kv_transfer is not None and decode_stage.kv_transfer["engine"] == "sim"
@@ -131,6 +157,8 @@ async def test_a_burst_is_served_and_every_reservation_returns(pd: PdStack) -> N
                    for i in range(12)]
         ends = [(await h.wait())[1] for h in handles]
     assert all(isinstance(e, Done) for e in ends), ends
+    for handle in handles:  # every one of them in two stages (none overflowed: short)
+        assert await _stages(pd, handle.request_id) == [(1, "prefill"), (2, "decode")]
     deadline = time.monotonic() + 30
     status = None
     while time.monotonic() < deadline:

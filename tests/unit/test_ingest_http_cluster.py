@@ -47,6 +47,18 @@ def test_fresh_workers_count_and_stale_draining_or_empty_ones_do_not() -> None:
     assert t.heartbeats_seen == 6
 
 
+def test_prefill_workers_are_not_capacity_for_whole_requests() -> None:
+    # They compute prompts for decode workers only: with the decode tier down the model
+    # has no live worker (admission answers 503 at once, not a 504 after the timeout).
+    t = tracker()
+    t.observe_heartbeat(beat("p", role="prefill", kv_total_tokens=9000, kv_free_tokens=0))
+    assert t.view(NOW).models.get("llama-3.1-8b") is None
+    assert t.served_models(NOW) == []
+    t.observe_heartbeat(beat("d", role="decode", kv_total_tokens=1000, kv_free_tokens=0))
+    capacity = t.view(NOW).models["llama-3.1-8b"]
+    assert (capacity.live_workers, capacity.max_usable_kv_tokens) == (1, 1000)
+
+
 def test_freshness_is_three_intervals() -> None:
     t = tracker()
     t.observe_heartbeat(beat("a", ts=NOW - 2.9, interval_s=1.0))

@@ -353,3 +353,36 @@ def test_a_request_no_decode_worker_could_hold_is_refused_too_large_at_once() ->
                      ("tp", 0), T)
     (error,) = replies(state.tick(T).effects)
     assert error.code == "too_large"
+
+
+def test_queue_status_counts_no_prefill_worker_as_live_capacity() -> None:
+    state = new_state(takeover_s=0.0)
+    state.observe_heartbeat(pd_beat("p0", 0, "prefill", kv_total_tokens=50_000,
+                                    kv_free_tokens=50_000, kv_total_bytes=50_000,
+                                    kv_free_bytes=50_000))
+    state.observe_heartbeat(pd_beat("d0", 1, "decode"))
+    state.restore()
+    (status,) = state.statuses(T)
+    assert (status.live_workers, status.max_usable_kv_tokens) == (1, 9_500)
+
+
+def test_a_decode_stage_is_not_counted_as_a_second_placement() -> None:
+    from services.common import metrics as m
+    from services.scheduler.runtime.metrics import SchedulerMetrics
+
+    def placements() -> float:
+        return sum(m.REGISTRY.get_sample_value(
+            "llmq_placements_total", {"worker": w, "lane": "short"}) or 0.0
+            for w in ("p0", "d0"))
+
+    state, meters = pd_state(), SchedulerMetrics()
+    before = placements()
+    state.on_request(admitted("r1"), ("tp", 0), T)
+    first = state.tick(T)
+    meters.tick(first)
+    ((_, a),) = assignments(first.effects)
+    state.observe_event(prefilled(a))
+    second = state.tick(T + 1)
+    meters.tick(second)
+    assert [p.phase for p in (*first.placements, *second.placements)] == ["prefill", "decode"]
+    assert placements() == before + 1

@@ -530,7 +530,7 @@ class _Cycle:
         elif not lane_served:
             never = Reject(request_id, "too_large", f"no live worker takes the {route[2]} lane")
         elif accepting == 0:
-            return Defer(request_id, "only draining workers serve this route")
+            return Defer(request_id, "only draining or prefill workers serve this route")
         elif max_usable < kv:
             never = Reject(
                 request_id, "too_large", f"needs {kv} KV tokens, largest usable {max_usable}"

@@ -40,7 +40,7 @@ from typing import Final, Literal, Protocol
 
 from pydantic import JsonValue
 
-from schemas.common import ErrorCode, Lane, Priority
+from schemas.common import ErrorCode, Lane, Phase, Priority
 from schemas.control import CancelRequest, LeaseAnswer
 from schemas.requests import AdmittedRequest, Assignment
 from schemas.status import QueueStatus
@@ -190,8 +190,10 @@ class Placed:
     worker_id: str
     priority: Priority
     lane: Lane
-    #: From admission (or the requeue) to this placement, in seconds.
+    #: From admission (or the requeue, or the hand-off) to this placement, in seconds.
     waited_s: float
+    #: The stage placed (a decode stage is the second placement of its request).
+    phase: Phase = "whole"
 
 
 @dataclass(frozen=True, slots=True)
@@ -701,7 +703,7 @@ class SchedulerState:
         live: dict[str, list[int]] = {}  # model -> [workers, largest usable KV]
         for hb in self.fleet.live(now):
             figures = live.setdefault(hb.model, [0, 0])
-            if not hb.draining:
+            if not hb.draining and hb.role != "prefill":  # as ingest counts the fleet
                 figures[0] += 1
                 figures[1] = max(figures[1], self.ledger.usable_kv(worker_state(hb)))
         models = set(self._pending_models) | set(running) | set(live) | set(self.drain.models())
@@ -778,7 +780,7 @@ class SchedulerState:
         out = Outgoing.of(self.config.assignments_topic, record, partition=placement.partition,
                           headers=trace)
         placed = Placed(placement.worker_id, request.priority, request.lane,
-                        max(0.0, now - tracked.since))
+                        max(0.0, now - tracked.since), placement.phase)
         return Effect(first=(out,), tickets=tuple(tracked.tickets)), placed
 
     def _rejected(self, reject: Reject, now: float) -> Effect:

@@ -507,7 +507,8 @@ class _Cycle:
         stage: QueuedRequest | None = None,
     ) -> Decision:
         """A head that fits nowhere now: reject if it never could, else defer (and hold).
-        ``stage``: the prefill stage it would be placed as on ``index``."""
+        ``stage``: the request as it would be placed on ``index`` (its prefill stage, or
+        itself whole on a decode worker)."""
         request_id, kv = request.request_id, request.kv_tokens
         fleet = capacity(self.snapshot, route, self.ledger)
         if not fleet.any_live:

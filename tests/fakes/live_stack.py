@@ -1,4 +1,5 @@
-"""Test-only: wait until a live stack started with ``services.stack.Stack`` serves requests.
+"""Test-only: wait until a live stack started with ``services.stack.Stack`` serves requests,
+and reach or restart its processes by name.
 
 Shared by the end-to-end, observability and ``llmq top`` stack tests. Fails fast with the
 log tail of the first child that exited.
@@ -7,6 +8,8 @@ log tail of the first child that exited.
 from __future__ import annotations
 
 import hashlib
+import os
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -14,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from services.stack import Stack, StackConfig
+from services.stack import ServiceSpec, Stack, StackConfig
 from tests.fakes.ports import free_port_block
 
 
@@ -71,3 +74,30 @@ def write_tenants_file(path: Path) -> Path:
         "rpm = 1\ntpm = 100000\nmax_concurrency = 100\n"
     )
     return path
+
+
+class StackProcs:
+    """The processes of a test stack by name, and restarting one (after a kill -9).
+
+    Needs ``stack`` (its :class:`Stack`), ``specs``, ``env`` (the settings environment)
+    and ``log_dir``."""
+
+    stack: Stack
+    specs: list[ServiceSpec]
+    env: dict[str, str]
+    log_dir: Path
+
+    def proc(self, name: str) -> subprocess.Popen[bytes]:
+        return next(p for s, p in self.stack.procs if s.name == name)
+
+    def spec(self, name: str) -> ServiceSpec:
+        return next(s for s in self.specs if s.name == name)
+
+    def restart(self, name: str) -> None:
+        """Start a fresh process for ``name`` (after it was killed)."""
+        spec = self.spec(name)
+        env = {**os.environ, **self.env, **dict(spec.env), "PYTHONUNBUFFERED": "1"}
+        with (self.log_dir / f"{name}.restart.log").open("ab") as log:
+            proc = subprocess.Popen(spec.argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+        self.stack.procs = [(s, proc if s.name == name else p) for s, p in self.stack.procs]
+

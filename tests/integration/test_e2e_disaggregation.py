@@ -11,6 +11,7 @@ decode worker, which streams the answer. Checked from the topics themselves.
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,7 +36,12 @@ from services.common.kafka import make_consumer
 from services.common.replies import topic_partitions
 from services.common.settings import Settings
 from services.stack import Stack, settings_env, stack_services
-from tests.fakes.live_stack import loopback_config, wait_stack_ready, write_tenants_file
+from tests.fakes.live_stack import (
+    StackProcs,
+    loopback_config,
+    wait_stack_ready,
+    write_tenants_file,
+)
 from tests.prefixes import unique_prefix
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
@@ -43,17 +49,18 @@ pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 MODEL = "llama-3.1-8b"
 
 
-class PdStack:
+class PdStack(StackProcs):
     def __init__(self, tmp: Path, bootstrap: str) -> None:
         self.prefix = unique_prefix("pd")
         self.bootstrap = bootstrap
         settings = Settings(topic_prefix=self.prefix, assignment_partitions=4)
         self.cfg = loopback_config(time_scale=0.05, model=MODEL, short_workers=0,
                                    long_workers=0, prefill_workers=1, decode_workers=1)
-        env = settings_env(settings) | {
+        self.env = settings_env(settings) | {
             "LLMQ_TENANTS_FILE": str(write_tenants_file(tmp / "tenants.toml"))}
         self.log_dir = tmp / "logs"
-        self.stack = Stack(stack_services(self.cfg), env)
+        self.specs = stack_services(self.cfg)
+        self.stack = Stack(self.specs, self.env)
 
     @property
     def base_url(self) -> str:
@@ -148,6 +155,42 @@ async def test_a_request_runs_prefill_then_decode_with_one_terminal(pd: PdStack)
     terminals = [r for r in replies if isinstance(r, Done | Error)]
     assert len(terminals) == 1 and terminals[0].attempt == 2
     assert {r.attempt for r in replies} == {2}  # nothing from the prefill stage
+
+
+async def test_scheduler_kill9_between_the_stages_ends_each_request_once(pd: PdStack) -> None:
+    """The scheduler is killed -9 while a burst is between its stages (prefilled, decoded,
+    queued) and restarted 0.5 s later: it rebuilds the hand-offs from the log and places
+    their decode stages (after ``takeover_s``); every request ends once, with its answer."""
+    async with LlmqClient(pd.bootstrap, prefix=pd.prefix, default_model=MODEL) as client:
+        # ~7k-token prompts, ~110k tokens in all (under the overflow threshold): ~0.1 s of
+        # prefill at 20x, so the kill lands with prompts placed and hand-offs to come.
+        handles = await asyncio.gather(*(
+            client.submit(prompt="z" * (27_000 + 100 * i), max_tokens=40, timeout_s=120)
+            for i in range(16)))
+        scheduler = pd.proc("scheduler")
+        killed_at = time.time()
+        scheduler.send_signal(signal.SIGKILL)
+        await asyncio.to_thread(scheduler.wait, 10)
+        await asyncio.sleep(0.5)
+        pd.restart("scheduler")
+        ends = [(await h.wait())[1] for h in handles]
+    assert all(isinstance(e, Done) for e in ends), [e for e in ends if not isinstance(e, Done)]
+    ids = {h.request_id for h in handles}
+    terminals: dict[str, int] = dict.fromkeys(ids, 0)
+    for reply in await _read_all(pd.bootstrap, reply_spec(pd.prefix, "default").name,
+                                 REPLY_ADAPTER):
+        if reply.request_id in ids and isinstance(reply, Done | Error):
+            terminals[reply.request_id] += 1
+    assert set(terminals.values()) == {1}, terminals
+    placed = [a for a in await _read_all(pd.bootstrap, pd.topic(".assignments"),
+                                         ASSIGNMENT_ADAPTER) if a.request_id in ids]
+    for rid in ids:  # each in two stages, none placed twice
+        stages = sorted((a.attempt, a.phase) for a in placed if a.request_id == rid)
+        assert stages == [(1, "prefill"), (2, "decode")], (rid, stages)
+    # Some hand-off crossed the restart: prefilled before the kill, decoded after it.
+    crossed = {a.request_id for a in placed if a.phase == "prefill" and a.assigned_at < killed_at} \
+        & {a.request_id for a in placed if a.phase == "decode" and a.assigned_at > killed_at}
+    assert crossed, "no hand-off crossed the scheduler's restart: the test tested nothing"
 
 
 async def test_a_burst_is_served_and_every_reservation_returns(pd: PdStack) -> None:

@@ -33,9 +33,9 @@ from schemas.topics import catalog, reply_spec
 from services.common.kafka import make_consumer
 from services.common.replies import topic_partitions
 from services.common.settings import Settings
-from services.stack import ServiceSpec, Stack, settings_env, stack_services
+from services.stack import Stack, settings_env, stack_services
 from tests.builders_schemas import make_prompt_request
-from tests.fakes.live_stack import loopback_config, wait_stack_ready
+from tests.fakes.live_stack import StackProcs, loopback_config, wait_stack_ready
 from tests.prefixes import unique_prefix
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
@@ -59,7 +59,7 @@ def _tenants_file(path: Path) -> Path:
     return path
 
 
-class LiveStack:
+class LiveStack(StackProcs):
     """The stack's processes plus what tests need to reach them."""
 
     def __init__(self, tmp: Path, bootstrap: str) -> None:
@@ -81,20 +81,6 @@ class LiveStack:
 
     def headers(self, key: str = "open-key") -> dict[str, str]:
         return {"Authorization": f"Bearer {key}"}
-
-    def proc(self, name: str) -> subprocess.Popen[bytes]:
-        return next(p for s, p in self.stack.procs if s.name == name)
-
-    def spec(self, name: str) -> ServiceSpec:
-        return next(s for s in self.specs if s.name == name)
-
-    def restart(self, name: str) -> None:
-        """Start a fresh process for ``name`` (after it was killed)."""
-        spec = self.spec(name)
-        env = {**os.environ, **self.env, **dict(spec.env), "PYTHONUNBUFFERED": "1"}
-        with (self.log_dir / f"{name}.restart.log").open("ab") as log:
-            proc = subprocess.Popen(spec.argv, env=env, stdout=log, stderr=subprocess.STDOUT)
-        self.stack.procs = [(s, proc if s.name == name else p) for s, p in self.stack.procs]
 
     def _warm_up(self, deadline: float) -> bool:
         """One request end to end: on a fresh broker the Faust consumer groups of ingest

@@ -386,3 +386,33 @@ def test_a_decode_stage_is_not_counted_as_a_second_placement() -> None:
     meters.tick(second)
     assert [p.phase for p in (*first.placements, *second.placements)] == ["prefill", "decode"]
     assert placements() == before + 1
+
+
+def test_a_restart_books_the_prompt_kv_a_placed_decode_stage_has_not_pulled_yet() -> None:
+    before = pd_state()
+    a = place_prefill(before)
+    before.observe_event(prefilled(a))
+    ((_, b),) = assignments(before.tick(T + 1).effects)
+    replay: list[Any] = [a, prefilled(a), b]
+    for order in (replay, list(reversed(replay))):
+        after = new_state()
+        after.observe_heartbeat(pd_beat("p0", 0, "prefill"))
+        after.observe_heartbeat(pd_beat("d0", 1, "decode"))
+        for record in order:
+            if isinstance(record, Assignment):
+                after.observe_assignment(record)
+            else:
+                after.observe_event(record)
+        assert after.restore() == 1  # the decode stage ...
+        assert (after.reserved_kv("d0"), after.reserved_kv("p0")) == (1_024, 1_008)  # + KV
+        after.observe_event(started(b, "d0"))  # it pulls the prompt's KV
+        assert after.reserved_kv("p0") == 0
+    # Once the decode stage started, a restart books the decode stage only.
+    after = new_state()
+    for record in (a, prefilled(a), b, started(b, "d0")):
+        if isinstance(record, Assignment):
+            after.observe_assignment(record)
+        else:
+            after.observe_event(record)
+    after.restore()
+    assert (after.reserved_kv("d0"), after.reserved_kv("p0")) == (1_024, 0)

@@ -50,6 +50,9 @@ class _Entry:
     lost: set[int] = field(default_factory=set)
     #: Prefill stages that handed their KV on: attempt -> the parameters they reported.
     prefilled: dict[int, Mapping[str, JsonValue]] = field(default_factory=dict)
+    #: The prefill stage whose decode stage is assigned and has not started: the prompt's
+    #: KV still waits on its worker (booked on a restore).
+    pinned: Assignment | None = None
     #: The latest assignment, while it is active or lost (None once finished).
     latest: Assignment | None = None
     model: str | None = None
@@ -100,7 +103,14 @@ class AssignmentLog:
         entry.model = request.model
         entry.expires_at = max(entry.expires_at, request.created_at + request.timeout_s)
         if attempt == max(entry.assigned):
-            entry.latest = assignment
+            previous, entry.latest = entry.latest, assignment
+            if assignment.phase == "decode" and previous is not None \
+                    and previous.attempt == attempt - 1 and attempt not in entry.started:
+                entry.pinned = previous
+        elif assignment.phase == "prefill" and entry.latest is not None \
+                and entry.latest.phase == "decode" and entry.latest.attempt == attempt + 1 \
+                and attempt + 1 not in entry.started:
+            entry.pinned = assignment  # read after its decode stage (replay order)
         self._settle(assignment.request_id, entry)
         return self.active(assignment.request_id) is assignment
 
@@ -117,6 +127,8 @@ class AssignmentLog:
             return True
         if isinstance(event, EventStarted):
             target = entry.started
+            if entry.pinned is not None and entry.pinned.attempt < attempt:
+                entry.pinned = None  # the decode stage pulls the prompt's KV
         elif isinstance(event, EventFirstToken):
             target = entry.streamed
         else:
@@ -195,6 +207,12 @@ class AssignmentLog:
         found.sort(key=lambda a: (a.assigned_at, a.request_id))
         return found
 
+    def pinned(self) -> list[Assignment]:
+        """Prefill stages whose decode stage is assigned and not started: the prompt's KV
+        still waits on their worker."""
+        return [e.pinned for e in self._entries.values()
+                if e.pinned is not None and e.status() == "active"]
+
     def prefilled(self, request_id: str, attempt: int) -> Mapping[str, JsonValue] | None:
         """What the prefill stage ``attempt`` reported when it handed its KV on, if it did."""
         entry = self._entries.get(request_id)
@@ -253,7 +271,7 @@ class AssignmentLog:
         """Re-derive what the entry is indexed under; drop the payload once finished."""
         status = entry.status()
         if status == "finished":
-            entry.latest = None
+            entry.latest = entry.pinned = None
             entry.prefilled.clear()
         if status == "handoff":
             self._handoffs.add(request_id)

@@ -443,7 +443,8 @@ class SchedulerState:
         active = self.log.all_active()
         for record in active:
             self._book(record)
-        for prefill in self.log.handoffs():  # the prompt's KV waits there for its decode
+        # The prompt's KV waits on a prefill worker until its decode stage starts.
+        for prefill in (*self.log.handoffs(), *self.log.pinned()):
             self._book(prefill)
         self.restored = True
         return len(active)

@@ -369,6 +369,16 @@ def demo(settings: Settings, n: int, rate: float, trace: Path | None, url: str, 
 
 
 # -- up / down ---------------------------------------------------------------------------
+def lane_workers(prefill_workers: int, short_workers: int, long_workers: int,
+                 given: set[str]) -> tuple[int, int]:
+    """(short, long) workers of `llmq up`: with prefill workers, a split fleet, none beside
+    it unless asked for on the command line (``given``: the options that were)."""
+    if not prefill_workers:
+        return short_workers, long_workers
+    return (short_workers if "short_workers" in given else 0,
+            long_workers if "long_workers" in given else 0)
+
+
 @main.command("up")
 @click.option("--detach", is_flag=True, help="Start in the background; stop with `llmq down`.")
 @click.option("--short-workers", default=2, show_default=True, type=click.IntRange(0))
@@ -412,11 +422,10 @@ def up(ctx: click.Context, detach: bool, short_workers: int, long_workers: int,
         raise click.BadParameter(
             "prefill workers hand their requests to decode workers: give both "
             "--prefill-workers and --decode-workers, or neither", param_hint="--decode-workers")
-    if prefill_workers:  # a split fleet: no lane-pool workers beside it unless asked for
-        given = {name for name in ("short_workers", "long_workers")
-                 if ctx.get_parameter_source(name) != click.core.ParameterSource.DEFAULT}
-        short_workers = short_workers if "short_workers" in given else 0
-        long_workers = long_workers if "long_workers" in given else 0
+    given = {name for name in ("short_workers", "long_workers")
+             if ctx.get_parameter_source(name) != click.core.ParameterSource.DEFAULT}
+    short_workers, long_workers = lane_workers(prefill_workers, short_workers, long_workers,
+                                               given)
     settings: Settings = ctx.obj
     running = running_services(settings)
     if running and not kafka_only:

@@ -14,12 +14,14 @@ import asyncio
 import signal
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from aiokafka import TopicPartition
+from prometheus_client.parser import text_string_to_metric_families
 
 from llmq.client import LlmqClient
 from schemas.codec import decode
@@ -28,7 +30,6 @@ from schemas.messages import (
     EVENT_ADAPTER,
     HEARTBEAT_ADAPTER,
     REPLY_ADAPTER,
-    STATUS_ADAPTER,
 )
 from schemas.replies import Done, Error, TokenChunk
 from schemas.topics import catalog, reply_spec
@@ -59,7 +60,10 @@ class PdStack(StackProcs):
         self.env = settings_env(settings) | {
             "LLMQ_TENANTS_FILE": str(write_tenants_file(tmp / "tenants.toml"))}
         self.log_dir = tmp / "logs"
-        self.specs = stack_services(self.cfg)
+        # The prefill worker at real speed (the rest at 20x): its prompts take long enough
+        # for a test to act while hand-offs are on their way.
+        self.specs = [replace(spec, argv=_real_speed(spec.argv)) if "prefill" in spec.argv
+                      else spec for spec in stack_services(self.cfg)]
         self.stack = Stack(self.specs, self.env)
 
     @property
@@ -68,6 +72,11 @@ class PdStack(StackProcs):
 
     def topic(self, suffix: str) -> str:
         return next(s.name for s in catalog(self.prefix) if s.name.endswith(suffix))
+
+
+def _real_speed(argv: tuple[str, ...]) -> tuple[str, ...]:
+    i = argv.index("--time-scale")
+    return (*argv[: i + 1], "1.0", *argv[i + 2:])
 
 
 @pytest.fixture(scope="module")
@@ -162,11 +171,17 @@ async def test_scheduler_kill9_between_the_stages_ends_each_request_once(pd: PdS
     queued) and restarted 0.5 s later: it rebuilds the hand-offs from the log and places
     their decode stages (after ``takeover_s``); every request ends once, with its answer."""
     async with LlmqClient(pd.bootstrap, prefix=pd.prefix, default_model=MODEL) as client:
-        # ~7k-token prompts, ~110k tokens in all (under the overflow threshold): ~0.1 s of
-        # prefill at 20x, so the kill lands with prompts placed and hand-offs to come.
+        # ~7k-token prompts, ~110k tokens in all (under the overflow threshold): ~2 s of
+        # prefill at real speed. The kill comes after the first hand-off, with the rest
+        # still to come.
         handles = await asyncio.gather(*(
             client.submit(prompt="z" * (27_000 + 100 * i), max_tokens=40, timeout_s=120)
             for i in range(16)))
+        ids = {h.request_id for h in handles}
+        deadline = time.monotonic() + 30
+        while not [e for e in await _read_all(pd.bootstrap, pd.topic(".events"), EVENT_ADAPTER)
+                   if e.kind == "event.prefilled" and e.request_id in ids]:
+            assert time.monotonic() < deadline, "no prefill finished in 30 s"
         scheduler = pd.proc("scheduler")
         killed_at = time.time()
         scheduler.send_signal(signal.SIGKILL)
@@ -175,7 +190,6 @@ async def test_scheduler_kill9_between_the_stages_ends_each_request_once(pd: PdS
         pd.restart("scheduler")
         ends = [(await h.wait())[1] for h in handles]
     assert all(isinstance(e, Done) for e in ends), [e for e in ends if not isinstance(e, Done)]
-    ids = {h.request_id for h in handles}
     terminals: dict[str, int] = dict.fromkeys(ids, 0)
     for reply in await _read_all(pd.bootstrap, reply_spec(pd.prefix, "default").name,
                                  REPLY_ADAPTER):
@@ -202,14 +216,17 @@ async def test_a_burst_is_served_and_every_reservation_returns(pd: PdStack) -> N
     assert all(isinstance(e, Done) for e in ends), ends
     for handle in handles:  # every one of them in two stages (none overflowed: short)
         assert await _stages(pd, handle.request_id) == [(1, "prefill"), (2, "decode")]
+    # Every booking the scheduler holds, on every worker it knows (the prefill worker's
+    # too), back to zero: its llmq_reserved_kv_tokens gauge.
+    url = f"http://127.0.0.1:{pd.cfg.metrics_base_port}/metrics"  # the scheduler's
     deadline = time.monotonic() + 30
-    status = None
+    reserved: dict[str, float] = {}
     while time.monotonic() < deadline:
-        statuses = await _read_all(pd.bootstrap, pd.topic(".status"), STATUS_ADAPTER)
-        mine = [s for s in statuses if s.model == MODEL]
-        status = mine[-1] if mine else None
-        if status is not None and status.running_tokens == 0 and status.pending_requests == 0 \
-                and time.time() - status.ts < 5:
+        async with httpx.AsyncClient(timeout=5) as http:
+            text = (await http.get(url)).text
+        reserved = {s.labels["worker"]: s.value for f in text_string_to_metric_families(text)
+                    if f.name == "llmq_reserved_kv_tokens" for s in f.samples}
+        if reserved and not any(reserved.values()):
             return
         await asyncio.sleep(1.0)
-    raise AssertionError(f"reservations did not return to zero: {status}")
+    raise AssertionError(f"reservations did not return to zero: {reserved}")

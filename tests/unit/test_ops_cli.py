@@ -82,3 +82,11 @@ def test_bad_input_is_refused_before_anything_runs() -> None:
 def test_a_bug_keeps_its_traceback() -> None:
     assert operator_error(KeyError("x"), None) is None
     assert operator_error(ValueError("bad"), None) == "invalid input: bad"
+
+
+def test_up_with_prefill_workers_runs_no_lane_pool_workers_unless_asked() -> None:
+    from services.cli import lane_workers
+
+    assert lane_workers(0, 2, 1, set()) == (2, 1)  # no split: the defaults
+    assert lane_workers(1, 2, 1, set()) == (0, 0)  # a split: nothing beside it
+    assert lane_workers(1, 2, 3, {"long_workers"}) == (0, 3)  # ... unless asked for

@@ -416,3 +416,43 @@ def test_a_restart_books_the_prompt_kv_a_placed_decode_stage_has_not_pulled_yet(
             after.observe_event(record)
     after.restore()
     assert (after.reserved_kv("d0"), after.reserved_kv("p0")) == (1_024, 0)
+
+
+def test_a_restart_books_no_prefill_whose_decode_stage_was_lost_and_requeued() -> None:
+    state = pd_state()
+    for worker in ("m0",):
+        state.observe_heartbeat(beat(worker, 4))
+    a = place_prefill(state)
+    state.observe_event(prefilled(a))
+    ((_, b),) = assignments(state.tick(T + 1).effects)
+    assert b.phase == "decode"
+    # d0 dies before it starts: the request starts over whole (attempt 3).
+    state.observe_heartbeat(pd_beat("p0", 0, "prefill", T + 5))
+    state.observe_heartbeat(beat("m0", 4, T + 5))
+    result = tick_and_release(state, T + 5)
+    ((_, c),) = assignments(result.effects)
+    assert c.attempt == 3
+    after = new_state()
+    for record in (a, prefilled(a), b, c):
+        if isinstance(record, Assignment):
+            after.observe_assignment(record)
+        else:
+            after.observe_event(record)
+    after.restore()
+    assert after.reserved_kv("p0") == state.reserved_kv("p0")
+    assert after.log.pinned() == []
+
+
+def test_a_follower_reading_event_prefilled_first_books_the_prefill_stage() -> None:
+    leader, other = pd_state(), pd_state()
+    a = place_prefill(leader)
+    other.observe_event(prefilled(a))  # the events topic ahead of the assignments topic
+    other.observe_assignment(a)
+    assert other.reserved_kv("p0") == leader.reserved_kv("p0") == a.kv_tokens
+
+
+def test_running_tokens_leave_prefill_bookings_out() -> None:
+    state = pd_state()
+    place_prefill(state)
+    (status,) = state.statuses(T)
+    assert status.running_tokens == 0 and state.reserved_kv("p0") > 0

@@ -82,6 +82,8 @@ class FakeServer:
     strict: bool = False  # refuses stream_options it does not know, as OpenAI's API does
     flat_errors: bool = False  # its error body is {"object": "error", "message": ...}
     answer: dict[str, Any] = field(default_factory=prefill_answer)  # for stream: false
+    metrics_hold: asyncio.Event | None = None  # when set, /metrics waits for it
+    metrics_status: int = 200  # 404: a server without /metrics
 
     def app(self) -> Starlette:
         async def completions(request: Request) -> Response:
@@ -107,7 +109,9 @@ class FakeServer:
             return StreamingResponse(self._stream(), media_type="text/event-stream")
 
         async def metrics(_: Request) -> Response:
-            return PlainTextResponse(self.metrics)
+            if self.metrics_hold is not None:
+                await self.metrics_hold.wait()
+            return PlainTextResponse(self.metrics, status_code=self.metrics_status)
 
         return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
                                  Route("/metrics", metrics)])
@@ -282,6 +286,32 @@ async def test_non_finite_metrics_are_unknown_load(
         await engine.refresh_metrics()
         assert engine.capacity().kv_free_tokens == 0  # unknown: fail closed
     finally:
+        await engine.close()
+
+
+async def test_the_load_view_holds_while_a_scrape_is_on_its_way(
+    server: tuple[str, FakeServer]
+) -> None:
+    # A heartbeat taken while a scrape waits for its answer reports the last view, not an
+    # unknown load (no free KV) at every scrape.
+    # A server without /metrics (404), accounted locally: all of its KV is free.
+    url, fake = server
+    fake.metrics_status = 404
+    engine = await started(url, metrics_interval_s=3600)
+    try:
+        free = engine.capacity().kv_free_tokens
+        assert free == engine.capacity().kv_total_tokens > 0
+        fake.metrics_hold = asyncio.Event()
+        scrape = asyncio.create_task(engine.refresh_metrics())
+        await asyncio.sleep(0.05)
+        assert not scrape.done()
+        assert engine.capacity().kv_free_tokens == free  # was 0 (unknown) meanwhile
+        fake.metrics_hold.set()
+        await scrape
+        assert engine.capacity().kv_free_tokens == free
+    finally:
+        if fake.metrics_hold is not None:
+            fake.metrics_hold.set()  # or closing would wait for the held scrape
         await engine.close()
 
 

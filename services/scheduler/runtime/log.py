@@ -104,9 +104,10 @@ class AssignmentLog:
         entry.expires_at = max(entry.expires_at, request.created_at + request.timeout_s)
         if attempt == max(entry.assigned):
             previous, entry.latest = entry.latest, assignment
-            if assignment.phase == "decode" and previous is not None \
-                    and previous.attempt == attempt - 1 and attempt not in entry.started:
-                entry.pinned = previous
+            # Pinned only while the newest attempt is the decode stage of that prefill.
+            entry.pinned = previous if (
+                assignment.phase == "decode" and previous is not None
+                and previous.attempt == attempt - 1 and attempt not in entry.started) else None
         elif assignment.phase == "prefill" and entry.latest is not None \
                 and entry.latest.phase == "decode" and entry.latest.attempt == attempt + 1 \
                 and attempt + 1 not in entry.started:

@@ -340,6 +340,9 @@ class SchedulerState:
                 if record.phase != "decode" or older != record.attempt - 1:
                     self.ledger.release(record.request_id, older)
         if not self.log.observe_assignment(record):
+            if self.restored and self.log.status(record.request_id) == "handoff" \
+                    and self.log.latest(record.request_id) is record:
+                self._book(record)  # read after its event.prefilled: its KV waits there
             return []
         hb = self.fleet.get(record.worker_id)
         if hb is not None and record.worker_started_at is not None \
@@ -699,6 +702,8 @@ class SchedulerState:
         running: dict[str, int] = {}
         for worker_id in self.log.workers():
             for reservation in self.ledger.reservations(worker_id):
+                if reservation.request.phase == "prefill":
+                    continue  # on a prefill worker: not in the live KV ingest counts
                 model = reservation.request.model
                 running[model] = running.get(model, 0) + reservation.kv_tokens
         live: dict[str, list[int]] = {}  # model -> [workers, largest usable KV]

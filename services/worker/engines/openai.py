@@ -612,27 +612,29 @@ class OpenAIEngine:
         """Scrape /metrics once; on failure the load becomes unknown (fail closed)."""
         assert self._metrics_client is not None
         # Only a 404 now means "a server without /metrics" (accounted locally); any other
-        # failure, even after an earlier 404, means the load is unknown.
-        self._metrics_missing = False
+        # failure, even after an earlier 404, means the load is unknown. The view changes
+        # only once the answer is in: set before the await, capacity() read in between
+        # (a heartbeat) saw an unknown load, no free KV, at every scrape.
         try:
             response = await self._metrics_client.get("/metrics")
         except httpx.HTTPError as exc:
             _log.warning("openai engine: /metrics unreachable: %s", exc)
-            self._load = None
+            self._load, self._metrics_missing = None, False
             return
         if response.status_code == 404:
-            self._metrics_missing = True
-            self._load = None
+            self._load, self._metrics_missing = None, True
             return
         if response.status_code >= 400:
             _log.warning("openai engine: /metrics answered %s", response.status_code)
-            self._load = None
+            self._load, self._metrics_missing = None, False
             return
         try:
-            self._load = parse_vllm_metrics(response.text)
+            load = parse_vllm_metrics(response.text)
         except ValueError as exc:
             _log.warning("openai engine: /metrics unparsable: %s", exc)
-            self._load = None
+            self._load, self._metrics_missing = None, False
+            return
+        self._load, self._metrics_missing = load, False
 
     async def _poll(self) -> None:
         """Refresh the load until cancelled; a scrape that fails in a way refresh_metrics

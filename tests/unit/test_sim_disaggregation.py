@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from services.sim.bench import BenchConfig, prepare, run_bench
+from services.sim.bench import BenchConfig, prepare
 from services.sim.fleet import COMPLETED, REJECTED, Job, make_jobs
 from services.sim.llmq import LlmqConfig, LlmqPolicy
 from services.sim.pools import split_roles
@@ -15,6 +15,7 @@ from services.sim.simulator import SimStats, SimulationError, Simulator
 from services.sim.workload import TraceRequest, attach_classes, synthetic
 from services.worker.engines.sim import EngineProfile, get_profile
 from services.worker.engines.sim.model import to_ns, to_s
+from tests.unit.test_sim_simulator import twice
 
 H100 = get_profile("llama3-8b-h100")
 
@@ -104,12 +105,7 @@ def test_split_roles_gives_decode_the_fewest_workers_for_its_work() -> None:
 def test_pd_bench_is_deterministic_and_reports_its_roles() -> None:
     config = BenchConfig(synthetic=True, requests=500, workers=4, load=0.8, seed=5, pools="pd",
                          policies=("fifo-rr", "llmq"))
-    first, _ = run_bench(config)
-    second, _ = run_bench(config)
-    for doc in (first, second):
-        del doc["elapsed_s"]
-        for p in doc["policies"].values():
-            del p["wall_s"]
+    first, second = twice(config)
     assert first == second
     assert first["policies"]["llmq"]["roles"] == first["config"]["llmq_roles"]
     assert sum(first["config"]["llmq_roles"].values()) == 4

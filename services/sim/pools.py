@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 from schemas.common import Lane, Pool, Role
@@ -94,6 +94,17 @@ def reserved_capacity(
     return counted / (t_close - t_open) if t_close > t_open else math.inf
 
 
+def _runs(profile: EngineProfile, usable_kv: int) -> Callable[[Job], bool]:
+    """Whether a job runs at all: the rest are refused too_large and add no work."""
+    bs, limit = profile.block_size, profile.max_seq_tokens()
+
+    def runs(j: Job) -> bool:
+        reserved = -(-(j.prompt + j.max_tokens) // bs) * bs
+        return j.prompt + j.output <= limit and reserved <= usable_kv
+
+    return runs
+
+
 def lane_work(
     profile: EngineProfile,
     jobs: Sequence[Job],
@@ -104,12 +115,7 @@ def lane_work(
     """W(L): engines kept busy by each lane on average (0 for an empty lane)."""
     span = jobs[-1].arrival_s - jobs[0].arrival_s if jobs else 0.0
     work: dict[Lane, float] = {}
-    bs, limit = profile.block_size, profile.max_seq_tokens()
-
-    def runs(j: Job) -> bool:  # the rest are refused too_large: they add no work
-        reserved = -(-(j.prompt + j.max_tokens) // bs) * bs
-        return j.prompt + j.output <= limit and reserved <= usable_kv
-
+    runs = _runs(profile, usable_kv)
     for lane in ("short", "long"):
         members = [j for j in jobs if j.lane == lane and runs(j)]
         if not members or span <= 0:
@@ -132,10 +138,7 @@ def phase_work(
 ) -> tuple[float, float]:
     """(W(prefill), W(decode)): engines kept busy by each phase on average."""
     span = jobs[-1].arrival_s - jobs[0].arrival_s if jobs else 0.0
-    limit = profile.max_seq_tokens()
-    members = [j for j in jobs if j.prompt + j.output <= limit
-               and -(-(j.prompt + j.max_tokens) // profile.block_size) * profile.block_size
-               <= usable_kv]
+    members = list(filter(_runs(profile, usable_kv), jobs))
     if not members or span <= 0:
         return 0.0, 0.0
     sample = members if len(members) <= sample_size else rng.sample(members, sample_size)

@@ -45,6 +45,7 @@ from services.worker.runner import (
     Outcome,
     RequestRun,
     RunConfig,
+    StopReason,
     engine_request,
 )
 from services.worker.settings import WorkerSettings
@@ -276,14 +277,20 @@ async def test_a_prefill_past_its_deadline_times_out_for_the_client() -> None:
     assert engine.aborted == ["r1#1"]
 
 
-async def test_a_cancelled_prefill_ends_cancelled_for_the_client() -> None:
+async def _stopped_prefill(reason: StopReason, message: str) -> tuple[Outcome, _Producer,
+                                                                    _StageEngine]:
+    """A prefill run stopped (``reason``) once its engine has the request."""
     producer, engine = _Producer(), _StageEngine(hang=True)
     run = RequestRun(_stage("prefill"), engine, Publisher(producer, 5.0), _CFG)
     task = asyncio.create_task(run.run())
     while not engine.requests:
         await asyncio.sleep(0.001)
-    run.stop("cancelled", "client went away")
-    outcome = await asyncio.wait_for(task, 5.0)
+    run.stop(reason, message)
+    return await asyncio.wait_for(task, 5.0), producer, engine
+
+
+async def test_a_cancelled_prefill_ends_cancelled_for_the_client() -> None:
+    outcome, producer, engine = await _stopped_prefill("cancelled", "client went away")
     assert (outcome.kind, outcome.terminal) == ("cancelled", "cancelled")
     assert producer.terminals() == [("error", "cancelled"), ("event.aborted", "cancelled")]
     assert engine.aborted == ["r1#1"]
@@ -298,13 +305,7 @@ async def test_a_prefill_the_engine_refuses_fails_with_its_code() -> None:
 
 
 async def test_a_superseded_prefill_ends_unanswered() -> None:
-    producer, engine = _Producer(), _StageEngine(hang=True)
-    run = RequestRun(_stage("prefill"), engine, Publisher(producer, 5.0), _CFG)
-    task = asyncio.create_task(run.run())
-    while not engine.requests:
-        await asyncio.sleep(0.001)
-    run.stop("superseded", "attempt 2 replaces it")
-    outcome = await asyncio.wait_for(task, 5.0)
+    outcome, producer, _ = await _stopped_prefill("superseded", "attempt 2 replaces it")
     assert (outcome.kind, outcome.acked) == ("superseded", True)
     assert _kinds(producer) == ["event.started"]
 

@@ -6,6 +6,9 @@ table of the targets, each figure with its target and a ✓ or ✗:
 
 =====================  ===========================================================
 short p99 e2e ÷ fifo   llmq's short-lane P99 end-to-end latency ÷ fifo-rr's  ≤ 0.10
+floor ÷ fifo           the short lane's P99 latency *alone* ÷ fifo-rr's short P99: no
+                       policy goes below it, so above 0.10 the first target is out of
+                       reach on that cell by construction
 ÷ best other           ... ÷ the best of least-requests and vllm-random       ≤ 0.50
 long tok/s ÷ fifo      llmq's long-lane completed tokens/s ÷ fifo-rr's        ≥ 0.95
 high queue p99         llmq's high class, P99 time in the scheduler's queue   ≤ 0.1 s
@@ -76,6 +79,7 @@ def targets(doc: dict[str, Any]) -> dict[str, Any]:
     best_name = min(BASELINES, key=lambda n: p[n]["lanes"]["short"]["e2e_p99_s"] or 1e300)
     best = p[best_name]["lanes"]["short"]["e2e_p99_s"]
     fifo_short = fifo["lanes"]["short"]["e2e_p99_s"]
+    floor = short.get("e2e_alone_p99_s")  # the same arrivals, so the same for every policy
     long_mine = llmq["lanes"]["long"]["completed_tokens_per_s"]
     long_fifo = fifo["lanes"]["long"]["completed_tokens_per_s"]
     low = llmq["classes"]["low"]
@@ -89,6 +93,8 @@ def targets(doc: dict[str, Any]) -> dict[str, Any]:
         "best_other": best_name,
         "best_other_short_p99": best,
         "ratio_fifo": _ratio(mine, fifo_short),
+        "short_floor": floor,
+        "floor_fifo": _ratio(floor, fifo_short),
         "ratio_best": _ratio(mine, best),
         "long_ratio": _ratio(long_mine, long_fifo),
         "high_queue_p99": llmq["classes"]["high"]["queue_p99_s"],
@@ -117,7 +123,7 @@ def render_markdown(cells: Sequence[Cell], base: BenchConfig) -> str:
     """One markdown table of every target in every cell, with a legend line."""
     head = (
         "| trace | load | llmq short p99 (s) | fifo-rr | best other | ÷ fifo ≤ 0.10 "
-        "| ÷ best ≤ 0.50 | long tok/s ÷ fifo ≥ 0.95 | high queue p99 ≤ 0.1 s "
+        "| floor ÷ fifo | ÷ best ≤ 0.50 | long tok/s ÷ fifo ≥ 0.95 | high queue p99 ≤ 0.1 s "
         "| high wait p99 | low max wait ≤ bound | llmq preempt = 0 | baseline preempt "
         "| llmq rejected |"
     )
@@ -135,6 +141,7 @@ def render_markdown(cells: Sequence[Cell], base: BenchConfig) -> str:
                 _num(t["fifo_short_p99"]),
                 f"{_num(t['best_other_short_p99'])} ({t['best_other']})",
                 _num(ratio_fifo) + _mark(None if ratio_fifo is None else ratio_fifo <= 0.10),
+                _floor(t["floor_fifo"]),
                 _num(ratio_best) + _mark(None if ratio_best is None else ratio_best <= 0.50),
                 _num(long_ratio, ".3f") + _mark(None if long_ratio is None else long_ratio >= 0.95),
                 _num(t["high_queue_p99"], ".3f", " s")
@@ -152,9 +159,17 @@ def render_markdown(cells: Sequence[Cell], base: BenchConfig) -> str:
         f"`{base.pools}`, heartbeat {base.llmq.heartbeat_s:g} s, timeout "
         f"{base.llmq.timeout_s:g} s, llmq's engines "
         f"{'by priority' if base.llmq.engine_priority else 'FCFS'} (the baselines' FCFS). "
-        "Baseline preemptions: fifo-rr / least-requests / vllm-random.\n"
+        "Baseline preemptions: fifo-rr / least-requests / vllm-random. Floor: the short "
+        "lane's P99 latency alone on an idle engine ÷ fifo-rr's short P99, the lowest "
+        "÷ fifo any policy can reach.\n"
     )
     return "\n".join(rows) + "\n" + legend
+
+
+def _floor(ratio: float | None) -> str:
+    if ratio is None:
+        return "—"
+    return _num(ratio) + (" (out of reach)" if ratio > 0.10 else "")
 
 
 def _rule(head: str) -> str:
@@ -165,9 +180,9 @@ def render_seed_ranges(by_seed: Mapping[int, Sequence[Cell]]) -> str:
     """One markdown table: per cell, each target's range over the seeds, and at how many
     of them it holds (``k/n``)."""
     head = (
-        "| trace | load | ÷ fifo ≤ 0.10 | ÷ best ≤ 0.50 | long tok/s ÷ fifo ≥ 0.95 "
-        "| high queue p99 ≤ 0.1 s | low max wait ≤ bound | llmq preempt = 0 "
-        "| llmq rejected |"
+        "| trace | load | ÷ fifo ≤ 0.10 | floor ÷ fifo | ÷ best ≤ 0.50 "
+        "| long tok/s ÷ fifo ≥ 0.95 | high queue p99 ≤ 0.1 s | low max wait ≤ bound "
+        "| llmq preempt = 0 | llmq rejected |"
     )
     rows = [head, _rule(head)]
     seeds = list(by_seed)
@@ -178,12 +193,16 @@ def render_seed_ranges(by_seed: Mapping[int, Sequence[Cell]]) -> str:
         ts = [targets(c.doc) for c in cells]
 
         def span(key: str, ok: Callable[[float], bool], fmt: str = ".2f", unit: str = "",
-                 ts: list[dict[str, Any]] = ts) -> str:
-            values = [t[key] for t in ts if t[key] is not None]
+                 ts: list[dict[str, Any]] = ts, counted: bool = True) -> str:
+            values = [t[key] for t in ts if t.get(key) is not None]
             if not values:
                 return "—"
             lo, hi = _num(min(values), fmt), _num(max(values), fmt)
             shown = f"{lo}{unit}" if lo == hi else f"{lo}–{hi}{unit}"  # equal as printed
+            if not counted:  # a bound, not a target: at how many seeds it rules one out
+                out = sum(not ok(v) for v in values)
+                return shown + ("" if not out else " (out of reach)" if out == len(values)
+                                else f" (out of reach at {out}/{len(values)})")
             return f"{shown} ({sum(ok(v) for v in values)}/{len(values)})"
 
         low_ok = sum(t["low_wait_max"] is not None and t["low_bound"] is not None
@@ -192,6 +211,7 @@ def render_seed_ranges(by_seed: Mapping[int, Sequence[Cell]]) -> str:
             first.trace,
             f"{first.load:g}",
             span("ratio_fifo", lambda v: v <= 0.10),
+            span("floor_fifo", lambda v: v <= 0.10, counted=False),
             span("ratio_best", lambda v: v <= 0.50),
             span("long_ratio", lambda v: v >= 0.95, ".3f"),
             span("high_queue_p99", lambda v: v <= 0.1, ".3f", " s"),

@@ -74,6 +74,22 @@ def test_lane_summary_percentiles_and_rejections() -> None:
     assert s["completed_tokens_per_s"] == pytest.approx(finished_by_end * 110 / 10.0)
 
 
+def test_the_floor_is_the_p99_of_every_arrived_requests_latency_alone() -> None:
+    # Prompts of 100..1000 tokens: each alone is longer than the one before. A rejected
+    # request counts too (its own time alone is still the least it could have taken), and
+    # one that could never fit an engine (infinite time alone) is left out.
+    jobs = [done(i, float(i), lane_tokens=100 * (i + 1)) for i in range(10)]
+    jobs.append(rejected(10, 10.0))
+    huge = make_jobs([TraceRequest(0, 11.0, PROFILE.kv_total_tokens + 10, 10)], PROFILE)[0]
+    huge.idx, huge.state, huge.reject_code, huge.finished_s = 11, REJECTED, "too_large", 11.0
+    s = lane_summary([*jobs, huge], timeout_s=60.0, window=(0.0, 11.0))
+    assert math.isinf(huge.e2e_alone_s)
+    assert s["e2e_alone_p99_s"] == pytest.approx(
+        percentile([j.e2e_alone_s for j in jobs], 99), abs=1e-6)
+    assert jobs[9].e2e_alone_s > s["e2e_alone_p99_s"] > jobs[8].e2e_alone_s
+    assert lane_summary([], 60.0, (0.0, 1.0))["e2e_alone_p99_s"] is None
+
+
 def test_summary_keys_and_classes() -> None:
     jobs = [done(0, 0.0, priority="high"), done(1, 0.5, wait=2.0, priority="low"),
             rejected(2, 1.0)]
@@ -154,9 +170,10 @@ def test_split_pools_refuses_an_empty_fleet() -> None:
         split_pools(0, {"short": 1.0, "long": 1.0})
 
 
-def _policy(short_p99: float, long_tps: float, preempt: int = 0) -> dict[str, object]:
+def _policy(short_p99: float, long_tps: float, preempt: int = 0,
+            floor: float = 2.0) -> dict[str, object]:
     lane = {"e2e_p99_s": short_p99, "e2e_p99_with_rejections_s": short_p99,
-            "completed_tokens_per_s": long_tps, "arrived": 10}
+            "completed_tokens_per_s": long_tps, "arrived": 10, "e2e_alone_p99_s": floor}
     klass = {"queue_p99_s": 0.05, "wait_p99_s": 0.2, "wait_max_s": 10.0}
     return {"lanes": {"short": lane, "long": lane}, "classes": {c: klass for c in
             ("high", "normal", "low")}, "aging_bound_s": 60.0, "max_service_s": 20.0,
@@ -175,25 +192,32 @@ def test_targets_and_markdown_table() -> None:
     assert row.startswith("| conv | 0.85 | 4.00 | 40.00 |")
     assert "0.10 ✓" in row and "0.960 ✓" in row and "10.0 ≤ 80.0 s ✓" in row
     assert "3 / 0 / 5" in row and not math.isnan(t["rejection_rate"])
+    # The floor: 2 s alone ÷ fifo-rr's 40 s, within reach of the 0.10 target.
+    assert t["short_floor"] == 2.0 and t["floor_fifo"] == pytest.approx(0.05)
+    assert "| 0.10 ✓ | 0.05 | 0.20 ✓ |" in row
+    slow = {**doc, "policies": {**doc["policies"], "llmq": _policy(4.0, 96.0, floor=6.0)}}
+    text = render_markdown([Cell("conv", 0.85, slow)], BenchConfig(synthetic=True))
+    assert "| 0.15 (out of reach) |" in text.splitlines()[2]  # 6 s alone ÷ 40 s
 
 
 def test_seed_ranges_give_each_targets_span_and_where_it_holds() -> None:
-    def doc(llmq_short: float, llmq_long: float) -> dict[str, object]:
+    def doc(llmq_short: float, llmq_long: float, floor: float = 2.0) -> dict[str, object]:
         return {"policies": {"fifo-rr": _policy(40.0, 100.0), "least-requests":
                              _policy(20.0, 99.0), "vllm-random": _policy(30.0, 98.0),
-                             "llmq": _policy(llmq_short, llmq_long)}}
+                             "llmq": _policy(llmq_short, llmq_long, floor=floor)}}
 
     by_seed = {
-        1: [Cell("conv", 0.6, doc(8.0, 100.0)), Cell("conv", 0.95, doc(9.0, 99.0))],
+        1: [Cell("conv", 0.6, doc(8.0, 100.0)), Cell("conv", 0.95, doc(9.0, 99.0, 6.0))],
         2: [Cell("conv", 0.6, doc(12.0, 90.0)), Cell("conv", 0.95, doc(9.0, 96.0))],
         3: [Cell("conv", 0.6, doc(9.0, 96.0)), Cell("conv", 0.95, doc(9.0, 95.5))],
     }
     lines = render_seed_ranges(by_seed).splitlines()
     first, second = lines[2], lines[3]
     # ÷ best 0.40 / 0.60 / 0.45: met at two seeds of three; long 1.000 / 0.900 / 0.960.
-    assert first.startswith("| conv | 0.6 | 0.20–0.30 (0/3) | 0.40–0.60 (2/3) "
+    assert first.startswith("| conv | 0.6 | 0.20–0.30 (0/3) | 0.05 | 0.40–0.60 (2/3) "
                             "| 0.900–1.000 (2/3) |")
     assert "| 0.45 (3/3) |" in second and "| 3/3 |" in second  # one value: no range
+    assert "| 0.05–0.15 (out of reach at 1/3) |" in second  # a floor of 6 s ÷ 40 s at seed 1
     assert "Seeds 1, 2, 3" in lines[-1]
     with pytest.raises(ValueError, match="same grid"):
         render_seed_ranges({1: by_seed[1], 2: list(reversed(by_seed[2]))})

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -361,3 +363,23 @@ def test_bench_refuses_a_sub_nanosecond_heartbeat_naming_the_option() -> None:
     assert result.exit_code == 2, result.output
     assert "--heartbeat-s" in result.output and "at least 1 ns" in result.output
     assert "Traceback" not in result.output
+
+
+@pytest.mark.timeout(60)
+def test_bench_table_shows_each_lanes_floor_from_the_json(tmp_path: Path) -> None:
+    out = tmp_path / "run.json"
+    result = CliRunner().invoke(
+        bench_policies,
+        ["--synthetic", "--requests", "300", "--workers", "2", "--policies", "fifo-rr,llmq",
+         "--json", str(out)],
+        terminal_width=200,
+    )
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    for lane in ("short", "long"):
+        floor = doc["policies"]["llmq"]["lanes"][lane]["e2e_alone_p99_s"]
+        assert floor == doc["policies"]["fifo-rr"]["lanes"][lane]["e2e_alone_p99_s"]
+        for policy in doc["policies"].values():  # nobody beats the floor
+            assert policy["lanes"][lane]["e2e_p99_s"] >= floor
+    short = doc["policies"]["llmq"]["lanes"]["short"]["e2e_alone_p99_s"]
+    assert f"short {short:.3g}s" in result.output and "e2e p99 alone" in result.output

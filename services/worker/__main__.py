@@ -77,6 +77,10 @@ def _parse(argv: Sequence[str] | None) -> dict[str, Any]:
                    help="... or after M milliseconds (default 50)")
     p.add_argument("--max-in-flight", dest="max_in_flight", type=int,
                    help="requests in the engine at once (default its max_num_seqs)")
+    p.add_argument("--handoff-hold", dest="handoff_hold_s", type=float,
+                   help="prefill role: a drain waits up to this many seconds after each "
+                   "hand-off for its decode stage to take the prompt's KV (default 120; "
+                   "match the KV connector's timeout; 0: no wait)")
     p.add_argument("--metrics-port", dest="metrics_port", type=int,
                    help="Prometheus port on 127.0.0.1 (LLMQ_METRICS_PORT)")
     p.add_argument("--loglevel", dest="log_level",

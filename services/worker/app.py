@@ -49,7 +49,13 @@ Drain (SIGTERM or ``DrainWorker``): a draining heartbeat goes out at once so the
 stops placing work here; the worker keeps reading its partition and serves whatever still
 arrives (nothing is dropped), and exits once nothing is in flight (no run, no record being
 handled), no assignment arrived for ``drain_quiet_s`` and the draining heartbeat was
-acknowledged that long ago. Then: a final heartbeat, a final commit, leave the group, exit 0.
+acknowledged that long ago. A prefill worker also waits for its hand-offs: the engine holds
+each prompt's KV until the decode stage takes it, so the worker follows ``llmq.events``
+from its oldest hand-off on and stays (heartbeating ``draining``, nothing running) until
+each one's decode stage has its first token, the request ended, or the hold expired
+(``handoff_hold_s`` after the hand-off, or the request's deadline;
+:mod:`services.worker.core.handoffs`). Then: a final heartbeat, a final commit, leave the
+group, exit 0.
 
 A dead engine (its capacity says it can run nothing more) stops the worker at once, exit 1:
 its heartbeats end, so the scheduler declares it lost and requeues or ends its work, rather
@@ -61,6 +67,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import asdict, dataclass
@@ -77,7 +84,7 @@ from schemas.common import Pool, Role
 from schemas.control import LeaseAnswer
 from schemas.messages import ASSIGNMENT_ADAPTER
 from schemas.requests import Assignment
-from schemas.workers import WorkerHeartbeat
+from schemas.workers import LifecycleEvent, WorkerHeartbeat
 from services.common import metrics as m
 from services.common import tracing
 from services.common.guard import Guard, aiokafka_dead_letter
@@ -87,6 +94,7 @@ from services.common.settings import Settings
 from services.worker.core import (
     AttemptLedger,
     HeartbeatFields,
+    HeldHandoffs,
     OffsetTracker,
     RateMeter,
     RecentCancels,
@@ -97,7 +105,13 @@ from services.worker.core import (
 from services.worker.core.lease import Lease, Verdict
 from services.worker.engines.base import Engine
 from services.worker.gpu import NvmlProbe
-from services.worker.kafka_io import ControlMessage, ControlReader, Publisher, WorkerTopics
+from services.worker.kafka_io import (
+    ControlMessage,
+    ControlReader,
+    EventFollower,
+    Publisher,
+    WorkerTopics,
+)
 from services.worker.metrics import WorkerMetrics
 from services.worker.replay import already_ended, replayed_attempts
 from services.worker.runner import RequestRun, RunConfig
@@ -178,6 +192,9 @@ class Worker:
         self._ended_elsewhere: set[tuple[str, int]] = set()
         self.rate = RateMeter()
         self.draining = False
+        self.handoffs = HeldHandoffs(ws.handoff_hold_s)
+        self._events: EventFollower | None = None  # follows the hand-offs while draining
+        self._events_tried_at = -math.inf
         self.runs: dict[str, RequestRun] = {}  # request_id -> its current run
         self._run_tasks: set[asyncio.Task[None]] = set()
         self._producer: Any = None
@@ -328,6 +345,7 @@ class Worker:
                        "requeues or ends them) and draining", self.id.slot, len(self.runs))
             for run in list(self.runs.values()):
                 run.stop("superseded", "slot taken over")
+            self.handoffs.release_all()  # started over by the scheduler, as after a fence
             self.begin_drain("slot taken over")
 
     def begin_drain(self, reason: str) -> None:
@@ -370,6 +388,7 @@ class Worker:
     async def _close_clients(self) -> None:
         for closer in (
             self._control.stop() if self._control else None,
+            self._events.stop() if self._events else None,
             self._consumer.stop() if self._consumer else None,
             self._producer.stop() if self._producer else None,
             self.engine.close(),
@@ -503,6 +522,9 @@ class Worker:
         finally:
             if self.runs.get(run.request_id) is run:
                 del self.runs[run.request_id]
+        if outcome.kind == "prefilled" and outcome.acked:
+            a = run.assignment
+            self.handoffs.hold(a.request_id, a.attempt, a.deadline, self._clock())
         if outcome.terminal is not None:
             admitted = run.assignment.admitted
             self.metrics.finished(outcome.terminal, admitted.priority, admitted.lane,
@@ -606,6 +628,8 @@ class Worker:
                    self.id.worker_id, why, len(self.runs), self.started_at, old)
         for run in list(self.runs.values()):
             run.stop("superseded", "this process was fenced")
+        # The scheduler starts this incarnation's hand-offs over: nobody will pull their KV.
+        self.handoffs.release_all()
         self._heartbeat_wake.set()  # announce the new incarnation now
 
     async def _lease_watch(self) -> None:
@@ -711,6 +735,41 @@ class Worker:
                 continue
             if now - self._last_record_at < quiet:
                 continue
+            held = self.handoffs.held(self._clock())
+            if held:
+                await self._follow_handoffs(held)
+                continue
             _log.info("worker %s: drained; exiting", self.id.worker_id)
             self._done.set()
             return
+
+    async def _follow_handoffs(self, held: int) -> None:
+        """Drained but for hand-offs whose KV may still be pulled: follow ``llmq.events``
+        from the oldest of them (once; a failed start is tried again every 5 s, and the
+        holds expire meanwhile)."""
+        now = time.monotonic()
+        if self._events is not None or now - self._events_tried_at < 5.0:
+            return
+        self._events_tried_at = now
+        since = self.handoffs.since()
+        assert since is not None
+        _log.info("worker %s: drained but for %d hand-off(s) whose KV the decode side may "
+                  "still pull; waiting for their decode stages (at most %.0f s each)",
+                  self.id.worker_id, held, self.ws.handoff_hold_s)
+        follower = EventFollower(self.settings.bootstrap, self.topics.events,
+                                 self._on_event)
+        try:
+            await follower.start(since_s=since - 1.0)  # producers' clocks: 1 s of slack
+        except (KafkaError, TimeoutError, OSError):
+            _log.warning("worker %s: cannot read %s to follow the hand-offs; they are held "
+                         "until they expire", self.id.worker_id, self.topics.events,
+                         exc_info=True)
+            return
+        self._events = follower
+        self._spawn(follower.run())
+
+    async def _on_event(self, event: LifecycleEvent) -> None:
+        if self.handoffs.observe(event.kind, event.request_id, event.attempt):
+            _log.info("worker %s: hand-off %s taken over (%s at attempt %d); %d still held",
+                      self.id.worker_id, event.request_id, event.kind, event.attempt,
+                      self.handoffs.held(self._clock()))

@@ -10,6 +10,8 @@
   callback. Undecodable control records are logged and skipped here, not dead-lettered:
   the scheduler's control consumer (a group, so once per record) dead-letters them, and
   every worker doing it too would multiply one bad record by the size of the fleet.
+- :class:`EventFollower` reads ``llmq.events`` the same way, from a given time: a
+  draining prefill worker follows its hand-offs there (``services.worker.core.handoffs``).
 """
 
 from __future__ import annotations
@@ -26,10 +28,10 @@ from aiokafka.errors import KafkaError
 from schemas.base import WireMessage
 from schemas.codec import SchemaError, decode, encode
 from schemas.control import CancelRequest, DrainWorker, LeaseAnswer
-from schemas.messages import CONTROL_ADAPTER
+from schemas.messages import CONTROL_ADAPTER, EVENT_ADAPTER
 from schemas.requests import Assignment
 from schemas.topics import TopicSpec, catalog, message_key
-from schemas.workers import EventStarted, WorkerHeartbeat
+from schemas.workers import EventStarted, LifecycleEvent, WorkerHeartbeat
 from services.common.kafka import TopicRequest, fetch_forever, make_consumer
 from services.common.replies import topic_partitions
 from services.common.tracing import Headers
@@ -127,26 +129,37 @@ class Publisher:
         return await self.acked([future])
 
 
-class ControlReader:
-    """Every command on the control topic from now on, decoded (see the module docstring)."""
+class TopicFollower:
+    """Every record of one topic from a point on, decoded with ``adapter`` and handed to a
+    callback: every partition, no consumer group (module docstring). Undecodable records
+    are logged and skipped; a failing callback is logged and the next record is read."""
 
-    def __init__(self, bootstrap: str, topic: str,
-                 handle: Callable[[ControlMessage], Awaitable[None]]) -> None:
+    def __init__(self, bootstrap: str, topic: str, adapter: Any,
+                 handle: Callable[[Any], Awaitable[None]], what: str) -> None:
         self.topic = topic
         self._bootstrap = bootstrap
+        self._adapter = adapter
         self._handle = handle
+        self._what = what
         self._consumer: Any = None
 
-    async def start(self) -> None:
-        """Assign every partition at its current end; commands sent after this are seen."""
+    async def start(self, since_s: float | None = None) -> None:
+        """Assign every partition at its current end, or (``since_s``, Unix seconds) at its
+        first record stamped at or after that time; what is sent after this is seen."""
         partitions = await topic_partitions(self._bootstrap, self.topic)
         consumer = make_consumer(self._bootstrap, enable_auto_commit=False)
         await consumer.start()
         try:
             tps = [TopicPartition(self.topic, p) for p in partitions]
             consumer.assign(tps)
-            await consumer.seek_to_end(*tps)
+            found = {} if since_s is None else await consumer.offsets_for_times(
+                {tp: max(0, int(since_s * 1000)) for tp in tps})
             for tp in tps:
+                at = found.get(tp)
+                if at is None:
+                    await consumer.seek_to_end(tp)
+                else:
+                    consumer.seek(tp, at.offset)
                 await consumer.position(tp)  # resolve the lazy seek now
         except BaseException:
             await consumer.stop()
@@ -160,20 +173,38 @@ class ControlReader:
 
     async def run(self) -> None:
         """Read until cancelled."""
-        async for batches in fetch_forever(self._consumer, 200, "control reader"):
+        async for batches in fetch_forever(self._consumer, 200, f"{self._what} reader"):
             for records in batches.values():
                 for record in records:
                     await self._one(record)
 
     async def _one(self, record: Any) -> None:
         try:
-            msg: ControlMessage = decode(record.value, CONTROL_ADAPTER)
+            msg = decode(record.value, self._adapter)
         except SchemaError as exc:
-            _log.warning("control: undecodable record %s/%s/%s skipped: %s",
+            _log.warning("%s: undecodable record %s/%s/%s skipped: %s", self._what,
                          record.topic, record.partition, record.offset, exc)
             return
         try:
             await self._handle(msg)
         except Exception:
-            # One command must not stop the worker from seeing the next one.
-            _log.exception("control: handling %s failed", msg.kind)
+            # One record must not stop the worker from seeing the next one.
+            _log.exception("%s: handling %s failed", self._what, msg.kind)
+
+
+class ControlReader(TopicFollower):
+    """Every command on the control topic from now on, decoded (see the module docstring)."""
+
+    def __init__(self, bootstrap: str, topic: str,
+                 handle: Callable[[ControlMessage], Awaitable[None]]) -> None:
+        super().__init__(bootstrap, topic, CONTROL_ADAPTER, handle, "control")
+
+
+class EventFollower(TopicFollower):
+    """Lifecycle events on ``llmq.events`` (a draining prefill worker reads them to learn
+    when its hand-offs' KV was taken: ``services.worker.core.handoffs``). Undecodable
+    events are skipped here: the scheduler's reader dead-letters them."""
+
+    def __init__(self, bootstrap: str, topic: str,
+                 handle: Callable[[LifecycleEvent], Awaitable[None]]) -> None:
+        super().__init__(bootstrap, topic, EVENT_ADAPTER, handle, "events")

@@ -110,6 +110,13 @@ class WorkerSettings(BaseSettings):
         description="Draining: exit once idle and no assignment arrived for this long "
         "(default 2 heartbeat intervals, so the scheduler saw the draining heartbeat).",
     )
+    handoff_hold_s: float = Field(
+        default=120.0, ge=0, le=3600,
+        description="Prefill role, draining: before exiting, wait for each hand-off's decode "
+        "stage to take the prompt's KV (its first token), but no longer than this after the "
+        "hand-off or past the request's deadline. Match the connector's own hold timeout "
+        "(vLLM: VLLM_NIXL_ABORT_REQUEST_TIMEOUT). 0: exit without waiting.",
+    )
     session_timeout_ms: int = Field(
         default=10_000, ge=6_000, le=300_000,
         description="Slot group session timeout: how long a dead worker holds its slot. At "

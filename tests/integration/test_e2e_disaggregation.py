@@ -230,3 +230,64 @@ async def test_a_burst_is_served_and_every_reservation_returns(pd: PdStack) -> N
             return
         await asyncio.sleep(1.0)
     raise AssertionError(f"reservations did not return to zero: {reserved}")
+
+
+async def test_a_draining_prefill_worker_waits_until_its_hand_offs_kv_is_taken(
+        pd: PdStack) -> None:
+    """SIGTERM drains the prefill worker while the decode stages of its hand-offs still
+    wait their turn (the decode worker restarted at real speed, one request at a time).
+    The engine holds each prompt's KV until its decode stage takes it, so the worker must
+    outlive every decode stage's first token; nothing is started over. Last in the module:
+    it ends with the prefill worker drained and started again."""
+    prefill = next(s.name for s in pd.specs if "prefill" in s.argv)
+    decode_name = next(s.name for s in pd.specs if "decode" in s.argv)
+    proc = pd.proc(decode_name)
+    proc.send_signal(signal.SIGTERM)
+    assert await asyncio.to_thread(proc.wait, 30) == 0
+    pd.specs = [replace(s, argv=(*_real_speed(s.argv), "--max-in-flight", "1"))
+                if s.name == decode_name else s for s in pd.specs]
+    pd.restart(decode_name)
+    await _until_role_beats(pd, "decode", since=time.time())
+    async with LlmqClient(pd.bootstrap, prefix=pd.prefix, default_model=MODEL) as client:
+        # Short prompts (prefilled at once), 150 output tokens each: ~0.9 s of decode at
+        # real speed, one at a time, so the last decode stage starts ~7 s after the first.
+        handles = [await client.submit(prompt=f"drain {i} " * 40, max_tokens=150,
+                                       timeout_s=90) for i in range(8)]
+        ids = {h.request_id for h in handles}
+        deadline = time.monotonic() + 30
+        while {e.request_id for e in await _read_all(pd.bootstrap, pd.topic(".events"),
+                                                      EVENT_ADAPTER)
+               if e.kind == "event.prefilled"} < ids:
+            assert time.monotonic() < deadline, "not every prefill finished in 30 s"
+        worker = pd.proc(prefill)
+
+        def exit_time() -> tuple[int, float]:
+            return worker.wait(90), time.time()
+
+        drained_at = time.time()
+        worker.send_signal(signal.SIGTERM)
+        exited = asyncio.create_task(asyncio.to_thread(exit_time))
+        ends = [(await h.wait())[1] for h in handles]
+        code, exited_at = await exited
+    assert code == 0
+    assert all(isinstance(e, Done) for e in ends), ends
+    firsts = [e.ts for e in await _read_all(pd.bootstrap, pd.topic(".events"), EVENT_ADAPTER)
+              if e.request_id in ids and e.kind == "event.first_token" and e.attempt == 2]
+    assert len(firsts) == len(ids)
+    # Without the wait the worker left ~2 s after SIGTERM (drain_quiet_s), before most
+    # decode stages had their KV; it must have outlived the last first token.
+    assert max(firsts) > drained_at + 3.0, "the decode stages were done before the drain"
+    assert exited_at >= max(firsts)
+    for handle in handles:  # nothing started over: the KV was there for every one
+        assert await _stages(pd, handle.request_id) == [(1, "prefill"), (2, "decode")]
+    pd.restart(prefill)
+    await _until_role_beats(pd, "prefill", since=time.time())
+
+
+async def _until_role_beats(pd: PdStack, role: str, since: float) -> None:
+    deadline = time.monotonic() + 60
+    while not [hb for hb in await _read_all(pd.bootstrap, pd.topic(".heartbeats"),
+                                            HEARTBEAT_ADAPTER)
+               if hb.role == role and hb.ts > since and not hb.draining]:
+        assert time.monotonic() < deadline, f"no {role} worker beat within 60 s"
+        await asyncio.sleep(0.5)

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from schemas.workers import WorkerHeartbeat
+from schemas.workers import EventFirstToken, WorkerHeartbeat
 from services.ops.drain_progress import DrainProgress
 from services.worker.__main__ import build
 from services.worker.app import Worker
@@ -89,6 +89,39 @@ async def test_a_drain_waits_for_the_record_being_handled() -> None:
         assert not worker._done.is_set()
         guard.release.set()
         await handling
+        await asyncio.wait_for(worker._done.wait(), 2.0)
+        assert not worker._hard_stop
+    finally:
+        await _stop(worker)
+
+
+async def test_a_drained_prefill_worker_stays_until_its_hand_offs_kv_is_taken() -> None:
+    worker = _worker(drain_quiet_s=0.05, role="prefill")
+    followed: list[int] = []
+
+    async def follow(held: int) -> None:  # stand-in: no broker to read llmq.events from
+        followed.append(held)
+
+    worker._follow_handoffs = follow  # type: ignore[method-assign]
+    now = time.time()
+    worker.handoffs.hold("t:a", 1, deadline=now + 60, now=now)
+    worker.handoffs.hold("t:b", 1, deadline=now + 60, now=now)
+    worker.draining = True
+    worker._draining_acked_at = worker._last_record_at = time.monotonic() - 10.0
+    worker._spawn(worker._drain_watch())
+    try:
+        await asyncio.sleep(0.3)  # idle, quiet, acknowledged: only the hand-offs hold it
+        assert not worker._done.is_set() and followed and followed[-1] == 2
+
+        def first_token(rid: str, attempt: int) -> EventFirstToken:
+            return EventFirstToken(request_id=rid, tenant="t", attempt=attempt,
+                                   worker_id="w1", ts=time.time(), ttft_s=0.1)
+
+        await worker._on_event(first_token("t:a", 2))
+        await worker._on_event(first_token("t:b", 1))  # its own attempt: not the decode
+        await asyncio.sleep(0.2)
+        assert not worker._done.is_set() and followed[-1] == 1
+        worker._fence("test")  # a new incarnation: the scheduler starts them over
         await asyncio.wait_for(worker._done.wait(), 2.0)
         assert not worker._hard_stop
     finally:

@@ -63,6 +63,16 @@ PLACEMENTS: Final = Counter(
     "llmq_placements_total", "Requests placed on a worker.", ["worker", "lane"],
     registry=REGISTRY,
 )
+DECODE_STAGES: Final = Counter(
+    "llmq_decode_stages_total",
+    "Decode stages (prefill and decode apart) placed on a worker; their requests count once "
+    "in llmq_placements_total, on the prefill worker.", ["worker", "lane"], registry=REGISTRY,
+)
+HANDOFF_WAIT: Final = Histogram(
+    "llmq_handoff_wait_seconds",
+    "Time from a prefill stage's hand-off (event.prefilled read) to its decode stage's "
+    "placement.", ["lane"], buckets=LATENCY_BUCKETS, registry=REGISTRY,
+)
 PLACEMENT_FAILURES: Final = Counter(
     "llmq_placement_failures_total", "Scheduling cycles that could not place a queue head.",
     ["reason"], registry=REGISTRY,
@@ -261,7 +271,8 @@ REGISTRY.register(HEALTH_FLEET)
 OWNED: Final[dict[str, tuple[MetricWrapperBase | Collector, ...]]] = {
     "ingest": (REQUESTS, REJECTIONS, ADMITTED_TOKENS, DEAD_LETTERS),
     "scheduler": (
-        QUEUE_DEPTH, QUEUE_WAIT, SCHEDULE_DECISION, PLACEMENTS, PLACEMENT_FAILURES, REQUEUES,
+        QUEUE_DEPTH, QUEUE_WAIT, SCHEDULE_DECISION, PLACEMENTS, DECODE_STAGES, HANDOFF_WAIT,
+        PLACEMENT_FAILURES, REQUEUES,
         WORKER_LOSSES, WORKER_RESTARTS, LEASE_ANSWERS, RESERVED_KV, PAUSED_TOPICS,
         OUTBOX_EFFECTS, SEND_FAILURES, REQUESTS, DEAD_LETTERS,
     ),

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from schemas.codec import decode
 from schemas.control import LeaseAnswer
 from schemas.messages import CONTROL_ADAPTER
@@ -375,8 +377,14 @@ def test_a_decode_stage_is_not_counted_as_a_second_placement() -> None:
             "llmq_placements_total", {"worker": w, "lane": "short"}) or 0.0
             for w in ("p0", "d0"))
 
+    def sample(name: str, **labels: str) -> float:
+        return m.REGISTRY.get_sample_value(name, labels) or 0.0
+
     state, meters = pd_state(), SchedulerMetrics()
     before = placements()
+    stages = sample("llmq_decode_stages_total", worker="d0", lane="short")
+    waits = sample("llmq_handoff_wait_seconds_count", lane="short")
+    waited = sample("llmq_handoff_wait_seconds_sum", lane="short")
     state.on_request(admitted("r1"), ("tp", 0), T)
     first = state.tick(T)
     meters.tick(first)
@@ -386,6 +394,11 @@ def test_a_decode_stage_is_not_counted_as_a_second_placement() -> None:
     meters.tick(second)
     assert [p.phase for p in (*first.placements, *second.placements)] == ["prefill", "decode"]
     assert placements() == before + 1
+    # The decode worker's share is counted apart, with how long the hand-off waited.
+    assert sample("llmq_decode_stages_total", worker="d0", lane="short") == stages + 1
+    assert sample("llmq_handoff_wait_seconds_count", lane="short") == waits + 1
+    assert sample("llmq_handoff_wait_seconds_sum", lane="short") - waited == \
+        pytest.approx(second.placements[0].waited_s)
 
 
 def test_a_restart_books_the_prompt_kv_a_placed_decode_stage_has_not_pulled_yet() -> None:

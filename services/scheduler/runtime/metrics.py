@@ -37,8 +37,10 @@ class SchedulerMetrics:
         """One dispatch cycle: decision latency, placements, failures, losses."""
         m.SCHEDULE_DECISION.observe(result.schedule_s)
         for placed in result.placements:
-            if placed.phase == "decode":
-                continue  # its request's placement (the prefill stage) was counted
+            if placed.phase == "decode":  # its request was counted at its prefill stage
+                m.DECODE_STAGES.labels(worker=placed.worker_id, lane=placed.lane).inc()
+                m.HANDOFF_WAIT.labels(lane=placed.lane).observe(placed.waited_s)
+                continue
             m.PLACEMENTS.labels(worker=placed.worker_id, lane=placed.lane).inc()
             m.QUEUE_WAIT.labels(priority=placed.priority, lane=placed.lane).observe(
                 placed.waited_s

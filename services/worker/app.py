@@ -54,8 +54,8 @@ each prompt's KV until the decode stage takes it, so the worker follows ``llmq.e
 from its oldest hand-off on and stays (heartbeating ``draining``, nothing running) until
 each one's decode stage has its first token, the request ended, or the hold expired
 (``handoff_hold_s`` after the hand-off, or the request's deadline;
-:mod:`services.worker.core.handoffs`). Then: a final heartbeat, a final commit, leave the
-group, exit 0.
+:mod:`services.worker.core.handoffs`); its heartbeats count them as ``waiting`` meanwhile.
+Then: a final heartbeat, a final commit, leave the group, exit 0.
 
 A dead engine (its capacity says it can run nothing more) stops the worker at once, exit 1:
 its heartbeats end, so the scheduler declares it lost and requeues or ends its work, rather
@@ -345,7 +345,6 @@ class Worker:
                        "requeues or ends them) and draining", self.id.slot, len(self.runs))
             for run in list(self.runs.values()):
                 run.stop("superseded", "slot taken over")
-            self.handoffs.release_all()  # started over by the scheduler, as after a fence
             self.begin_drain("slot taken over")
 
     def begin_drain(self, reason: str) -> None:
@@ -512,6 +511,7 @@ class Worker:
         task.add_done_callback(self._run_tasks.discard)
 
     async def _run_one(self, run: RequestRun, offset: int) -> None:
+        started = self._clock()  # before any event.prefilled it writes
         try:
             outcome = await run.run()
         except Exception:  # run() answers every ending itself; this is a bug in it
@@ -524,7 +524,8 @@ class Worker:
                 del self.runs[run.request_id]
         if outcome.kind == "prefilled" and outcome.acked:
             a = run.assignment
-            self.handoffs.hold(a.request_id, a.attempt, a.deadline, self._clock())
+            self.handoffs.hold(a.request_id, a.attempt, a.deadline, self._clock(),
+                               since=started)
         if outcome.terminal is not None:
             admitted = run.assignment.admitted
             self.metrics.finished(outcome.terminal, admitted.priority, admitted.lane,
@@ -628,8 +629,6 @@ class Worker:
                    self.id.worker_id, why, len(self.runs), self.started_at, old)
         for run in list(self.runs.values()):
             run.stop("superseded", "this process was fenced")
-        # The scheduler starts this incarnation's hand-offs over: nobody will pull their KV.
-        self.handoffs.release_all()
         self._heartbeat_wake.set()  # announce the new incarnation now
 
     async def _lease_watch(self) -> None:
@@ -655,7 +654,10 @@ class Worker:
 
     def heartbeat_fields(self) -> HeartbeatFields:
         sample = self._gpu.sample() if self._gpu is not None else None
-        return heartbeat_fields(self.engine.capacity(), sample,
+        # Draining, the hand-offs whose KV the engine still holds count as waiting work: a
+        # worker stopped hard while it waits for them did not drain cleanly.
+        held = self.handoffs.held(self._clock()) if self.draining else 0
+        return heartbeat_fields(self.engine.capacity(), sample, held_back=held,
                                 tokens_per_s=self.rate.rate(time.monotonic()))
 
     async def _heartbeat(self) -> None:

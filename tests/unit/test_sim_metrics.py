@@ -90,6 +90,22 @@ def test_the_floor_is_the_p99_of_every_arrived_requests_latency_alone() -> None:
     assert lane_summary([], 60.0, (0.0, 1.0))["e2e_alone_p99_s"] is None
 
 
+def test_no_shedding_goes_below_the_floor() -> None:
+    # 100 requests of growing prompts, each completed exactly at its time alone, but the 5
+    # longest rejected: their plain P99 drops below the floor, the P99 with rejections
+    # cannot, even with a timeout shorter than the longest time alone.
+    jobs = make_jobs([TraceRequest(i, float(i), 50 * (i + 1), 10) for i in range(100)], PROFILE)
+    for j in jobs[:95]:
+        j.state, j.dispatched_s = COMPLETED, j.arrival_s
+        j.first_token_s, j.finished_s = j.arrival_s + j.ttft_alone_s, j.arrival_s + j.e2e_alone_s
+    for j in jobs[95:]:
+        j.state, j.reject_code, j.finished_s = REJECTED, "overloaded", j.arrival_s
+    s = lane_summary(jobs, timeout_s=1e-3, window=(0.0, 100.0))
+    assert s["e2e_p99_s"] < s["e2e_alone_p99_s"]  # shedding lowers the plain figure
+    assert s["e2e_p99_with_rejections_s"] >= s["e2e_alone_p99_s"]
+    assert s["e2e_p99_with_rejections_s"] == pytest.approx(jobs[-1].e2e_alone_s, abs=1e-6)
+
+
 def test_summary_keys_and_classes() -> None:
     jobs = [done(0, 0.0, priority="high"), done(1, 0.5, wait=2.0, priority="low"),
             rejected(2, 1.0)]

@@ -121,9 +121,15 @@ async def test_a_drained_prefill_worker_stays_until_its_hand_offs_kv_is_taken() 
         await worker._on_event(first_token("t:b", 1))  # its own attempt: not the decode
         await asyncio.sleep(0.2)
         assert not worker._done.is_set() and followed[-1] == 1
-        worker._fence("test")  # a new incarnation: the scheduler starts them over
+        assert worker.heartbeat_fields().waiting == 1  # a hard stop now is not clean
+        # Fenced meanwhile: t:b's decode stage may be placed and still pull from this
+        # engine, so the hold stays.
+        worker._fence("test")
+        await asyncio.sleep(0.2)
+        assert not worker._done.is_set()
+        await worker._on_event(first_token("t:b", 2))
         await asyncio.wait_for(worker._done.wait(), 2.0)
-        assert not worker._hard_stop
+        assert not worker._hard_stop and worker.heartbeat_fields().waiting == 0
     finally:
         await _stop(worker)
 

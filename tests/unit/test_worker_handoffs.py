@@ -63,8 +63,15 @@ def test_hold_s_zero_holds_nothing_and_an_older_attempt_never_replaces_a_newer()
     assert held.since() == 90.0  # the oldest hand-off still held
 
 
-def test_release_all_lets_every_hand_off_go() -> None:
-    held = _held()
-    held.hold("t:b", 2, deadline=1_000.0, now=100.0)
-    assert held.release_all() == 2
-    assert held.held(100.0) == 0 and held.since() is None
+
+def test_a_hold_starts_where_its_event_was_first_written_and_old_ones_are_let_go() -> None:
+    held = HeldHandoffs(10.0)
+    # Acknowledged at 100 after resends; the prefill run began at 95, before any copy.
+    held.hold("t:a", 1, deadline=1_000.0, now=100.0, since=95.0)
+    assert held.since() == 95.0
+    # A prefill worker that never drains never asks held(): the holds of hand-offs long
+    # past their expiry are let go as new ones come, so they do not pile up.
+    for i in range(1_000):
+        held.hold(f"t:{i}", 1, deadline=1_000.0, now=200.0 + i)
+    assert len(held._held) <= 11  # about hold_s worth of hand-offs, one a second
+    assert held.held(1_199.0) == len(held._held)

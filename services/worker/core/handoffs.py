@@ -3,8 +3,9 @@
 A prefill stage ends on its worker with ``event.prefilled``. The engine's KV connector then
 keeps the prompt's KV until the decode stage pulls it (vLLM's NIXL connector frees it once
 the decode side has read it, or after its own timeout). A draining prefill worker that
-exits before then takes that KV with it, and the decode stage fails. So a draining worker
-waits until ``HeldHandoffs.held(now)`` is 0 (``services.worker.app``).
+exits before then takes that KV with it (or lets its operator stop the engine), and the
+decode stage fails. So a draining worker waits until ``HeldHandoffs.held(now)`` is 0
+(``services.worker.app``), and counts the held ones in its heartbeat meanwhile.
 
 A hand-off is held from its acknowledged ``event.prefilled`` (attempt k) until one of:
 
@@ -16,12 +17,16 @@ A hand-off is held from its acknowledged ``event.prefilled`` (attempt k) until o
   at k + 1, but a terminal at k is just as final);
 * its expiry: the request's deadline (no decode stage starts after it), or ``hold_s`` after
   the hand-off (the connector's own timeout: the engine has freed the KV by then anyway),
-  whichever comes first;
-* ``release_all``: the process was fenced or lost its slot, so the scheduler counts its
-  hand-offs as gone (a newer incarnation) and starts them over whole.
+  whichever comes first.
 
 ``event.started`` of the decode stage does not end the hold: the decode engine starts
-pulling the KV only once it admits the request.
+pulling the KV only once it admits the request. A fenced process (or one whose slot was
+taken over) keeps its holds: the scheduler starts over only the hand-offs whose decode
+stage it has not placed yet (their later attempt ends the hold), while a decode stage
+already placed still pulls from this process's engine.
+
+Holds are kept whether or not the worker drains (a drain needs to know them), and expired
+ones are let go as new ones come, so memory is bounded by ``hold_s`` of hand-offs.
 
 Pure: wall-clock ``now`` in, no I/O (the worker feeds it events from ``llmq.events``).
 """
@@ -40,7 +45,8 @@ _TERMINAL: Final = frozenset({"event.done", "event.failed", "event.aborted"})
 
 @dataclass(frozen=True, slots=True)
 class Hold:
-    """One hand-off: its prefill attempt, when it was handed off and when the hold ends."""
+    """One hand-off: its prefill attempt, a time no later than its ``event.prefilled`` was
+    first written (where a reader of ``llmq.events`` starts), and when the hold ends."""
 
     attempt: int
     since: float
@@ -49,19 +55,24 @@ class Hold:
 
 @dataclass(slots=True)
 class HeldHandoffs:
-    """Hand-offs by request id (see the module docstring)."""
+    """Hand-offs by request id, oldest first (see the module docstring)."""
 
     hold_s: float
     _held: dict[str, Hold] = field(default_factory=dict)
 
-    def hold(self, request_id: str, attempt: int, deadline: float, now: float) -> None:
-        """``request_id``'s prefill stage at ``attempt`` handed its KV on at ``now``."""
+    def hold(self, request_id: str, attempt: int, deadline: float, now: float,
+             since: float | None = None) -> None:
+        """``request_id``'s prefill stage at ``attempt`` handed its KV on: acknowledged at
+        ``now``, its ``event.prefilled`` first written no earlier than ``since``."""
+        self._forget_old(now)
         if self.hold_s <= 0:
             return
         current = self._held.get(request_id)
         if current is not None and current.attempt >= attempt:
             return
-        self._held[request_id] = Hold(attempt, now, min(deadline, now + self.hold_s))
+        self._held.pop(request_id, None)  # re-inserted last: the dict stays oldest first
+        start = now if since is None else min(since, now)
+        self._held[request_id] = Hold(attempt, start, min(deadline, now + self.hold_s))
 
     def observe(self, kind: str, request_id: str, attempt: int) -> bool:
         """Read one lifecycle event; True if it ended a hold."""
@@ -74,12 +85,6 @@ class HeldHandoffs:
             return True
         return False
 
-    def release_all(self) -> int:
-        """Let every hand-off go (module docstring); how many were held."""
-        count = len(self._held)
-        self._held.clear()
-        return count
-
     def held(self, now: float) -> int:
         """How many hand-offs are still held at ``now`` (expired ones are let go)."""
         for rid in [rid for rid, h in self._held.items() if h.expires <= now]:
@@ -89,3 +94,12 @@ class HeldHandoffs:
     def since(self) -> float | None:
         """When the oldest hand-off still held was handed off (None: none held)."""
         return min((h.since for h in self._held.values()), default=None)
+
+    def _forget_old(self, now: float) -> None:
+        # Oldest acknowledgement first, and each expires within hold_s of it: dropping
+        # expired ones from the front keeps at most hold_s worth of hand-offs.
+        while self._held:
+            rid, first = next(iter(self._held.items()))
+            if first.expires > now:
+                return
+            del self._held[rid]

@@ -232,6 +232,91 @@ async def test_a_burst_is_served_and_every_reservation_returns(pd: PdStack) -> N
     raise AssertionError(f"reservations did not return to zero: {reserved}")
 
 
+async def test_decode_worker_kill9_mid_burst_ends_each_request_once(pd: PdStack) -> None:
+    """The decode worker is killed -9 while decode stages stream and others wait, and is
+    restarted 0.5 s later: a stage that streamed ends ``worker_lost`` (its tokens reached
+    the client), one that had not is served again, whole or in two stages; one terminal
+    each, whatever the timing."""
+    decode_name = next(s.name for s in pd.specs if "decode" in s.argv)
+    async with LlmqClient(pd.bootstrap, prefix=pd.prefix, default_model=MODEL) as client:
+        # 4,000 output tokens: ~1.2 s of decode each at 20x, so the kill lands mid-stream.
+        handles = [await client.submit(prompt=f"kill decode {i} " * 60, max_tokens=4_000,
+                                       timeout_s=120) for i in range(10)]
+        ids = {h.request_id for h in handles}
+        await _until_event(pd, ids, "event.first_token")
+        worker = pd.proc(decode_name)
+        killed_at = time.time()
+        worker.send_signal(signal.SIGKILL)
+        await asyncio.to_thread(worker.wait, 10)
+        await asyncio.sleep(0.5)
+        restarted_at = time.time()
+        pd.restart(decode_name)
+        ends = [(await h.wait())[1] for h in handles]
+    codes = [e.code if isinstance(e, Error) else "done" for e in ends]
+    assert set(codes) <= {"done", "worker_lost"}, codes
+    await _one_terminal_each(pd, ids)
+    events = await _read_all(pd.bootstrap, pd.topic(".events"), EVENT_ADAPTER)
+    streamed = {e.request_id for e in events if e.request_id in ids
+                and e.kind == "event.first_token" and e.ts < killed_at}
+    assert streamed, "no decode stage streamed before the kill: the test tested nothing"
+    assert codes.count("worker_lost") <= len(streamed)  # only a stage that streamed fails
+    placed = [a for a in await _read_all(pd.bootstrap, pd.topic(".assignments"),
+                                         ASSIGNMENT_ADAPTER) if a.request_id in ids]
+    for rid in ids:  # no attempt placed twice
+        attempts = [a.attempt for a in placed if a.request_id == rid]
+        assert len(attempts) == len(set(attempts)), (rid, attempts)
+    await _until_role_beats(pd, "decode", since=restarted_at)
+
+
+async def test_prefill_worker_kill9_mid_burst_serves_every_request_once(pd: PdStack) -> None:
+    """The prefill worker is killed -9 with prompts still to compute and restarted 0.5 s
+    later (a newer process): its unfinished prefill stages are placed again; nothing had
+    reached a client, so every request is served, once."""
+    prefill = next(s.name for s in pd.specs if "prefill" in s.argv)
+    async with LlmqClient(pd.bootstrap, prefix=pd.prefix, default_model=MODEL) as client:
+        # ~7k-token prompts at real speed (~0.13 s each): the kill comes after the first.
+        handles = await asyncio.gather(*(
+            client.submit(prompt="p" * (27_000 + 100 * i), max_tokens=30, timeout_s=120)
+            for i in range(16)))
+        ids = {h.request_id for h in handles}
+        await _until_event(pd, ids, "event.prefilled")
+        worker = pd.proc(prefill)
+        worker.send_signal(signal.SIGKILL)
+        await asyncio.to_thread(worker.wait, 10)
+        await asyncio.sleep(0.5)
+        restarted_at = time.time()
+        pd.restart(prefill)
+        ends = [(await h.wait())[1] for h in handles]
+    assert all(isinstance(e, Done) for e in ends), [e for e in ends if not isinstance(e, Done)]
+    await _one_terminal_each(pd, ids)
+    placed = [a for a in await _read_all(pd.bootstrap, pd.topic(".assignments"),
+                                         ASSIGNMENT_ADAPTER) if a.request_id in ids]
+    again = {a.request_id for a in placed if a.attempt > 2 or
+             (a.attempt == 2 and a.phase != "decode")}
+    assert again, "no prefill stage was lost with the worker: the test tested nothing"
+    for rid in ids:
+        attempts = [a.attempt for a in placed if a.request_id == rid]
+        assert len(attempts) == len(set(attempts)), (rid, attempts)
+    await _until_role_beats(pd, "prefill", since=restarted_at)
+
+
+async def _until_event(pd: PdStack, ids: set[str], kind: str) -> None:
+    deadline = time.monotonic() + 30
+    while not [e for e in await _read_all(pd.bootstrap, pd.topic(".events"), EVENT_ADAPTER)
+               if e.kind == kind and e.request_id in ids]:
+        assert time.monotonic() < deadline, f"no {kind} within 30 s"
+        await asyncio.sleep(0.05)
+
+
+async def _one_terminal_each(pd: PdStack, ids: set[str]) -> None:
+    terminals: dict[str, int] = dict.fromkeys(ids, 0)
+    for reply in await _read_all(pd.bootstrap, reply_spec(pd.prefix, "default").name,
+                                 REPLY_ADAPTER):
+        if reply.request_id in ids and isinstance(reply, Done | Error):
+            terminals[reply.request_id] += 1
+    assert set(terminals.values()) == {1}, terminals
+
+
 async def test_a_draining_prefill_worker_waits_until_its_hand_offs_kv_is_taken(
         pd: PdStack) -> None:
     """SIGTERM drains the prefill worker while the decode stages of its hand-offs still
@@ -255,10 +340,11 @@ async def test_a_draining_prefill_worker_waits_until_its_hand_offs_kv_is_taken(
                                        timeout_s=90) for i in range(8)]
         ids = {h.request_id for h in handles}
         deadline = time.monotonic() + 30
-        while {e.request_id for e in await _read_all(pd.bootstrap, pd.topic(".events"),
-                                                      EVENT_ADAPTER)
-               if e.kind == "event.prefilled"} < ids:
+        while not ids <= {e.request_id for e in await _read_all(
+                pd.bootstrap, pd.topic(".events"), EVENT_ADAPTER)
+                if e.kind == "event.prefilled"}:
             assert time.monotonic() < deadline, "not every prefill finished in 30 s"
+            await asyncio.sleep(0.05)
         worker = pd.proc(prefill)
 
         def exit_time() -> tuple[int, float]:

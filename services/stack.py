@@ -10,6 +10,7 @@ pid file per child under ``<home>/stack/`` instead, and ``llmq down`` stops them
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -162,17 +163,17 @@ class Stack:
 
     def stop(self, grace_s: float = 20.0) -> None:
         """The workers first (SIGTERM: they drain, and ingest is still there to stream what
-        they finish), then the other services; each stage SIGKILLed after ``grace_s``.
+        they finish; prefill workers before the rest, :func:`stop_stages`), then the other
+        services; each stage SIGKILLed after ``grace_s``.
         A second Ctrl-C meanwhile does not cut this short (the grace bounds it)."""
         interrupt = signal.getsignal(signal.SIGINT)
         in_main = threading.current_thread() is threading.main_thread()
         if in_main:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
-            workers = [p for s, p in self.procs if s.name.startswith("worker-")]
-            others = [p for s, p in reversed(self.procs) if not s.name.startswith("worker-")]
-            for stage in (workers, others):
-                _terminate(stage, grace_s)
+            procs = dict((s.name, p) for s, p in self.procs)
+            for stage in stop_stages([(s.name, s.argv) for s, _ in self.procs]):
+                _terminate([procs[name] for name in stage], grace_s)
         finally:
             if in_main:
                 signal.signal(signal.SIGINT, interrupt)
@@ -181,6 +182,21 @@ class Stack:
         for _, proc in self.procs:
             if proc.stdout is not None:
                 proc.stdout.close()
+
+
+def stop_stages(services: Sequence[tuple[str, Sequence[str]]]) -> list[list[str]]:
+    """The order a stack stops in, by service name (given in start order, with argv):
+    prefill workers first (a draining one waits until the decode workers took its
+    hand-offs' KV, so those must still run), then the other workers (they drain while
+    ingest still streams their answers), then the other services, last started first."""
+    def prefill(argv: Sequence[str]) -> bool:
+        return any(pair == ("--role", "prefill") for pair in itertools.pairwise(argv))
+
+    workers = [(n, argv) for n, argv in services if n.startswith("worker-")]
+    stages = [[n for n, argv in workers if prefill(argv)],
+              [n for n, argv in workers if not prefill(argv)],
+              [n for n, _ in reversed(services) if not n.startswith("worker-")]]
+    return [stage for stage in stages if stage]
 
 
 def _terminate(procs: Sequence[subprocess.Popen[bytes]], grace_s: float) -> None:
@@ -295,9 +311,8 @@ def stop_detached(settings: Settings, grace_s: float = 20.0) -> list[str]:
     pids = {name: int(info["pid"]) for name, info in data.items()}
     alive = {n: p for n, p in pids.items() if _is_ours(p, data[n].get("argv", []))}
     # As Stack.stop: the workers drain first, then the services that stream their answers.
-    workers = [p for n, p in alive.items() if n.startswith("worker-")]
-    others = [p for n, p in reversed(alive.items()) if not n.startswith("worker-")]
-    for stage in (workers, others):
+    for names in stop_stages([(n, data[n].get("argv", [])) for n in alive]):
+        stage = [alive[n] for n in names]
         for pid in stage:
             process.send(pid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s

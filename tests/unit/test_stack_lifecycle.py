@@ -17,7 +17,14 @@ from typing import Any
 import pytest
 
 from services.common.settings import Settings
-from services.stack import ServiceSpec, Stack, run_foreground, stack_dir, stop_detached
+from services.stack import (
+    ServiceSpec,
+    Stack,
+    run_foreground,
+    stack_dir,
+    stop_detached,
+    stop_stages,
+)
 
 #: A child that notes when it got SIGTERM, then takes ``delay`` s to exit (a drain).
 _CHILD = """
@@ -75,6 +82,30 @@ def test_workers_are_stopped_and_drained_before_the_other_services(tmp_path: Pat
     assert float(terms["ingest"]) - float(terms["worker-0"]) >= 0.9
     assert float(terms["scheduler"]) - float(terms["worker-0"]) >= 0.9
     assert all(p.poll() is not None for _, p in stack.procs)
+
+
+def test_prefill_workers_drain_before_the_decode_workers_they_hand_off_to(
+        tmp_path: Path) -> None:
+    prefill = _spec(tmp_path, "worker-0", delay=1.0)
+    prefill = ServiceSpec(prefill.name, (*prefill.argv, "--role", "prefill"))
+    stack = Stack([_spec(tmp_path, "ingest"), prefill, _spec(tmp_path, "worker-1")], {})
+    stack.start()
+    _wait_ready(tmp_path, "ingest", "worker-0", "worker-1")
+    stack.stop(grace_s=10.0)
+    terms = dict(line.split() for line in (tmp_path / "terms.log").read_text().splitlines())
+    # The decode worker still ran while the prefill worker drained (1 s), then ingest went.
+    assert float(terms["worker-1"]) - float(terms["worker-0"]) >= 0.9
+    assert float(terms["ingest"]) >= float(terms["worker-1"])
+
+
+def test_stop_stages() -> None:
+    services = [("scheduler", ("py",)), ("ingest", ("py",)),
+                ("worker-0", ("py", "--pool", "short")),
+                ("worker-1", ("py", "--role", "prefill")),
+                ("worker-2", ("py", "--role", "decode"))]
+    assert stop_stages(services) == [["worker-1"], ["worker-0", "worker-2"],
+                                     ["ingest", "scheduler"]]
+    assert stop_stages(services[:3]) == [["worker-0"], ["ingest", "scheduler"]]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM])

@@ -114,8 +114,9 @@ class WorkerSettings(BaseSettings):
         default=120.0, ge=0, le=3600,
         description="Prefill role, draining: before exiting, wait for each hand-off's decode "
         "stage to take the prompt's KV (its first token), but no longer than this after the "
-        "hand-off or past the request's deadline. Match the connector's own hold timeout "
-        "(vLLM: VLLM_NIXL_ABORT_REQUEST_TIMEOUT). 0: exit without waiting.",
+        "hand-off or past the request's deadline. No shorter than the connector keeps an "
+        "unread prompt's KV (vLLM NixlConnector: kv_lease_duration; older versions "
+        "VLLM_NIXL_ABORT_REQUEST_TIMEOUT). 0: exit without waiting.",
     )
     session_timeout_ms: int = Field(
         default=10_000, ge=6_000, le=300_000,

@@ -63,7 +63,8 @@ by this engine::
 and a decode request unwraps it. The shared header is what the proxy sends both servers:
 some vLLM/NixlConnector versions pair the stages by it (the decode side tells the prefill
 side it is done by its own request id, and without a shared one the prefill server keeps
-the blocks until ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``); newer ones also put the prefill's
+the blocks until its hold runs out: ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``, or in recent
+versions the connector's ``kv_lease_duration``); newer ones also put the prefill's
 id in the parameters (``remote_request_id``). Parameters with ``remote_engine_id`` but no
 ``remote_request_id`` (an older vLLM: pairing by the header only) are logged once.
 

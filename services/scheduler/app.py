@@ -191,6 +191,7 @@ class Scheduler:
                 max_placements=cfg.max_placements_per_cycle,
                 kv_safety_margin=cfg.kv_safety_margin,
                 heartbeat_staleness=cfg.heartbeat_staleness,
+                handoff_ttl_s=cfg.handoff_ttl_s,
                 drain_window_s=cfg.drain_window_s,
                 cancel_memory_s=cfg.cancel_memory_s,
                 finished_memory_s=cfg.finished_memory_s,

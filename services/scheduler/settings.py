@@ -76,6 +76,13 @@ class SchedulerSettings(BaseSettings):
         description="A worker is dead once its heartbeat is this many of its own interval_s "
         "old (DESIGN.md: 3).",
     )
+    handoff_ttl_s: float | None = Field(
+        default=None, gt=0.0, le=86_400.0,
+        description="Prefill and decode apart: how long the prefill workers' KV connector "
+        "keeps an unread prompt's KV (vLLM NixlConnector: kv_lease_duration). A decode "
+        "stage still queued that long after its hand-off starts over whole instead of "
+        "failing on missing KV. Unset: as long as the prefill worker lives.",
+    )
     default_block_size: int = Field(
         default=16, ge=1, le=1 << 16,
         description="KV block size used to round reservations when no live worker of the "

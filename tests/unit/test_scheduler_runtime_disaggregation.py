@@ -298,6 +298,26 @@ def test_a_queued_hand_off_whose_prefill_worker_dies_starts_over_whole() -> None
     assert state.reserved_kv("p0") == 0  # the KV p0 held went with it
 
 
+def test_a_hand_off_queued_past_the_connectors_hold_starts_over_whole() -> None:
+    # The decode tier is busy (draining here) for longer than the prefill server keeps an
+    # unread prompt's KV: the decode stage would fail on missing KV, so the request is
+    # computed again instead. Without a TTL it keeps waiting for the KV.
+    for ttl, expected in ((5.0, [(2, "prefill", "p0", None)]), (None, [(2, "decode", "d0")])):
+        state = pd_state(handoff_ttl_s=ttl)
+        a = place_prefill(state)
+        state.observe_heartbeat(pd_beat("d0", 1, "decode", T, draining=True, seq=5))
+        state.observe_event(prefilled(a, ts=T + 1))
+        state.observe_heartbeat(pd_beat("p0", 0, "prefill", T + 5.5))  # alive all along
+        assert assignments(state.tick(T + 5.9).effects) == []  # within the hold: it waits
+        assert state.reserved_kv("p0") > 0  # the prompt's KV, held for the decode stage
+        state.observe_heartbeat(pd_beat("d0", 1, "decode", T + 6.2, seq=10))  # back
+        state.observe_heartbeat(pd_beat("p0", 0, "prefill", T + 6.2))
+        placed = assignments(state.tick(T + 6.2).effects)
+        got = [(b.attempt, b.phase, b.worker_id, b.kv_transfer) if ttl else
+               (b.attempt, b.phase, b.worker_id) for _, b in placed]
+        assert got == expected, (ttl, got)
+
+
 def test_a_hand_off_run_whole_keeps_the_prefill_workers_lease() -> None:
     # The decode stage ran whole on a mixed worker (no decode worker could): followers
     # must not take that for a requeue of the prefill worker's work.

@@ -50,6 +50,8 @@ class _Entry:
     lost: set[int] = field(default_factory=set)
     #: Prefill stages that handed their KV on: attempt -> the parameters they reported.
     prefilled: dict[int, Mapping[str, JsonValue]] = field(default_factory=dict)
+    #: ... and when (the event's time): how long the prompt's KV has waited.
+    prefilled_at: dict[int, float] = field(default_factory=dict)
     #: The prefill stage whose decode stage is assigned and has not started: the prompt's
     #: KV still waits on its worker (booked on a restore).
     pinned: Assignment | None = None
@@ -124,6 +126,7 @@ class AssignmentLog:
             if attempt in entry.prefilled:
                 return False
             entry.prefilled[attempt] = event.kv_transfer
+            entry.prefilled_at[attempt] = event.ts
             self._settle(event.request_id, entry)
             return True
         if isinstance(event, EventStarted):
@@ -219,6 +222,11 @@ class AssignmentLog:
         entry = self._entries.get(request_id)
         return None if entry is None else entry.prefilled.get(attempt)
 
+    def prefilled_at(self, request_id: str, attempt: int) -> float | None:
+        """When the prefill stage ``attempt`` handed its KV on (its event's time), if it did."""
+        entry = self._entries.get(request_id)
+        return None if entry is None else entry.prefilled_at.get(attempt)
+
     def streamed(self, request_id: str, attempt: int) -> bool:
         entry = self._entries.get(request_id)
         return entry is not None and attempt in entry.streamed
@@ -274,6 +282,7 @@ class AssignmentLog:
         if status == "finished":
             entry.latest = entry.pinned = None
             entry.prefilled.clear()
+            entry.prefilled_at.clear()
         if status == "handoff":
             self._handoffs.add(request_id)
         else:

@@ -181,6 +181,10 @@ class RuntimeConfig:
     #: requeues, wait for no reply-topic check): past the previous leader's send timeout
     #: (10 s), which may still deliver a placement it made.
     takeover_s: float = 15.0
+    #: How long a prefill worker's KV connector keeps an unread prompt's KV (None: as long
+    #: as the worker lives). A decode stage still queued this long after its hand-off would
+    #: find the KV gone, so the request starts over whole instead.
+    handoff_ttl_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -626,10 +630,22 @@ class SchedulerState:
             self._track(_Tracked(prefill.admitted, queued, "handoff", since=now, trace=trace,
                                  kv_transfer=kv_transfer, prefill=prefill))
         for tracked in list(self._tracked.values()):
-            if tracked.prefill is not None and tracked.queued.phase == "decode" \
-                    and self._prefill_gone(tracked.prefill, now):
-                self._start_over(tracked)
+            if tracked.prefill is None or tracked.queued.phase != "decode":
+                continue
+            if self._prefill_gone(tracked.prefill, now):
+                self._start_over(tracked, "whose worker is gone")
+            elif self._handoff_expired(tracked.prefill, now):
+                self._start_over(tracked, "whose KV has waited past handoff_ttl_s "
+                                          f"({self.config.handoff_ttl_s:g} s)")
         return effects
+
+    def _handoff_expired(self, prefill: Assignment, now: float) -> bool:
+        """Whether a hand-off's prompt KV has waited longer than the connector keeps it."""
+        ttl = self.config.handoff_ttl_s
+        if ttl is None:
+            return False
+        at = self.log.prefilled_at(prefill.request_id, prefill.attempt)
+        return at is not None and now - at > ttl
 
     def _prefill_gone(self, prefill: Assignment, now: float) -> bool:
         """Whether the process that computed a hand-off's prompt is gone (stale, or
@@ -640,13 +656,14 @@ class SchedulerState:
         return hb is not None and prefill.worker_started_at is not None \
             and hb.started_at != prefill.worker_started_at
 
-    def _start_over(self, tracked: _Tracked) -> None:
-        """A queued hand-off whose prefill worker is gone: the whole request instead, at
-        the same attempt (the prompt is computed again)."""
+    def _start_over(self, tracked: _Tracked, why: str) -> None:
+        """A queued hand-off whose prompt KV is gone (its prefill worker is gone, or it
+        waited too long): the whole request instead, at the same attempt (the prompt is
+        computed again)."""
         prefill = tracked.prefill
         assert prefill is not None
-        _log.warning("scheduler: %s#%d handed off from %s, which is gone; placed whole as "
-                     "attempt %d", prefill.request_id, prefill.attempt, prefill.worker_id,
+        _log.warning("scheduler: %s#%d handed off from %s, %s; placed whole as attempt %d",
+                     prefill.request_id, prefill.attempt, prefill.worker_id, why,
                      tracked.queued.attempt)
         block = self.fleet.block_size(prefill.request.model) or self.config.default_block_size
         whole = queued_request(prefill.admitted, block, tracked.queued.attempt)

@@ -178,26 +178,12 @@ async def test_scheduler_kill9_between_the_stages_ends_each_request_once(pd: PdS
             client.submit(prompt="z" * (27_000 + 100 * i), max_tokens=40, timeout_s=120)
             for i in range(16)))
         ids = {h.request_id for h in handles}
-        deadline = time.monotonic() + 30
-        while not [e for e in await _read_all(pd.bootstrap, pd.topic(".events"), EVENT_ADAPTER)
-                   if e.kind == "event.prefilled" and e.request_id in ids]:
-            assert time.monotonic() < deadline, "no prefill finished in 30 s"
-        scheduler = pd.proc("scheduler")
-        killed_at = time.time()
-        scheduler.send_signal(signal.SIGKILL)
-        await asyncio.to_thread(scheduler.wait, 10)
-        await asyncio.sleep(0.5)
-        pd.restart("scheduler")
+        await _until_event(pd, ids, "event.prefilled")
+        killed_at, _ = await _kill9_and_restart(pd, "scheduler")
         ends = [(await h.wait())[1] for h in handles]
     assert all(isinstance(e, Done) for e in ends), [e for e in ends if not isinstance(e, Done)]
-    terminals: dict[str, int] = dict.fromkeys(ids, 0)
-    for reply in await _read_all(pd.bootstrap, reply_spec(pd.prefix, "default").name,
-                                 REPLY_ADAPTER):
-        if reply.request_id in ids and isinstance(reply, Done | Error):
-            terminals[reply.request_id] += 1
-    assert set(terminals.values()) == {1}, terminals
-    placed = [a for a in await _read_all(pd.bootstrap, pd.topic(".assignments"),
-                                         ASSIGNMENT_ADAPTER) if a.request_id in ids]
+    await _one_terminal_each(pd, ids)
+    placed = await _placed_once(pd, ids)
     for rid in ids:  # each in two stages, none placed twice
         stages = sorted((a.attempt, a.phase) for a in placed if a.request_id == rid)
         assert stages == [(1, "prefill"), (2, "decode")], (rid, stages)
@@ -244,13 +230,7 @@ async def test_decode_worker_kill9_mid_burst_ends_each_request_once(pd: PdStack)
                                        timeout_s=120) for i in range(10)]
         ids = {h.request_id for h in handles}
         await _until_event(pd, ids, "event.first_token")
-        worker = pd.proc(decode_name)
-        killed_at = time.time()
-        worker.send_signal(signal.SIGKILL)
-        await asyncio.to_thread(worker.wait, 10)
-        await asyncio.sleep(0.5)
-        restarted_at = time.time()
-        pd.restart(decode_name)
+        killed_at, restarted_at = await _kill9_and_restart(pd, decode_name)
         ends = [(await h.wait())[1] for h in handles]
     codes = [e.code if isinstance(e, Error) else "done" for e in ends]
     assert set(codes) <= {"done", "worker_lost"}, codes
@@ -260,11 +240,7 @@ async def test_decode_worker_kill9_mid_burst_ends_each_request_once(pd: PdStack)
                 and e.kind == "event.first_token" and e.ts < killed_at}
     assert streamed, "no decode stage streamed before the kill: the test tested nothing"
     assert codes.count("worker_lost") <= len(streamed)  # only a stage that streamed fails
-    placed = [a for a in await _read_all(pd.bootstrap, pd.topic(".assignments"),
-                                         ASSIGNMENT_ADAPTER) if a.request_id in ids]
-    for rid in ids:  # no attempt placed twice
-        attempts = [a.attempt for a in placed if a.request_id == rid]
-        assert len(attempts) == len(set(attempts)), (rid, attempts)
+    await _placed_once(pd, ids)
     await _until_role_beats(pd, "decode", since=restarted_at)
 
 
@@ -280,24 +256,37 @@ async def test_prefill_worker_kill9_mid_burst_serves_every_request_once(pd: PdSt
             for i in range(16)))
         ids = {h.request_id for h in handles}
         await _until_event(pd, ids, "event.prefilled")
-        worker = pd.proc(prefill)
-        worker.send_signal(signal.SIGKILL)
-        await asyncio.to_thread(worker.wait, 10)
-        await asyncio.sleep(0.5)
-        restarted_at = time.time()
-        pd.restart(prefill)
+        _, restarted_at = await _kill9_and_restart(pd, prefill)
         ends = [(await h.wait())[1] for h in handles]
     assert all(isinstance(e, Done) for e in ends), [e for e in ends if not isinstance(e, Done)]
     await _one_terminal_each(pd, ids)
-    placed = [a for a in await _read_all(pd.bootstrap, pd.topic(".assignments"),
-                                         ASSIGNMENT_ADAPTER) if a.request_id in ids]
+    placed = await _placed_once(pd, ids)
     again = {a.request_id for a in placed if a.attempt > 2 or
              (a.attempt == 2 and a.phase != "decode")}
     assert again, "no prefill stage was lost with the worker: the test tested nothing"
+    await _until_role_beats(pd, "prefill", since=restarted_at)
+
+
+async def _kill9_and_restart(pd: PdStack, name: str) -> tuple[float, float]:
+    """kill -9 ``name``, start a new process 0.5 s later: (killed at, restarted at)."""
+    proc = pd.proc(name)
+    killed_at = time.time()
+    proc.send_signal(signal.SIGKILL)
+    await asyncio.to_thread(proc.wait, 10)
+    await asyncio.sleep(0.5)
+    restarted_at = time.time()
+    pd.restart(name)
+    return killed_at, restarted_at
+
+
+async def _placed_once(pd: PdStack, ids: set[str]) -> list[Any]:
+    """The assignments of ``ids``, after checking no attempt of one was placed twice."""
+    placed = [a for a in await _read_all(pd.bootstrap, pd.topic(".assignments"),
+                                         ASSIGNMENT_ADAPTER) if a.request_id in ids]
     for rid in ids:
         attempts = [a.attempt for a in placed if a.request_id == rid]
         assert len(attempts) == len(set(attempts)), (rid, attempts)
-    await _until_role_beats(pd, "prefill", since=restarted_at)
+    return placed
 
 
 async def _until_event(pd: PdStack, ids: set[str], kind: str) -> None:

@@ -45,6 +45,7 @@ def make_worker(
     heartbeat_ts: float = NOW,
     tokens_per_s: float = 1_000.0,
     role: Role = "mixed",
+    engine: str | None = None,
 ) -> WorkerState:
     return WorkerState(
         worker_id=worker_id,
@@ -62,6 +63,7 @@ def make_worker(
         heartbeat_ts=heartbeat_ts,
         tokens_per_s=tokens_per_s,
         role=role,
+        engine=engine,
     )
 
 

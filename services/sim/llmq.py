@@ -94,6 +94,10 @@ from services.scheduler import (
 from services.sim.fleet import Job, SimWorker
 from services.sim.simulator import Simulator
 
+#: Every simulated worker runs the ``sim`` engine (its heartbeat's ``engine``), so a
+#: prompt's KV may pass between any prefill and decode worker of the fleet.
+ENGINE: Final = "sim"
+
 _UNLIMITED: Final = 1e15
 
 
@@ -224,7 +228,7 @@ class LlmqPolicy:
     def on_prefilled(self, job: Job, now: float) -> None:
         staged = self._staged[job.idx]
         self._ledger.mark_first_token(staged.request_id, staged.attempt)  # computed
-        self._pending.push(staged.handoff(), force=True)
+        self._pending.push(staged.handoff(kv_engine=ENGINE), force=True)
         self._queued_tokens += job.prompt + job.max_tokens
         self._schedule(now)
 
@@ -310,6 +314,7 @@ class LlmqPolicy:
             heartbeat_ts=now,
             tokens_per_s=rate,
             role=w.role,
+            engine=ENGINE,
         )
 
     def _cluster_view(self, states: list[WorkerState], now: float) -> ClusterView:

@@ -145,6 +145,51 @@ def test_a_decode_stage_no_live_decode_worker_could_hold_runs_whole_on_a_mixed_o
     assert isinstance(wait, Defer)
 
 
+def test_a_prefill_stage_goes_only_where_a_decode_worker_of_its_engine_runs() -> None:
+    # Two prefill engines, decode workers of one: the other's prefill workers idle.
+    workers = [make_worker("p-sim", role="prefill", engine="sim"),
+               make_worker("p-vllm", role="prefill", engine="openai", partition=1,
+                           kv_total_tokens=200_000),  # the roomier: picked if it could be
+               make_worker("d-vllm", role="decode", engine="openai", partition=2)]
+    decisions, _ = cycle([workers[1], workers[0], workers[2]],
+                         *(make_request(f"r{i}", enqueued_at=NOW - i) for i in range(3)))
+    assert {(d.worker_id, d.phase) for d in decisions if isinstance(d, Placement)} == {
+        ("p-vllm", "prefill")}
+    # No prefill worker pairs with the decode tier: requests run whole on it.
+    unpaired = [workers[0], make_worker("d-vllm", role="decode", engine="openai", partition=2)]
+    [placement], _ = cycle(unpaired, make_request("r9"))
+    assert isinstance(placement, Placement)
+    assert (placement.worker_id, placement.phase) == ("d-vllm", "whole")
+
+
+def test_a_decode_stage_goes_only_to_a_decode_worker_of_its_prefill_engine() -> None:
+    staged = replace(make_request("r1", prompt_tokens=1000, max_tokens=500, kv_tokens=1504),
+                     phase="prefill", kv_tokens=1008, decode_kv_tokens=1504)
+    decode = staged.handoff(kv_engine="openai")
+    assert decode.kv_engine == "openai" and decode.as_whole(1).kv_engine is None
+    sim = make_worker("d-sim", role="decode", engine="sim", kv_total_tokens=200_000)
+    vllm = make_worker("d-vllm", role="decode", engine="openai", partition=1)
+    [placement], _ = cycle([sim, vllm], decode)
+    assert isinstance(placement, Placement)
+    assert (placement.worker_id, placement.phase) == ("d-vllm", "decode")
+    # Its engine's decode worker busy: it waits for it, not for the other engine's.
+    busy = Ledger(kv_safety_margin=0.0)
+    assert busy.reserve(vllm, make_request("other", kv_tokens=99_000))
+    [wait], _ = cycle([sim, vllm], decode, ledger=busy)
+    assert isinstance(wait, Defer)
+    # None of its engine at all: the prompt's KV cannot reach a decode worker, so the
+    # request runs whole (its prompt computed again), on a mixed worker first ...
+    mixed = make_worker("m0", partition=2)
+    [whole], _ = cycle([sim, mixed], decode)
+    assert isinstance(whole, Placement)
+    assert (whole.worker_id, whole.phase, whole.attempt, whole.kv_tokens) == (
+        "m0", "whole", 1, 1504)
+    # ... else on another engine's decode worker.
+    [whole], _ = cycle([sim], decode)
+    assert isinstance(whole, Placement)
+    assert (whole.worker_id, whole.phase, whole.attempt) == ("d-sim", "whole", 1)
+
+
 def test_a_fleet_without_roles_is_unchanged() -> None:
     [placement], _ = cycle([make_worker("m0")], make_request("r1"))
     assert isinstance(placement, Placement) and placement.phase == "whole"

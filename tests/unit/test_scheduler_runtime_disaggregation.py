@@ -89,6 +89,37 @@ def test_a_request_runs_its_prefill_then_its_decode_stage_as_the_next_attempt() 
     assert replies(result.effects) == []  # nothing from the scheduler to the client
 
 
+def test_the_decode_stage_goes_to_a_decode_worker_of_the_engine_that_holds_the_kv() -> None:
+    # d1 is roomier but runs another engine: its connector could not pull the prompt's KV.
+    state = pd_state()
+    state.observe_heartbeat(pd_beat("d1", 2, "decode", engine="openai",
+                                    kv_total_tokens=90_000, kv_free_tokens=90_000))
+    a = place_prefill(state)  # on p0, whose engine (sim) d0 runs too
+    state.observe_event(prefilled(a))
+    ((_, b),) = assignments(state.tick(T + 1).effects)
+    assert (b.worker_id, b.phase, b.kv_transfer) == ("d0", "decode", PARAMS)
+    # A restarted scheduler reads the engine back from the log's event.prefilled.
+    after = new_state(takeover_s=0.0)
+    for hb in (pd_beat("p0", 0, "prefill"), pd_beat("d0", 1, "decode"),
+               pd_beat("d1", 2, "decode", engine="openai", kv_total_tokens=90_000,
+                       kv_free_tokens=90_000)):
+        after.observe_heartbeat(hb)
+    after.observe_assignment(a)
+    after.observe_event(prefilled(a))
+    after.restore()
+    ((_, c),) = assignments(after.tick(T + 1).effects)
+    assert (c.worker_id, c.phase, c.attempt, c.kv_transfer) == ("d0", "decode", 2, PARAMS)
+    # With no decode worker of its engine left, the prompt is computed again: the request
+    # runs whole (attempt 2) on the other engine's decode worker instead of failing there.
+    alone = pd_state()
+    alone.observe_heartbeat(pd_beat("d1", 2, "decode", engine="openai"))
+    a = place_prefill(alone, "r2")
+    alone.observe_heartbeat(pd_beat("d0", 1, "decode", T + 1, draining=True))
+    alone.observe_event(prefilled(a))
+    ((_, d),) = assignments(alone.tick(T + 1).effects)
+    assert (d.worker_id, d.phase, d.attempt, d.kv_transfer) == ("d1", "whole", 2, None)
+
+
 def test_only_the_leader_places_a_hand_off_and_replicas_book_it_from_the_log() -> None:
     leader, other = pd_state(), pd_state()
     a = place_prefill(leader)

@@ -59,7 +59,11 @@ Order of work:
    live prefill worker runs requests whole on its decode workers; a decode stage that no
    live decode worker could ever hold runs whole on a mixed worker. Mixed workers take
    requests whole as before, when the stages cannot be placed; spill borrows only mixed
-   workers.
+   workers. The stages pair by engine (``WorkerState.engine``), as a KV connector only
+   talks to its own kind: a prefill stage goes only to a prefill worker whose engine some
+   live decode worker of the route runs, and a decode stage only to a decode worker of
+   its prefill's engine (``QueuedRequest.kv_engine``); one that no such worker could ever
+   hold runs whole, like any decode stage no decode worker could hold.
 
 Decisions come out in this order: rejections of cancelled and expired requests, then
 placements and rejections as they are decided, then one ``Defer`` per class head still
@@ -277,7 +281,7 @@ class _Cycle:
         # Where the head waits (and may hold a worker) when its mixed route has no member:
         # the request as it would be placed there, and that index.
         own: tuple[QueuedRequest, RouteIndex] | None = None
-        if request.phase == "decode":  # a computed prompt: decode workers ...
+        if request.phase == "decode":  # a computed prompt: decode workers (of its engine) ...
             decode = self._index(request, "decode")
             outcome = self._place(request, decode)
             if isinstance(outcome, Placement):
@@ -285,10 +289,17 @@ class _Cycle:
             if self._max_usable(decode) >= request.kv_tokens:
                 return self._blocked(request, route, decode, outcome)
             # ... unless none could ever hold it (none live, or all too small): it runs
-            # whole on a mixed worker (its prompt computed again), or waits as one would.
-            request = replace(request, phase="whole")
+            # whole on a mixed worker (its prompt computed again), or waits as one would;
+            # when only its engine has none, decode workers of another may run it whole.
+            whole = request.as_whole(request.attempt)
+            if request.kv_engine is not None:
+                others = self._index(whole, "decode")
+                if self._max_usable(others) >= whole.kv_tokens:
+                    own = (whole, others)
+            request = whole
         elif _has_roles(self.snapshot):
-            prefill, decode = self._index(request, "prefill"), self._index(request, "decode")
+            decode = self._index(request, "decode")
+            prefill = self._index(request, "prefill", paired=decode)
             fits_decode = self._max_usable(decode) >= request.kv_tokens
             if prefill.members and fits_decode:
                 overflow = self._overflow(request, route, prefill, decode)
@@ -306,9 +317,9 @@ class _Cycle:
         if isinstance(outcome, Placement):
             return outcome
         if own is not None and own[0] is request:
-            whole = self._place(request, own[1])
-            if isinstance(whole, Placement):
-                return whole
+            placed = self._place(request, own[1])
+            if isinstance(placed, Placement):
+                return placed
         if self.pipeline.spill:
             spilled = self._spill(request, own_pool=bool(index.members) or own is not None)
             if spilled is not None:
@@ -317,13 +328,30 @@ class _Cycle:
             return self._blocked(request, route, own[1], outcome, stage=own[0])
         return self._blocked(request, route, index, outcome)
 
-    def _index(self, request: QueuedRequest, role: Role) -> RouteIndex:
-        """The candidate index of ``request``'s route among workers of ``role``."""
+    def _index(
+        self, request: QueuedRequest, role: Role, *, paired: RouteIndex | None = None
+    ) -> RouteIndex:
+        """The candidate index of ``request``'s route among workers of ``role``: for a
+        decode stage, those of its ``kv_engine``; for prefill stages, those whose engine
+        a member of ``paired`` (the route's decode index) runs."""
         route: Route = (request.model, request.model_version, request.lane)
-        owner = self.pipeline if role == "mixed" else (self.pipeline, role)
-        return route_index(
-            self.snapshot, route, self.ledger, self._route_admits(request, role=role), owner
-        )
+        admits = self._route_admits(request, role=role)
+        owner: object = self.pipeline if role == "mixed" else (self.pipeline, role)
+        if paired is not None:  # read only when the index is built: once a snapshot
+            route_admits, engines = admits, None
+
+            def admits(worker: WorkerState) -> bool:
+                nonlocal engines
+                if engines is None:
+                    engines = {w.engine for w in paired.members}
+                return worker.engine in engines and route_admits(worker)
+        elif request.phase == "decode" and request.kv_engine is not None:
+            engine, route_admits = request.kv_engine, admits
+            owner = (self.pipeline, role, engine)
+
+            def admits(worker: WorkerState) -> bool:
+                return worker.engine == engine and route_admits(worker)
+        return route_index(self.snapshot, route, self.ledger, admits, owner)
 
     def _max_usable(self, index: RouteIndex) -> int:
         """The largest usable KV among ``index``'s members (0 without any), once a cycle."""

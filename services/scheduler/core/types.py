@@ -36,7 +36,9 @@ class QueuedRequest:
     workers the cycle places it as a ``prefill`` stage (``kv_tokens`` = the prompt's
     blocks, ``decode_kv_tokens`` = the whole reservation it had); when the prompt is
     computed, :meth:`handoff` gives the ``decode`` stage (the next attempt) that goes back
-    into the queue.
+    into the queue. A decode stage's ``kv_engine`` names the engine that holds its prompt's
+    KV (the prefill's ``kv_transfer["engine"]``): only a decode worker of that engine can
+    pull it (None: unknown, any decode worker).
     """
 
     request_id: str
@@ -54,6 +56,7 @@ class QueuedRequest:
     prefix_hash: str | None = None
     phase: Phase = "whole"
     decode_kv_tokens: int | None = None
+    kv_engine: str | None = None
 
     def __post_init__(self) -> None:
         # A zero reservation would "fit" a worker with no free sequence slot.
@@ -74,16 +77,16 @@ class QueuedRequest:
                 raise ValueError(f"{self.request_id}: a prefill stage without its reservation")
             return replace(self, phase="whole", kv_tokens=self.decode_kv_tokens,
                            decode_kv_tokens=None, attempt=attempt)
-        return replace(self, phase="whole", attempt=attempt)
+        return replace(self, phase="whole", attempt=attempt, kv_engine=None)
 
-    def handoff(self) -> QueuedRequest:
+    def handoff(self, kv_engine: str | None = None) -> QueuedRequest:
         """The decode stage of this placed prefill stage: the next attempt (a new
         placement of the request, as after a requeue), same times, the whole reservation
-        again."""
+        again; ``kv_engine``: the engine of the prefill worker, which holds the prompt's KV."""
         if self.phase != "prefill" or self.decode_kv_tokens is None:
             raise ValueError(f"{self.request_id}: only a prefill stage hands off")
         return replace(self, phase="decode", kv_tokens=self.decode_kv_tokens,
-                       decode_kv_tokens=None, attempt=self.attempt + 1)
+                       decode_kv_tokens=None, attempt=self.attempt + 1, kv_engine=kv_engine)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +97,9 @@ class WorkerState:
     :meth:`Ledger.free_kv`). ``running`` and ``waiting`` are the engine's own sequence
     counts, ``tokens_per_s`` its recent generation throughput. ``role`` says which phases
     it runs (``schemas.common.Role``; ``mixed``, the default, runs requests whole).
+    ``engine`` is the heartbeat's (``sim``, ``vllm``, ``openai``): a prompt's KV passes
+    only between a prefill and a decode worker of the same engine (None: not reported,
+    which pairs only with another None).
     """
 
     worker_id: str
@@ -111,6 +117,7 @@ class WorkerState:
     heartbeat_ts: float
     tokens_per_s: float
     role: Role = "mixed"
+    engine: str | None = None
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -135,4 +135,5 @@ def worker_state(hb: WorkerHeartbeat) -> WorkerState:
         heartbeat_ts=hb.ts,
         tokens_per_s=hb.tokens_per_s,
         role=hb.role,
+        engine=hb.engine,
     )

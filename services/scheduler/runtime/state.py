@@ -625,7 +625,7 @@ class SchedulerState:
             block = self.fleet.block_size(prefill.request.model) \
                 or self.config.default_block_size
             kv_transfer = self.log.prefilled(request_id, prefill.attempt)
-            queued = decode_stage(prefill, block)
+            queued = decode_stage(prefill, block, kv_transfer)
             self.pending.push(queued, force=True)  # already admitted work
             self._track(_Tracked(prefill.admitted, queued, "handoff", since=now, trace=trace,
                                  kv_transfer=kv_transfer, prefill=prefill))

@@ -44,7 +44,7 @@ Params = Mapping[str, object]
 class PlacementContext:
     """What plugins may read during one ``schedule()`` call."""
 
-    __slots__ = ("_aged", "_max_tps", "ledger", "now", "route", "snapshot")
+    __slots__ = ("_aged", "_max_tps", "_ranked", "ledger", "now", "route", "snapshot")
 
     def __init__(
         self,
@@ -58,6 +58,9 @@ class PlacementContext:
         self.now = now
         self._aged = aged
         self._max_tps: float | None = None
+        #: The last request :meth:`class_rank` ranked, and its rank: a room filter asks
+        #: once per candidate worker, and ``now`` does not move within the cycle.
+        self._ranked: tuple[QueuedRequest | None, int] = (None, 0)
         #: The (model, version, lane) of the request being placed, set by the cycle before
         #: its picker runs (None outside a cycle: pickers then use fleet-wide state).
         self.route: tuple[str, str | None, str] | None = None
@@ -68,7 +71,11 @@ class PlacementContext:
         request's own class."""
         if self._aged is None:
             return priority_rank(request.priority)
-        return self._aged(request, self.now)
+        last, rank = self._ranked
+        if last is not request:
+            rank = self._aged(request, self.now)
+            self._ranked = (request, rank)
+        return rank
 
     @property
     def max_tokens_per_s(self) -> float:

@@ -45,7 +45,10 @@ class Usage(FrozenModel):
 class Timings(FrozenModel):
     """Where the time of one request went, measured from its ``created_at``."""
 
-    queued_s: Seconds = Field(description="From created_at until the engine started it.")
+    queued_s: Seconds = Field(
+        description="From created_at until the engine started it; for a request run in two "
+        "stages (prefill and decode workers), until the decode engine did, so it includes "
+        "the prefill.")
     ttft_s: Seconds | None = Field(
         default=None, description="Time to first token; null when no token was generated."
     )

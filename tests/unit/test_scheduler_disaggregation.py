@@ -147,12 +147,11 @@ def test_a_decode_stage_no_live_decode_worker_could_hold_runs_whole_on_a_mixed_o
 
 def test_a_prefill_stage_goes_only_where_a_decode_worker_of_its_engine_runs() -> None:
     # Two prefill engines, decode workers of one: the other's prefill workers idle.
-    workers = [make_worker("p-sim", role="prefill", engine="sim"),
-               make_worker("p-vllm", role="prefill", engine="openai", partition=1,
+    workers = [make_worker("p-sim", role="prefill", engine="sim",
                            kv_total_tokens=200_000),  # the roomier: picked if it could be
+               make_worker("p-vllm", role="prefill", engine="openai", partition=1),
                make_worker("d-vllm", role="decode", engine="openai", partition=2)]
-    decisions, _ = cycle([workers[1], workers[0], workers[2]],
-                         *(make_request(f"r{i}", enqueued_at=NOW - i) for i in range(3)))
+    decisions, _ = cycle(workers, *(make_request(f"r{i}", enqueued_at=NOW - i) for i in range(3)))
     assert {(d.worker_id, d.phase) for d in decisions if isinstance(d, Placement)} == {
         ("p-vllm", "prefill")}
     # No prefill worker pairs with the decode tier: requests run whole on it.
@@ -162,6 +161,23 @@ def test_a_prefill_stage_goes_only_where_a_decode_worker_of_its_engine_runs() ->
     assert (placement.worker_id, placement.phase) == ("d-vllm", "whole")
 
 
+def test_a_prefill_stage_goes_only_where_a_decode_worker_of_its_engine_could_hold_it() -> None:
+    # A's decode worker is too small for the request, B's is not: computing the prompt on
+    # A's prefill worker would only compute it again, whole, after the hand-off.
+    workers = [make_worker("p-a", role="prefill", engine="a"),
+               make_worker("p-b", role="prefill", engine="b", partition=1, running=50,
+                           kv_free_tokens=50_000),  # busier: p-a is the pick but for d-a
+               make_worker("d-a", role="decode", engine="a", partition=2, kv_total_tokens=2_000),
+               make_worker("d-b", role="decode", engine="b", partition=3)]
+    big = make_request("big", prompt_tokens=1000, max_tokens=7000, kv_tokens=8016)
+    small = make_request("small", prompt_tokens=1000, max_tokens=500, kv_tokens=1504,
+                         enqueued_at=NOW + 1)
+    decisions, _ = cycle(workers, big, small)
+    placed = {d.request.request_id: (d.worker_id, d.phase) for d in decisions
+              if isinstance(d, Placement)}
+    assert placed == {"big": ("p-b", "prefill"), "small": ("p-a", "prefill")}
+
+
 def test_a_decode_stage_goes_only_to_a_decode_worker_of_its_prefill_engine() -> None:
     staged = replace(make_request("r1", prompt_tokens=1000, max_tokens=500, kv_tokens=1504),
                      phase="prefill", kv_tokens=1008, decode_kv_tokens=1504)
@@ -169,9 +185,10 @@ def test_a_decode_stage_goes_only_to_a_decode_worker_of_its_prefill_engine() -> 
     assert decode.kv_engine == "openai" and decode.as_whole(1).kv_engine is None
     sim = make_worker("d-sim", role="decode", engine="sim", kv_total_tokens=200_000)
     vllm = make_worker("d-vllm", role="decode", engine="openai", partition=1)
-    [placement], _ = cycle([sim, vllm], decode)
-    assert isinstance(placement, Placement)
-    assert (placement.worker_id, placement.phase) == ("d-vllm", "decode")
+    stages = [replace(decode, request_id=f"r{i}") for i in range(4)]
+    decisions, _ = cycle([sim, vllm], *stages)
+    assert {(d.worker_id, d.phase) for d in decisions if isinstance(d, Placement)} == {
+        ("d-vllm", "decode")}
     # Its engine's decode worker busy: it waits for it, not for the other engine's.
     busy = Ledger(kv_safety_margin=0.0)
     assert busy.reserve(vllm, make_request("other", kv_tokens=99_000))

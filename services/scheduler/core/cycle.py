@@ -61,9 +61,10 @@ Order of work:
    requests whole as before, when the stages cannot be placed; spill borrows only mixed
    workers. The stages pair by engine (``WorkerState.engine``), as a KV connector only
    talks to its own kind: a prefill stage goes only to a prefill worker whose engine some
-   live decode worker of the route runs, and a decode stage only to a decode worker of
-   its prefill's engine (``QueuedRequest.kv_engine``); one that no such worker could ever
-   hold runs whole, like any decode stage no decode worker could hold.
+   live decode worker of the route that could hold the request runs, and a decode stage
+   only to a decode worker of its prefill's engine (``QueuedRequest.kv_engine``); one
+   that no such worker could ever hold runs whole, like any decode stage no decode worker
+   could hold.
 
 Decisions come out in this order: rejections of cancelled and expired requests, then
 placements and rejections as they are decided, then one ``Defer`` per class head still
@@ -197,6 +198,7 @@ class _Cycle:
         "rng",
         "snapshot",
         "spill_bound",
+        "usable_by_engine",
     )
 
     def __init__(
@@ -222,7 +224,8 @@ class _Cycle:
         self.spill_bound = 0  # > 0 while placing a spill with a per-worker bound
         self.prompt_free = False  # while placing an overflow: workers with no prompt work
         self.max_usable: dict[int, int] = {}  # per route index (by id), see _max_usable
-        self.loaded: set[Route] = set()  # routes whose prefill workers are all loaded
+        self.usable_by_engine: dict[int, dict[str | None, int]] = {}  # see _holding_engines
+        self.loaded: set[int] = set()  # prefill indexes (by id) whose members are all loaded
         self.no_overflow: set[Route] = set()  # routes whose overflow found no worker
 
     def run(self, max_placements: int | None) -> None:
@@ -299,9 +302,10 @@ class _Cycle:
             request = whole
         elif _has_roles(self.snapshot):
             decode = self._index(request, "decode")
-            prefill = self._index(request, "prefill", paired=decode)
-            fits_decode = self._max_usable(decode) >= request.kv_tokens
-            if prefill.members and fits_decode:
+            engines = self._holding_engines(decode, request.kv_tokens)
+            fits_decode = bool(engines)
+            prefill = self._index(request, "prefill", engines=engines) if engines else None
+            if prefill is not None and prefill.members:
                 overflow = self._overflow(request, route, prefill, decode)
                 if overflow is not None:
                     return overflow
@@ -329,21 +333,18 @@ class _Cycle:
         return self._blocked(request, route, index, outcome)
 
     def _index(
-        self, request: QueuedRequest, role: Role, *, paired: RouteIndex | None = None
+        self, request: QueuedRequest, role: Role, *, engines: frozenset[str | None] = frozenset()
     ) -> RouteIndex:
         """The candidate index of ``request``'s route among workers of ``role``: for a
-        decode stage, those of its ``kv_engine``; for prefill stages, those whose engine
-        a member of ``paired`` (the route's decode index) runs."""
+        decode stage, those of its ``kv_engine``; with ``engines`` (prefill stages), those
+        that run one of them."""
         route: Route = (request.model, request.model_version, request.lane)
         admits = self._route_admits(request, role=role)
         owner: object = self.pipeline if role == "mixed" else (self.pipeline, role)
-        if paired is not None:  # read only when the index is built: once a snapshot
-            route_admits, engines = admits, None
+        if engines:
+            route_admits, owner = admits, (self.pipeline, role, engines)
 
             def admits(worker: WorkerState) -> bool:
-                nonlocal engines
-                if engines is None:
-                    engines = {w.engine for w in paired.members}
                 return worker.engine in engines and route_admits(worker)
         elif request.phase == "decode" and request.kv_engine is not None:
             engine, route_admits = request.kv_engine, admits
@@ -362,6 +363,19 @@ class _Cycle:
                 (usable(w) for w in index.members), default=0)
         return found
 
+    def _holding_engines(self, decode: RouteIndex, kv_tokens: int) -> frozenset[str | None]:
+        """The engines of ``decode``'s members of which one could hold ``kv_tokens``: where
+        a prompt computed for it may be handed (a worker's largest usable KV per engine,
+        once a cycle)."""
+        largest = self.usable_by_engine.get(id(decode))
+        if largest is None:
+            largest = self.usable_by_engine[id(decode)] = {}
+            for worker in decode.members:
+                usable = self.ledger.usable_kv(worker)
+                if usable > largest.get(worker.engine, -1):
+                    largest[worker.engine] = usable
+        return frozenset(engine for engine, most in largest.items() if most >= kv_tokens)
+
     @staticmethod
     def _prefill_stage(request: QueuedRequest, prefill: RouteIndex) -> QueuedRequest:
         """``request`` as a prefill stage: its prompt and the sampled token, in blocks."""
@@ -374,17 +388,17 @@ class _Cycle:
     ) -> Placement | None:
         """A long request whole on a decode worker with no prompt work, when every
         prefill worker has ``pd_overflow_tokens`` or more to compute (step 6). Within a
-        cycle prompt work only grows and room only shrinks, so a route found loaded stays
-        loaded, and one whose overflow found no worker finds none again."""
+        cycle prompt work only grows and room only shrinks, so prefill workers found
+        loaded stay loaded, and a route whose overflow found no worker finds none again."""
         threshold = self.pipeline.pd_overflow_tokens
         if not threshold or request.lane != "long" or route in self.no_overflow:
             return None
-        if route not in self.loaded:
+        if id(prefill) not in self.loaded:
             uncomputed = self.ledger.uncomputed_prompt
             for worker in prefill.members:  # the first below the threshold ends it
                 if uncomputed(worker.worker_id) < threshold:
                     return None
-            self.loaded.add(route)
+            self.loaded.add(id(prefill))
         self.prompt_free = True
         try:
             outcome = self._place(request, decode)

@@ -207,6 +207,22 @@ def test_a_decode_stage_goes_only_to_a_decode_worker_of_its_prefill_engine() -> 
     assert (whole.worker_id, whole.phase, whole.attempt) == ("d-sim", "whole", 1)
 
 
+def test_an_overdue_request_only_decode_workers_could_hold_holds_one() -> None:
+    # No live prefill worker, and the mixed worker is too small for it: only the decode
+    # worker can ever run it, so an overdue head holds that one (not the mixed route,
+    # where it could hold nothing and smaller requests would keep taking the room).
+    workers = [make_worker("p0", role="prefill", draining=True),
+               make_worker("d0", role="decode", partition=1),
+               make_worker("m0", partition=2, kv_total_tokens=4_000)]
+    ledger = Ledger(kv_safety_margin=0.0)
+    assert ledger.reserve(workers[1], make_request("busy", kv_tokens=95_000))
+    big = make_request("big", prompt_tokens=1000, max_tokens=7000, kv_tokens=8016,
+                       enqueued_at=NOW - 3600)
+    [wait], _ = cycle(workers, big, ledger=ledger)
+    assert isinstance(wait, Defer) and "holding d0" in wait.reason, wait
+    assert ledger.hold_of("big") == "d0"
+
+
 def test_a_fleet_without_roles_is_unchanged() -> None:
     [placement], _ = cycle([make_worker("m0")], make_request("r1"))
     assert isinstance(placement, Placement) and placement.phase == "whole"

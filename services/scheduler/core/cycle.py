@@ -328,7 +328,8 @@ class _Cycle:
             spilled = self._spill(request, own_pool=bool(index.members) or own is not None)
             if spilled is not None:
                 return spilled
-        if own is not None and not index.members:
+        if own is not None and self._max_usable(index) < request.kv_tokens:
+            # No mixed worker could ever run it: it waits (and holds) where it could run.
             return self._blocked(request, route, own[1], outcome, stage=own[0])
         return self._blocked(request, route, index, outcome)
 

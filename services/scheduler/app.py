@@ -99,13 +99,8 @@ from services.scheduler.runtime.flow import OrderedAcks, PauseLadder
 from services.scheduler.runtime.messages import Outgoing
 from services.scheduler.runtime.metrics import SchedulerMetrics
 from services.scheduler.runtime.outbox import Outbox
-from services.scheduler.runtime.state import (
-    Effect,
-    HeldRequeue,
-    RuntimeConfig,
-    SchedulerState,
-    Ticket,
-)
+from services.scheduler.runtime.results import Effect, HeldRequeue, RuntimeConfig, Ticket
+from services.scheduler.runtime.state import SchedulerState
 from services.scheduler.runtime.topics import SchedulerTopics
 from services.scheduler.settings import SchedulerSettings
 

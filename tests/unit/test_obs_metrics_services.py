@@ -38,7 +38,8 @@ from services.ingest.tenants import hash_api_key, load_tenancy, parse_tenants
 from services.ingest.topics import IngestTopics
 from services.scheduler import DEFAULT_PROFILE, QueueConfig, build_pipeline
 from services.scheduler.runtime.metrics import SchedulerMetrics
-from services.scheduler.runtime.state import RuntimeConfig, SchedulerState
+from services.scheduler.runtime.results import RuntimeConfig
+from services.scheduler.runtime.state import SchedulerState
 from services.worker.core.heartbeat import HeartbeatFields
 from services.worker.engines.base import EngineCapacity, GenerateRequest, TokenDelta
 from services.worker.kafka_io import Publisher

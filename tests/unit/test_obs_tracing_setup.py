@@ -18,7 +18,8 @@ from services.common import tracing
 from services.common.settings import Settings
 from services.dev import jaeger
 from services.scheduler import DEFAULT_PROFILE, QueueConfig, build_pipeline
-from services.scheduler.runtime.state import RuntimeConfig, SchedulerState, defer_reason
+from services.scheduler.runtime.results import RuntimeConfig, defer_reason
+from services.scheduler.runtime.state import SchedulerState
 from tests.builders_schemas import make_admitted, make_heartbeat, make_request
 
 T = 1_700_000_000.0

@@ -11,7 +11,7 @@ from collections.abc import Awaitable
 
 from services.scheduler.runtime.messages import Outgoing
 from services.scheduler.runtime.outbox import Outbox
-from services.scheduler.runtime.state import Effect
+from services.scheduler.runtime.results import Effect
 
 
 class FakeBroker:

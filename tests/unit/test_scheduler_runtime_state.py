@@ -28,12 +28,8 @@ from schemas.workers import (
     WorkerHeartbeat,
 )
 from services.scheduler import DEFAULT_PROFILE, QueueConfig, build_pipeline
-from services.scheduler.runtime.state import (
-    Effect,
-    RuntimeConfig,
-    SchedulerState,
-    TickResult,
-)
+from services.scheduler.runtime.results import Effect, RuntimeConfig, TickResult
+from services.scheduler.runtime.state import SchedulerState
 from tests.builders_schemas import make_admitted, make_heartbeat, make_request
 
 T = 1_700_000_000.0

@@ -4,6 +4,8 @@ Who owns what (one owner each, driven from the service's single event loop):
 
 - :mod:`.state` — :class:`SchedulerState`: the pending queue, the ledger and everything
   that feeds them; calls the core (``schedule``, ``requeue_lost``) and returns effects;
+- :mod:`.results` — what it is given and gives back: :class:`RuntimeConfig`,
+  :class:`Effect`, :class:`TickResult`, :class:`HeldRequeue`, the span recorder;
 - :mod:`.fleet` — :class:`FleetView`: newest heartbeat per worker, liveness (stale = dead);
 - :mod:`.log` — :class:`AssignmentLog`: assignments and lifecycle events per request, the
   replayable memory the ledger is rebuilt from after a restart;

@@ -17,7 +17,7 @@ from typing import get_args
 
 from schemas.common import ErrorCode, Lane, Priority
 from services.common import metrics as m
-from services.scheduler.runtime.state import TickResult
+from services.scheduler.runtime.results import TickResult
 
 _CLASSES = tuple(product(get_args(Priority), get_args(Lane)))
 

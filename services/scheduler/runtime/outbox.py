@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 from services.scheduler.runtime.messages import Outgoing
-from services.scheduler.runtime.state import Effect, Ticket
+from services.scheduler.runtime.results import Effect, Ticket
 
 #: Enqueue one record; the returned awaitable resolves once the broker acknowledged it.
 Send = Callable[[Outgoing], Awaitable[Awaitable[object]]]

@@ -223,6 +223,30 @@ def test_an_overdue_request_only_decode_workers_could_hold_holds_one() -> None:
     assert ledger.hold_of("big") == "d0"
 
 
+def test_an_overdue_request_no_mixed_worker_could_run_holds_a_prefill_worker() -> None:
+    # Staged, its prefill worker full, and the mixed worker too small for the whole
+    # request: it holds the prefill worker, and says why that one did not take it.
+    workers = [make_worker("p0", role="prefill"),
+               make_worker("d0", role="decode", partition=1),
+               make_worker("m0", partition=2, kv_total_tokens=4_000)]
+    ledger = Ledger(kv_safety_margin=0.0)
+    assert ledger.reserve(workers[0], make_request("busy", kv_tokens=99_000))
+    big = make_request("big", prompt_tokens=1000, max_tokens=7000, kv_tokens=8016,
+                       enqueued_at=NOW - 3600)
+    [wait], _ = cycle(workers, big, ledger=ledger)
+    assert isinstance(wait, Defer) and ledger.hold_of("big") == "p0"
+    assert wait.reason == "no room: largest free 1000 < 1008; holding p0"
+
+
+def test_a_prompt_no_prefill_worker_could_hold_runs_whole_on_a_decode_worker() -> None:
+    workers = [make_worker("p0", role="prefill", kv_total_tokens=4_000),
+               make_worker("d0", role="decode", partition=1)]
+    long_prompt = make_request("r1", prompt_tokens=6000, max_tokens=500, kv_tokens=6512)
+    [placement], _ = cycle(workers, long_prompt)
+    assert isinstance(placement, Placement)
+    assert (placement.worker_id, placement.phase) == ("d0", "whole")
+
+
 def test_a_fleet_without_roles_is_unchanged() -> None:
     [placement], _ = cycle([make_worker("m0")], make_request("r1"))
     assert isinstance(placement, Placement) and placement.phase == "whole"

@@ -56,15 +56,17 @@ Order of work:
    prefill worker of the route has at least ``pd_overflow_tokens`` (the profile's) prompt
    tokens placed and not computed (:meth:`Ledger.uncomputed_prompt`), a long request goes
    whole to a decode worker that has none of its own; a route with decode workers and no
-   live prefill worker runs requests whole on its decode workers; a decode stage that no
-   live decode worker could ever hold runs whole on a mixed worker. Mixed workers take
-   requests whole as before, when the stages cannot be placed; spill borrows only mixed
-   workers. The stages pair by engine (``WorkerState.engine``), as a KV connector only
-   talks to its own kind: a prefill stage goes only to a prefill worker whose engine some
-   live decode worker of the route that could hold the request runs, and a decode stage
-   only to a decode worker of its prefill's engine (``QueuedRequest.kv_engine``); one
-   that no such worker could ever hold runs whole, like any decode stage no decode worker
-   could hold.
+   live prefill worker that could hold its prompt runs requests whole on its decode
+   workers; a decode stage that no live decode worker could ever hold runs whole on a
+   mixed worker. Mixed workers take requests whole as before, when the stages cannot be
+   placed; spill borrows only mixed workers. A head that no mixed worker could ever run
+   waits where it could: an overdue one holds a prefill worker for its prefill stage, or
+   a decode worker (step 4). The stages pair by engine (``WorkerState.engine``), as a KV
+   connector only talks to its own kind. A prefill stage goes only to a prefill worker of
+   an engine with a live decode worker (of the route) that could hold the request; a
+   decode stage goes only to a decode worker of its prefill's engine
+   (``QueuedRequest.kv_engine``), and one that none of those could ever hold runs whole,
+   like any decode stage no decode worker could hold.
 
 Decisions come out in this order: rejections of cancelled and expired requests, then
 placements and rejections as they are decided, then one ``Defer`` per class head still
@@ -281,9 +283,10 @@ class _Cycle:
 
     def _decide(self, request: QueuedRequest) -> Decision:
         route: Route = (request.model, request.model_version, request.lane)
-        # Where the head waits (and may hold a worker) when its mixed route has no member:
-        # the request as it would be placed there, and that index.
+        # Where the head waits (and may hold a worker) when no mixed worker could ever run
+        # it: the request as it would be placed there, that index, and why it did not fit.
         own: tuple[QueuedRequest, RouteIndex] | None = None
+        own_outcome = ""
         if request.phase == "decode":  # a computed prompt: decode workers (of its engine) ...
             decode = self._index(request, "decode")
             outcome = self._place(request, decode)
@@ -303,19 +306,20 @@ class _Cycle:
         elif _has_roles(self.snapshot):
             decode = self._index(request, "decode")
             engines = self._holding_engines(decode, request.kv_tokens)
-            fits_decode = bool(engines)
             prefill = self._index(request, "prefill", engines=engines) if engines else None
-            if prefill is not None and prefill.members:
+            staged = None if prefill is None or not prefill.members \
+                else self._prefill_stage(request, prefill)
+            if staged is not None and prefill is not None \
+                    and self._max_usable(prefill) >= staged.kv_tokens:
                 overflow = self._overflow(request, route, prefill, decode)
                 if overflow is not None:
                     return overflow
-                staged = self._prefill_stage(request, prefill)
                 outcome = self._place(staged, prefill)
                 if isinstance(outcome, Placement):
                     return outcome
-                own = (staged, prefill)
-            elif fits_decode:  # no live prefill worker: after mixed workers, decode ones
-                own = (request, decode)
+                own, own_outcome = (staged, prefill), outcome
+            elif engines:  # no live prefill worker that could take its prompt: after mixed
+                own = (request, decode)  # workers, decode ones take it whole
         index = self._index(request, "mixed")
         outcome = self._place(request, index)
         if isinstance(outcome, Placement):
@@ -324,13 +328,14 @@ class _Cycle:
             placed = self._place(request, own[1])
             if isinstance(placed, Placement):
                 return placed
+            own_outcome = placed
         if self.pipeline.spill:
             spilled = self._spill(request, own_pool=bool(index.members) or own is not None)
             if spilled is not None:
                 return spilled
         if own is not None and self._max_usable(index) < request.kv_tokens:
             # No mixed worker could ever run it: it waits (and holds) where it could run.
-            return self._blocked(request, route, own[1], outcome, stage=own[0])
+            return self._blocked(request, route, own[1], own_outcome, stage=own[0])
         return self._blocked(request, route, index, outcome)
 
     def _index(

@@ -130,6 +130,10 @@ _log = logging.getLogger("services.worker")
 #: How far a fenced process moves its ``started_at`` (module docstring).
 INCARNATION_STEP_S = 1e-3
 
+#: How long a draining prefill worker waits for its ``llmq.events`` reader to start (then
+#: it tries again 5 s later; the hand-offs' holds expire meanwhile).
+_FOLLOW_START_S = 10.0
+
 #: What happened to one assignment record: a run started, nothing more to do, or its
 #: answer was not acknowledged (the offset stays uncommitted).
 Admitted = Literal["running", "finished", "unacked"]
@@ -522,7 +526,7 @@ class Worker:
         finally:
             if self.runs.get(run.request_id) is run:
                 del self.runs[run.request_id]
-        if outcome.kind == "prefilled" and outcome.acked:
+        if run.handed_off:  # acknowledged, or cut short by a fence: it may be in the log
             a = run.assignment
             self.handoffs.hold(a.request_id, a.attempt, a.deadline, self._clock(),
                                since=started)
@@ -760,8 +764,9 @@ class Worker:
                   self.id.worker_id, held, self.ws.handoff_hold_s)
         follower = EventFollower(self.settings.bootstrap, self.topics.events,
                                  self._on_event)
-        try:
-            await follower.start(since_s=since - 1.0)  # producers' clocks: 1 s of slack
+        try:  # bounded: a broker gone mid-start would leave the holds unwatched
+            await asyncio.wait_for(follower.start(since_s=since - 1.0),  # 1 s: producers'
+                                   _FOLLOW_START_S)                      # clocks
         except (KafkaError, TimeoutError, OSError):
             _log.warning("worker %s: cannot read %s to follow the hand-offs; they are held "
                          "until they expire", self.id.worker_id, self.topics.events,

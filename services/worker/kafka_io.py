@@ -152,15 +152,14 @@ class TopicFollower:
         try:
             tps = [TopicPartition(self.topic, p) for p in partitions]
             consumer.assign(tps)
+            # The ends first: a partition with nothing stamped since ``since_s`` starts
+            # there, so a record sent while the times are looked up is not skipped.
+            ends = await consumer.end_offsets(tps)
             found = {} if since_s is None else await consumer.offsets_for_times(
                 {tp: max(0, int(since_s * 1000)) for tp in tps})
             for tp in tps:
                 at = found.get(tp)
-                if at is None:
-                    await consumer.seek_to_end(tp)
-                else:
-                    consumer.seek(tp, at.offset)
-                await consumer.position(tp)  # resolve the lazy seek now
+                consumer.seek(tp, ends[tp] if at is None else at.offset)
         except BaseException:
             await consumer.stop()
             raise

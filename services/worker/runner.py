@@ -292,6 +292,10 @@ class RequestRun:
         self._first_token_at: float | None = None
         self._tokens = 0
         self._prefill = assignment.phase == "prefill"  # streams nothing (module docstring)
+        #: True once this prefill stage's event.prefilled may be in the log (its send
+        #: began and the broker did not refuse it): a decode stage may then pull the
+        #: prompt's KV from this engine, acknowledged or not (a fence may cut the wait).
+        self.handed_off = False
         req = assignment.request
         self.deadline = deadline_of(req.created_at, req.timeout_s, assignment.deadline)
 
@@ -482,8 +486,10 @@ class RequestRun:
         unacked = [s for s in self._sent if not s.acked]
         sent = await self._until_acked(unacked, ask_first=True) if unacked else "acked"
         if sent == "acked":
+            self.handed_off = end.kind == "prefilled"
             sent = await self._until_acked([end.first], ask_first=True)
             if sent == "refused" and end.kind == "prefilled":
+                self.handed_off = False
                 # event.prefilled is certainly not durable, so no decode stage follows: the
                 # client gets its one terminal, as for any failed run.
                 end = self._ending(_Failed("worker_lost", "the worker could not hand the "

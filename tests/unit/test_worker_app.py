@@ -185,3 +185,48 @@ async def test_only_a_finished_drain_ends_with_a_final_heartbeat(hard_stop: bool
     for beat in beats[1:]:
         progress.observe(beat)
     assert progress.outcome(beats[-1].ts + 60) == outcome
+
+
+class _Stalling(_Producer):
+    """A producer whose ``event.prefilled`` sends are never acknowledged: the broker is
+    slow, and the process is fenced meanwhile."""
+
+    async def send(self, topic: str, value: bytes, *, key: bytes,
+                   headers: list[tuple[str, bytes]] | None = None) -> asyncio.Future[None]:
+        if b'"event.prefilled"' not in value:
+            return await super().send(topic, value, key=key, headers=headers)
+        self.records.append((topic, json.loads(value)))
+        return asyncio.get_running_loop().create_future()  # never done
+
+
+@pytest.mark.parametrize("fenced", [False, True])
+async def test_a_prefill_stage_that_handed_its_kv_on_is_held(fenced: bool) -> None:
+    # Held from the moment its event.prefilled may be in the log: acknowledged, or sent
+    # and then cut short by a fence (the decode stage may be placed all the same).
+    worker = _worker(role="prefill")
+    await worker.engine.start()
+    producer = _Stalling() if fenced else _Producer()
+    worker._publisher = Publisher(producer, 0.3)  # a stalled send is given up quickly
+    worker._serving = True
+    worker.lease.restart(time.monotonic())
+    now = time.time()
+    request = make_request(request_id="r1", model=worker.id.model, max_tokens=40,
+                           timeout_s=600, created_at=now)
+    admitted = make_admitted(request=request, reply_topic="p.replies.acme", admitted_at=now)
+    try:
+        worker._start_run(make_assignment(admitted=admitted, worker_id="w0", partition=0,
+                                          deadline=now + 600, assigned_at=now,
+                                          phase="prefill"), 0, None)
+        (task,) = worker._run_tasks
+        if fenced:
+            for _ in range(100):
+                if any(r.get("kind") == "event.prefilled" for _, r in producer.records):
+                    break
+                await asyncio.sleep(0.02)
+            worker._fence("test")
+        await asyncio.wait_for(task, 5.0)
+        assert [r["kind"] for _, r in producer.records].count("event.prefilled") >= 1
+        assert worker.handoffs.held(time.time()) == 1
+        assert worker.handoffs.since() is not None and worker.handoffs.since() <= now + 1
+    finally:
+        await _stop(worker)

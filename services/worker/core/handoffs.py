@@ -7,7 +7,9 @@ exits before then takes that KV with it (or lets its operator stop the engine), 
 decode stage fails. So a draining worker waits until ``HeldHandoffs.held(now)`` is 0
 (``services.worker.app``), and counts the held ones in its heartbeat meanwhile.
 
-A hand-off is held from its acknowledged ``event.prefilled`` (attempt k) until one of:
+A hand-off is held from its ``event.prefilled`` (attempt k), once that may be in the log:
+acknowledged, or sent and then cut short by a fence (``RequestRun.handed_off``), until one
+of:
 
 * an event of the request at a later attempt that shows the KV is no longer wanted:
   ``event.first_token`` (the decode stage has the KV: it computed a token from it; after a

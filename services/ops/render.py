@@ -111,6 +111,8 @@ def render_status(status: Mapping[str, Any], console: Console) -> None:
     if status["missing_topics"]:
         console.print(f"[yellow]missing topics[/]: {', '.join(status['missing_topics'])} "
                       "(`llmq dev topics` creates them)")
+    for warning in status.get("warnings", ()):
+        console.print(f"[yellow]warning[/]: {warning}")
     urls = status["metrics_urls"]
     if urls:
         console.print("[bold]metrics[/]")

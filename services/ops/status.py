@@ -21,7 +21,12 @@ The document (``schema`` 1)::
                  "slots": [{"partition", "group", "committed", "end", "lag"}]}, ...],
      "groups": {"scheduler": <group or null>, "ingest": <group or null>},
      "missing_topics": [...],
+     "warnings": ["<one line an operator should act on>", ...],
      "metrics_urls": {"<service instance>": "http://127.0.0.1:PORT/metrics", ...}}
+
+``warnings`` (:func:`pairing_warnings`) names prefill and decode workers of a model whose
+engine has no worker of the other role: the scheduler hands a prompt's KV only between
+workers of one engine, so those workers sit idle or run requests whole.
 
 Worker states follow :func:`services.health.core.worker_state` (fail closed: a worker we
 cannot vouch for is ``stale``, never ``up``). ``kv_*_pct`` is null for a worker that
@@ -140,6 +145,32 @@ def queue_row(qs: QueueStatus, now: float, stale_s: float = STATUS_STALE_S) -> d
     }
 
 
+def pairing_warnings(workers: Iterable[Mapping[str, Any]]) -> list[str]:
+    """For each model, the prefill and decode workers (up, not draining) whose engine has
+    no worker of the other role: their prompts' KV can reach no decode worker (the
+    scheduler stages nothing there), or no prompt is handed to them (they only run
+    requests whole). Nothing when a model has only one of the two roles."""
+    by_model: dict[str, dict[str, dict[str, list[str]]]] = {}
+    for w in workers:
+        if w["role"] in ("prefill", "decode") and w["state"] == "up" and not w["draining"]:
+            roles = by_model.setdefault(w["model"], {"prefill": {}, "decode": {}})
+            roles[w["role"]].setdefault(w["engine"], []).append(w["worker_id"])
+    found = []
+    for model, roles in sorted(by_model.items()):
+        prefill, decode = roles["prefill"], roles["decode"]
+        if not prefill or not decode:
+            continue
+        for engine in sorted(prefill.keys() - decode.keys()):
+            found.append(f"model {model}: prefill worker(s) {', '.join(prefill[engine])} run "
+                         f"engine {engine}, which no decode worker runs: they stay idle "
+                         "(a prompt's KV passes only between workers of one engine)")
+        for engine in sorted(decode.keys() - prefill.keys()):
+            found.append(f"model {model}: decode worker(s) {', '.join(decode[engine])} run "
+                         f"engine {engine}, which no prefill worker runs: they only take "
+                         "requests whole")
+    return found
+
+
 def build_status(
     *,
     bootstrap: str,
@@ -172,6 +203,7 @@ def build_status(
         "topics": [t.as_dict() for t in topics],
         "groups": dict(groups),
         "missing_topics": list(missing_topics),
+        "warnings": pairing_warnings(workers),
         "metrics_urls": dict(metrics_urls),
     }
 

@@ -17,6 +17,7 @@ from services.ops.status import build_status, read_metrics_urls, services_file, 
 from tests.fakes.heartbeat_worker import heartbeat
 
 NOW = 1_000_000.0
+MODEL = heartbeat("w").model
 
 
 def rec(worker_id: str, age_s: float, **changes: Any) -> WorkerRecord:
@@ -53,6 +54,29 @@ def test_worker_row_and_table_show_a_prefill_or_decode_role() -> None:
     assert worker_row(rec("w2", 0.5), NOW, HealthPolicy())["role"] == "mixed"
     table = workers_table({"workers": [row]})
     assert list(table.columns[3].cells) == [f"{row['pool']} (prefill)"]
+
+
+def test_status_warns_of_prefill_and_decode_workers_no_worker_of_their_engine_pairs(
+        ) -> None:
+    fleet = [rec("p-sim", 0.5, role="prefill", engine="sim"),
+             rec("p-vllm", 0.5, role="prefill", engine="openai", partition=1),
+             rec("d-vllm", 0.5, role="decode", engine="openai", partition=2),
+             rec("d-old", 0.5, role="decode", engine="vllm", partition=3),
+             rec("d-gone", 60.0, role="decode", engine="sim", partition=4),  # stale
+             rec("m0", 0.5, engine="sim", partition=5)]
+    doc = status_doc(fleet)
+    assert doc["warnings"] == [
+        f"model {MODEL}: prefill worker(s) p-sim run engine sim, which no decode worker "
+        "runs: they stay idle (a prompt's KV passes only between workers of one engine)",
+        f"model {MODEL}: decode worker(s) d-old run engine vllm, which no prefill "
+        "worker runs: they only take requests whole"]
+    console = Console(record=True, width=400)
+    render_status(doc, console)
+    assert f"warning: model {MODEL}: prefill worker(s) p-sim" in console.export_text()
+    # Paired engines, or one role only (decode workers then take requests whole by
+    # design): nothing to say.
+    assert status_doc(fleet[1:3])["warnings"] == []
+    assert status_doc([fleet[3]])["warnings"] == []
 
 
 def test_drain_requested_only_for_this_incarnation() -> None:

@@ -58,6 +58,12 @@ class SchedulerSettings(BaseSettings):
         default=30.0, gt=0.0, le=86_400.0,
         description="Seconds of waiting that raise a request by one priority class.",
     )
+    handoff_step_s: float = Field(
+        default=1.0, ge=0.0, le=3_600.0,
+        description="Hand-offs waiting for a decode worker go oldest first, but this many "
+        "seconds later per class below high: a high request's hand-off overtakes a normal "
+        "one admitted up to this long before it (a low one, twice as long).",
+    )
     short_weight: float = Field(
         default=3.0, gt=0.0, le=1000.0, description="Weight of the short lane on 'any' workers."
     )
@@ -145,6 +151,7 @@ class SchedulerSettings(BaseSettings):
             aging_s_per_class=self.aging_s_per_class,
             max_pending=self.max_pending,
             lane_weights={"short": self.short_weight, "long": self.long_weight},
+            handoff_step_s=self.handoff_step_s,
         )
 
     def profile(self) -> Mapping[str, object]:

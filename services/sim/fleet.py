@@ -40,6 +40,8 @@ class Job:
         "e2e_alone_s",
         "finished_s",
         "first_token_s",
+        "handed_off_s",
+        "handoff_queue_s",
         "idx",
         "lane",
         "max_tokens",
@@ -74,6 +76,10 @@ class Job:
         self.ttft_alone_s, self.e2e_alone_s = alone
         self.state = ARRIVING
         self.dispatched_s: float | None = None
+        #: A two-stage job: when its prefill handed off, and how long its decode stage
+        #: then waited in the policy's queue (part of its ``queue`` time, metrics).
+        self.handed_off_s: float | None = None
+        self.handoff_queue_s = 0.0
         self.first_token_s: float | None = None
         self.finished_s: float | None = None
         self.worker: int | None = None

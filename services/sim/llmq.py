@@ -109,6 +109,8 @@ class LlmqConfig:
     timeout_s: float = 120.0
     kv_safety_margin: float = 0.05
     aging_s_per_class: float = 30.0
+    #: Decode stages' ordering step per class (``QueueConfig.handoff_step_s``).
+    handoff_step_s: float = 1.0
     drain_window_s: float = 30.0
     lane_threshold: int = 2000
     #: Engines order their waiting queue by the request's class (vLLM's
@@ -245,6 +247,7 @@ class LlmqPolicy:
             aging_s_per_class=cfg.aging_s_per_class,
             max_pending=max_pending,
             lane_weights=dict(cfg.lane_weights),
+            handoff_step_s=cfg.handoff_step_s,
         )
 
     def _schedule(self, now: float) -> None:

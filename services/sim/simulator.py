@@ -215,6 +215,9 @@ class Simulator:
         job.state = RUNNING
         if job.dispatched_s is None:
             job.dispatched_s = now
+        if job.handed_off_s is not None:  # its decode stage waited in the queue since
+            job.handoff_queue_s += now - job.handed_off_s
+            job.handed_off_s = None
         job.phase = phase
         job.worker = worker
         w.in_flight += 1
@@ -338,6 +341,7 @@ class Simulator:
         if job.state != RUNNING or job.worker is None or self._phased is None:
             raise SimulationError(f"job {job.idx} handed off in state {job.state}")
         job.state = QUEUED
+        job.handed_off_s = self.now
         self.workers[job.worker].in_flight -= 1
         self._phased.on_prefilled(job, self.now)
 

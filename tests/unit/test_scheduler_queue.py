@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -175,9 +176,38 @@ def test_many_removals_keep_heads_right() -> None:
         ({"lane_weights": {"short": 3.0}}, "queue.lane_weights.long"),
         ({"lane_weights": {"short": 3.0, "long": -1.0}}, "queue.lane_weights.long"),
         ({"lane_weights": {"short": 1.0, "long": 1.0, "huge": 1.0}}, "queue.lane_weights"),
+        ({"handoff_step_s": -1.0}, "queue.handoff_step_s"),
     ],
 )
 def test_bad_queue_config_names_the_setting(config: dict[str, Any], setting: str) -> None:
     with pytest.raises(ConfigError) as caught:
         PendingQueue(QueueConfig(**config))
     assert caught.value.setting == setting
+
+
+def _handoff(rid: str, priority: Priority, enqueued_at: float) -> Any:
+    return replace(make_request(rid, priority=priority, enqueued_at=enqueued_at),
+                   phase="decode")
+
+
+def test_hand_offs_go_first_and_among_themselves_by_class_within_a_short_step() -> None:
+    # Admitted 0.5 s before the high one, a normal hand-off still goes after it; one
+    # admitted 1.5 s before does not (handoff_step_s = 1 s per class); a low one steps 2 s.
+    queue = make_queue(_handoff("normal-early", "normal", NOW - 1.5),
+                       _handoff("normal", "normal", NOW - 0.5),
+                       _handoff("low", "low", NOW - 1.5),
+                       _handoff("high", "high", NOW),
+                       make_request("fresh-high", priority="high", enqueued_at=NOW - 0.1))
+    assert [r.request_id for r in queue.ordered()] == [
+        "normal-early", "fresh-high", "high", "normal", "low"]  # (the last two tie: FCFS)
+    assert {r.request_id for r in queue.heads()} == {"fresh-high", "normal-early"}
+    # Its bound is its step: once waited, nothing admitted later overtakes it ...
+    assert not queue.overdue(queue.get("normal"), NOW)
+    assert queue.overdue(queue.get("normal"), NOW + 0.5)
+    assert queue.overdue(queue.get("high"), NOW)
+    # ... and in its engine every hand-off goes first.
+    assert {queue.engine_priority(r, NOW) for r in queue.ordered()} == {0}
+    # A step of 0: oldest first, whatever the class (as before the step).
+    flat = make_queue(_handoff("normal", "normal", NOW - 0.5), _handoff("high", "high", NOW),
+                      handoff_step_s=0.0)
+    assert [r.request_id for r in flat.ordered()] == ["normal", "high"]

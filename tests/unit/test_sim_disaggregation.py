@@ -3,6 +3,7 @@ model against hand-computed times, the split of the fleet, determinism."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -62,6 +63,19 @@ def test_every_request_ends_once_after_both_phases_and_kv_is_conserved() -> None
             assert j.finished_s - j.arrival_s >= j.e2e_alone_s - 1e-9
     decoded = [j for j in jobs if j.phase == "decode"]
     assert decoded and all(placed[j.idx] == {"prefill", "decode"} for j in decoded)
+    assert all(j.handed_off_s is None and j.handoff_queue_s >= 0 for j in jobs)
+
+
+def test_a_decode_stages_wait_for_a_decode_worker_is_queue_time() -> None:
+    # Three prefill workers feed one decode worker faster than it decodes: decode stages
+    # wait in llmq's queue, and that wait is part of the request's queue time (metrics).
+    small = dataclasses.replace(H100, num_blocks=3_000)  # 48k tokens: about 30 requests
+    jobs, stats, _ = run_pd(workload(400, rate_rps=60.0), profile=small,
+                            roles=("prefill", "prefill", "prefill", "decode"))
+    decoded = [j for j in jobs if j.phase == "decode"]
+    assert stats.completed == 400 and decoded
+    assert sum(j.handoff_queue_s > 0 for j in decoded) > len(decoded) // 10
+    assert all(j.handoff_queue_s == 0 for j in jobs if j.phase == "whole")
 
 
 def test_one_request_takes_prefill_then_transfer_then_decode_by_hand() -> None:
@@ -79,6 +93,7 @@ def test_one_request_takes_prefill_then_transfer_then_decode_by_hand() -> None:
     assert job.first_token_s == pytest.approx(first, abs=2e-9)
     assert job.finished_s == pytest.approx(first + 9 * step(0, 1), abs=1e-8)
     assert stats.completed == 1
+    assert job.handoff_queue_s == 0  # an idle decode worker takes it as it arrives
 
 
 def test_a_decode_stage_may_only_run_on_a_decode_worker_after_its_prefill() -> None:

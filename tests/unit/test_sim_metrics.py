@@ -113,10 +113,29 @@ def test_summary_keys_and_classes() -> None:
     assert set(s["lanes"]) == {"short", "long"} and set(s["classes"]) == {"high", "normal", "low"}
     assert s["classes"]["low"]["wait_max_s"] == pytest.approx(2.0)
     assert s["classes"]["high"]["wait_max_s"] == 0.0
-    assert s["classes"]["normal"]["wait_max_s"] is None  # only a rejected one
+    assert s["classes"]["normal"]["wait_max_s"] == 0.0  # only one, refused on arrival
     assert s["rejections"] == {"overloaded": 1}
     assert s["max_service_s"] == pytest.approx(1.0)
     assert s["lanes"]["long"]["e2e_p99_s"] is None
+
+
+def test_a_class_counts_the_wait_of_a_request_shed_after_waiting() -> None:
+    # A low request that timed out after 120 s in the queue: its class cannot look served
+    # within its aging bound by having it dropped.
+    late = rejected(1, 0.0)
+    late.priority, late.finished_s = "low", 120.0
+    s = summarize([done(0, 0.0, wait=3.0, priority="low"), late], timeout_s=120.0)
+    low = s["classes"]["low"]
+    assert (low["wait_max_s"], low["queue_max_s"]) == (120.0, 120.0)
+    assert low["completed"] == 1 and low["rejected"] == 1
+
+
+def test_a_two_stage_requests_queue_time_counts_its_decode_stages_wait() -> None:
+    # Queued 1 s for its prefill stage, then 0.25 s for a decode worker after the
+    # hand-off: 1.25 s in the policy's own queue.
+    job = done(0, 0.0, wait=1.0, priority="high")
+    job.handoff_queue_s = 0.25
+    assert summarize([job], timeout_s=30.0)["classes"]["high"]["queue_max_s"] == 1.25
 
 
 @pytest.mark.parametrize("q", [0, 1, 50, 90, 99, 99.9, 100])

@@ -8,12 +8,16 @@ unpinned ones the new version's workers could take); so does the stage: a reques
 prompt a prefill worker computed (``phase == "decode"``, waiting for a decode worker) is
 in a class of its own, so that a full decode pool never holds up new prompts that only
 need a prefill worker. Decode stages rank as high whatever their priority, so hand-offs
-go first, oldest first: the prefill side already served the request by its class, and a
-waiting hand-off pins its prompt's KV on the prefill worker (vLLM's KV connectors free it
-only when the decode side has pulled it). Within a class the order is strict FCFS by
-``enqueued_at`` (ties by arrival), so requeued requests (which keep their original
-``enqueued_at``) go back near the front. Each FIFO is a binary heap with lazy deletion:
-push, pop and remove by id are O(log n) (remove is O(1) plus amortised cleanup).
+go first: the prefill side already served the request by its class, and a waiting
+hand-off pins its prompt's KV on the prefill worker (vLLM's KV connectors free it only
+when the decode side has pulled it). Among themselves hand-offs age like any class, on a
+short scale: oldest first, but ``handoff_step_s`` (1 s) later per class below high, so a
+high request's hand-off overtakes a normal one admitted up to 1 s before it (a low one, 2
+s) and no hand-off waits for more than that many later ones. Within a class the order is
+FCFS by ``enqueued_at`` (ties by arrival), so requeued requests (which keep their original
+``enqueued_at``) go back near the front. Each FIFO is a binary heap (keyed by the order
+key below) with lazy deletion: push, pop and remove by id are O(log n) (remove is O(1)
+plus amortised cleanup).
 
 Aging. Effective priority ``e(r, now) = rank(r) - (now - r.enqueued_at) / A`` with
 ``rank`` = 0 high, 1 normal, 2 low and ``A = aging_s_per_class`` (default 30 s): a request
@@ -27,7 +31,9 @@ Aging bound. ``aging_bound_s(c) = rank(c) · A`` (high 0 s, normal 30 s, low 60 
 default): after waiting that long a request of class c has reached the effective priority
 of a fresh high-priority request, so nothing that arrives later can overtake it — only the
 finitely many requests already ahead of it are served first. The cycle uses the same bound
-to stop backfill past a blocked head (see :mod:`.cycle`).
+to stop backfill past a blocked head (see :mod:`.cycle`). A decode stage's offset is
+``rank(priority) · handoff_step_s`` instead of ``rank · A``, in its order key, its
+effective priority and its bound alike (:meth:`PendingQueue.overdue`).
 
 Capacity. ``max_pending`` bounds the queue; ``push`` refuses new work when full (the
 service pauses consumption, lowest priority first, and Kafka keeps the backlog), while
@@ -75,10 +81,14 @@ class QueueConfig:
     aging_s_per_class: float = 30.0
     max_pending: int = 100_000
     lane_weights: Mapping[Lane, float] = field(default_factory=lambda: dict(DEFAULT_LANE_WEIGHTS))
+    #: How much later per class below high a decode stage is ordered (module docstring).
+    handoff_step_s: float = 1.0
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.aging_s_per_class) and self.aging_s_per_class > 0):
             raise ConfigError("queue.aging_s_per_class", "must be a finite number > 0")
+        if not (math.isfinite(self.handoff_step_s) and self.handoff_step_s >= 0):
+            raise ConfigError("queue.handoff_step_s", "must be a finite number >= 0")
         if self.max_pending < 1:
             raise ConfigError("queue.max_pending", "must be >= 1")
         for lane in LANES:
@@ -106,7 +116,7 @@ class _Entry:
 
 
 class _Fifo:
-    """One class: heap of (enqueued_at, seq, request_id), lazily cleaned."""
+    """One class: heap of (order key, seq, request_id), lazily cleaned."""
 
     __slots__ = ("heap", "live")
 
@@ -126,6 +136,7 @@ class PendingQueue:
         self.config = config if config is not None else QueueConfig()
         self.lanes = LaneInterleave(self.config.lane_weights)
         self._aging = self.config.aging_s_per_class
+        self._handoff_step = self.config.handoff_step_s
         self._seq = itertools.count()
         self._entries: dict[str, _Entry] = {}
         self._classes: dict[ClassKey, _Fifo] = {}
@@ -159,12 +170,13 @@ class PendingQueue:
 
     def overdue(self, request: QueuedRequest, now: float) -> bool:
         """True once ``request`` has waited the aging bound of the class it is queued at
-        (0 s for a decode stage, which ranks as high)."""
-        return now - request.enqueued_at >= _rank(request) * self._aging
+        (for a decode stage, which ranks as high, its class's ``handoff_step_s`` steps)."""
+        return now - request.enqueued_at >= self._offset(request)
 
     def effective_priority(self, request: QueuedRequest, now: float) -> float:
-        """``rank - wait / aging_s_per_class``; smaller is served first."""
-        return _rank(request) - (now - request.enqueued_at) / self._aging
+        """``rank - wait / aging_s_per_class`` (a decode stage's rank: its offset over
+        the aging scale); smaller is served first."""
+        return (self._offset(request) - (now - request.enqueued_at)) / self._aging
 
     def engine_priority(self, request: QueuedRequest, now: float) -> int:
         """The class ``request`` has aged into at ``now`` — ``max(0, ceil(effective
@@ -172,13 +184,21 @@ class PendingQueue:
         request priority. A request at its aging bound gets 0, and the engine breaks ties by
         arrival, so nothing placed after it overtakes it there either. Never worse than
         its own class: ``enqueued_at`` is stamped by ingest's clock, which may run ahead of
-        the scheduler's (a low request "waited" −5 ms would otherwise come out as 3)."""
+        the scheduler's (a low request "waited" −5 ms would otherwise come out as 3). A
+        decode stage is always 0: in its engine, hand-offs go first."""
         aged = math.ceil(self.effective_priority(request, now) - 1e-9)
         return min(_rank(request), max(0, aged))
 
     def order_key(self, request: QueuedRequest) -> float:
         """A time-free key with the same order as effective priority at any ``now``."""
-        return request.enqueued_at + _rank(request) * self._aging
+        return request.enqueued_at + self._offset(request)
+
+    def _offset(self, request: QueuedRequest) -> float:
+        """Seconds its class adds to the order key: ``rank · aging_s_per_class``; for a
+        decode stage, ``rank(priority) · handoff_step_s`` (module docstring)."""
+        if request.phase == "decode":
+            return _RANK[request.priority] * self._handoff_step
+        return _RANK[request.priority] * self._aging
 
     # -- mutation ---------------------------------------------------------------------
 
@@ -203,7 +223,7 @@ class PendingQueue:
         fifo = self._classes.get(klass)
         if fifo is None:
             fifo = self._classes[klass] = _Fifo()
-        heapq.heappush(fifo.heap, (request.enqueued_at, seq, request.request_id))
+        heapq.heappush(fifo.heap, (self.order_key(request), seq, request.request_id))
         fifo.live += 1
         if request.deadline is not None:
             heapq.heappush(self._deadlines, (request.deadline, seq, request.request_id))
@@ -276,7 +296,7 @@ class PendingQueue:
         return list(self._classes)
 
     def head(self, klass: ClassKey) -> QueuedRequest | None:
-        """The oldest request of ``klass`` (its most-aged one), or None."""
+        """The first request of ``klass`` by order key (its most-aged one), or None."""
         fifo = self._classes.get(klass)
         if fifo is None:
             return None

@@ -119,6 +119,26 @@ def _num(x: float | None, fmt: str = ".2f", unit: str = "") -> str:
     return "—" if x is None else f"{x:{fmt}}{unit}"
 
 
+def _shown(x: float, ok: Callable[[float], bool], fmt: str) -> str:
+    """``x`` as ``fmt`` prints it, with up to two more decimals where the printed value
+    would read the other way than ``x`` itself (0.502 against ≤ 0.50: "0.502", not
+    "0.50")."""
+    text = f"{x:{fmt}}"
+    if fmt.startswith(".") and fmt.endswith("f"):
+        digits = int(fmt[1:-1])
+        for more in (1, 2):
+            if ok(float(text)) == ok(x):
+                break
+            text = f"{x:.{digits + more}f}"
+    return text
+
+
+def _judged(x: float | None, ok: Callable[[float], bool], fmt: str = ".2f",
+            unit: str = "") -> str:
+    """A figure with its ✓ or ✗ (nothing for a missing figure)."""
+    return "—" if x is None else f"{_shown(x, ok, fmt)}{unit}{_mark(ok(x))}"
+
+
 def render_markdown(cells: Sequence[Cell], base: BenchConfig) -> str:
     """One markdown table of every target in every cell, with a legend line."""
     head = (
@@ -140,12 +160,11 @@ def render_markdown(cells: Sequence[Cell], base: BenchConfig) -> str:
                 _num(t["short_p99"]),
                 _num(t["fifo_short_p99"]),
                 f"{_num(t['best_other_short_p99'])} ({t['best_other']})",
-                _num(ratio_fifo) + _mark(None if ratio_fifo is None else ratio_fifo <= 0.10),
+                _judged(ratio_fifo, lambda v: v <= 0.10),
                 _floor(t["floor_fifo"]),
-                _num(ratio_best) + _mark(None if ratio_best is None else ratio_best <= 0.50),
-                _num(long_ratio, ".3f") + _mark(None if long_ratio is None else long_ratio >= 0.95),
-                _num(t["high_queue_p99"], ".3f", " s")
-                + _mark(None if t["high_queue_p99"] is None else t["high_queue_p99"] <= 0.1),
+                _judged(ratio_best, lambda v: v <= 0.50),
+                _judged(long_ratio, lambda v: v >= 0.95, ".3f"),
+                _judged(t["high_queue_p99"], lambda v: v <= 0.1, ".3f", " s"),
                 _num(t["high_wait_p99"], ".3f", " s"),
                 f"{_num(low, '.1f')} ≤ {_num(bound, '.1f')} s"
                 + _mark(None if low is None or bound is None else low <= bound),
@@ -197,13 +216,14 @@ def render_seed_ranges(by_seed: Mapping[int, Sequence[Cell]]) -> str:
             values = [t[key] for t in ts if t.get(key) is not None]
             if not values:
                 return "—"
-            lo, hi = _num(min(values), fmt), _num(max(values), fmt)
+            lo, hi = _shown(min(values), ok, fmt), _shown(max(values), ok, fmt)
             shown = f"{lo}{unit}" if lo == hi else f"{lo}–{hi}{unit}"  # equal as printed
             if not counted:  # a bound, not a target: at how many seeds it rules one out
                 out = sum(not ok(v) for v in values)
-                return shown + ("" if not out else " (out of reach)" if out == len(values)
-                                else f" (out of reach at {out}/{len(values)})")
-            return f"{shown} ({sum(ok(v) for v in values)}/{len(values)})"
+                return shown + ("" if not out else " (out of reach)" if out == len(ts)
+                                else f" (out of reach at {out}/{len(ts)})")
+            # Out of every seed: one without the figure (nothing completed) holds nothing.
+            return f"{shown} ({sum(ok(v) for v in values)}/{len(ts)})"
 
         low_ok = sum(t["low_wait_max"] is not None and t["low_bound"] is not None
                      and t["low_wait_max"] <= t["low_bound"] for t in ts)

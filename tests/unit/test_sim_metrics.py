@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+from typing import Any
 
 import pytest
 
@@ -256,6 +257,23 @@ def test_seed_ranges_give_each_targets_span_and_where_it_holds() -> None:
     assert "Seeds 1, 2, 3" in lines[-1]
     with pytest.raises(ValueError, match="same grid"):
         render_seed_ranges({1: by_seed[1], 2: list(reversed(by_seed[2]))})
+
+
+def test_a_figure_next_to_its_target_is_printed_as_it_is_judged() -> None:
+    # ÷ best 10.04 ÷ 20 = 0.502 misses ≤ 0.50; printed "0.50 ✗" it would read as a pass.
+    doc = {"policies": {"fifo-rr": _policy(40.0, 100.0), "least-requests": _policy(20.0, 99.0),
+                        "vllm-random": _policy(30.0, 98.0), "llmq": _policy(10.04, 94.96)}}
+    row = render_markdown([Cell("conv", 0.85, doc)], BenchConfig(synthetic=True)).splitlines()[2]
+    assert "| 0.502 ✗ |" in row and "| 0.9496 ✗ |" in row  # long: 94.96 ÷ 100
+    by_seed = {1: [Cell("conv", 0.85, doc)]}
+    assert "| 0.502 (0/1) |" in render_seed_ranges(by_seed).splitlines()[2]
+    # A seed without the figure (nothing completed) counts as not holding.
+    none_short: Any = _policy(10.0, 99.0)
+    none_short["lanes"] = {**none_short["lanes"], "short": {
+        **none_short["lanes"]["short"], "e2e_p99_with_rejections_s": None}}
+    empty = {"policies": {**doc["policies"], "llmq": none_short}}
+    by_seed = {1: [Cell("conv", 0.85, doc)], 2: [Cell("conv", 0.85, empty)]}
+    assert "| 0.502 (0/2) |" in render_seed_ranges(by_seed).splitlines()[2]
 
 
 def test_a_rejection_never_counts_as_faster_than_a_success() -> None:

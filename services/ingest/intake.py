@@ -31,7 +31,8 @@ reservation (prompt + max_tokens) to ``llmq_admitted_tokens_total`` of the tenan
 
 Failure rules (docs/live-system.md, "Guards"): an undecodable intake record raises
 ``SchemaError`` to the guard (dead letter) after an ``invalid`` Error is sent if the raw
-JSON names a request_id and an authorized reply target. A request of a tenant with no
+JSON names a request_id and a tenant with a policy: on that tenant's own reply topic, never
+on an ingest instance's (``_salvage_target``). A request of a tenant with no
 policy (keyed mode: not in the tenants file) is dead-lettered the same way, with no reply:
 its reply topic would be created for it, and the tenant name is the sender's choice, so
 any client could make ingest create topics without bound. An exception while deciding or
@@ -562,8 +563,11 @@ def _fallback_target(req: InferenceRequest, prefix: str) -> str:
 def _salvage_target(
     raw: Any, prefix: str, has_policy: Callable[[str], bool]
 ) -> tuple[str, str] | None:
-    """``(request_id, reply topic)`` from a record that failed validation, if it names them;
-    a tenant's own reply topic only for a tenant with a policy (module docstring)."""
+    """``(request_id, reply topic)`` from a record that failed validation, if it names them:
+    the tenant's own reply topic, for a tenant with a policy (module docstring). Never an
+    ingest instance's topic, whatever ``reply_to`` says: ingest writes only valid records
+    for its HTTP callers, and there the holder of the id listens (a broken record naming a
+    caller's id would end that caller's call with its error)."""
     if not isinstance(raw, bytes | bytearray) or len(raw) > MAX_RECORD_BYTES:
         return None
     try:
@@ -572,11 +576,9 @@ def _salvage_target(
         return None
     if not isinstance(data, dict):
         return None
-    request_id, tenant, reply_to = data.get("request_id"), data.get("tenant"), data.get("reply_to")
+    request_id, tenant = data.get("request_id"), data.get("tenant")
     if not isinstance(request_id, str) or not _ID_RE.fullmatch(request_id):
         return None
-    if isinstance(reply_to, str) and _instance_reply_topic(reply_to, prefix):
-        return request_id, reply_to
     if isinstance(tenant, str) and _TENANT_RE.fullmatch(tenant) and has_policy(tenant):
         return request_id, reply_topic(prefix, tenant)
     return None

@@ -218,6 +218,18 @@ async def test_undecodable_request_is_refused_when_someone_waits_then_raised() -
     assert len(h.sent) == 1  # nobody to tell about pure garbage: the dead letter has it
 
 
+async def test_an_undecodable_record_never_answers_on_an_ingest_instances_topic() -> None:
+    # An HTTP caller waits there for its id: a broken record naming that id and topic
+    # would end the caller's call with the record's error. Its answer goes to its tenant.
+    h = Harness(load_tenancy(None))
+    bad = encode(request("job-1", tenant="acme", reply_to="llmq.replies.ingest-a")).replace(
+        b'"max_tokens":10', b'"max_tokens":0')
+    with pytest.raises(SchemaError):
+        await h.handler.on_request(Record(bad, b"acme"))
+    assert [t for t, _, _ in h.sent] == ["llmq.replies.acme"]
+    assert [(e.request_id, e.code) for e in h.replies()] == [("job-1", "invalid")]
+
+
 async def test_unauthorized_reply_to_is_invalid_on_the_tenants_own_topic() -> None:
     h = Harness(parse_tenants(Path("t.toml"), KEYED))
     await h.submit(request("r1", "acme", reply_to="llmq.replies.other"))

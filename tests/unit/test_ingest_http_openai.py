@@ -71,6 +71,13 @@ def test_chat_body_maps_messages_and_defaults() -> None:
     assert call.request.max_tokens == 512 and call.include_usage and not call.stream
 
 
+def test_options_that_leave_the_answer_as_it_is_are_accepted() -> None:
+    call = _map({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                 "response_format": {"type": "text"}, "modalities": ["text"], "store": False,
+                 "metadata": {"k": "v"}, "logit_bias": {}}, "chat")
+    assert call.request.model == "m"
+
+
 def test_max_completion_tokens_wins_and_is_named_in_errors() -> None:
     assert _map({"model": "m", "prompt": "x", "max_completion_tokens": 9}).request.max_tokens == 9
     err = _refused({"model": "m", "prompt": "x", "max_completion_tokens": 0})
@@ -111,6 +118,18 @@ def test_llmq_extras_from_body_or_headers() -> None:
         ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
          "chat", "messages.0.content"),
         ({"model": "m", "messages": [], "tools": [{"type": "function"}]}, "chat", "tools"),
+        # Options that would change the answer: a 200 without them would look honoured.
+        ({"model": "m", "messages": [], "response_format": {"type": "json_object"}}, "chat",
+         "response_format"),
+        ({"model": "m", "messages": [], "response_format": {"type": "json_schema",
+                                                           "json_schema": {}}},
+         "chat", "response_format"),
+        ({"model": "m", "messages": [], "modalities": ["text", "audio"]}, "chat", "modalities"),
+        ({"model": "m", "prompt": "x", "suffix": "}"}, "completion", "suffix"),
+        ({"model": "m", "prompt": "x", "logit_bias": {"50256": -100}}, "completion",
+         "logit_bias"),
+        ({"model": "m", "prompt": "x", "guided_json": {"type": "object"}}, "completion",
+         "guided_json"),
     ],
 )
 def test_invalid_bodies_name_the_field(body: dict[str, Any], kind: Kind, param: str) -> None:

@@ -6,8 +6,11 @@ Request mapping (``to_inference_request``): the body of ``/v1/completions`` or
 the client spelled it (``sampling.temperature`` → ``temperature``, ``timeout_s`` →
 ``timeout``); so does a string UTF-8 cannot carry (a lone surrogate, ``"\\ud800"``).
 Fields llmq cannot honour are refused by name (``n`` > 1, ``logprobs``, ``echo``,
-``best_of`` > 1, ``tools``); fields that do not change the result (``user``,
-``logit_bias``, ``response_format`` text, ...) are ignored, so any OpenAI SDK works.
+``best_of`` > 1, ``tools``, ``logit_bias``, ``suffix``, ``response_format`` other than
+text, ``modalities`` other than text, ``audio``, vLLM's ``guided_*``): each would change
+the answer, and a 200 without it would look honoured. Fields that do not change the result
+(``user``, ``seed``, ``store``, ``metadata``, ``response_format`` text, ...) are ignored,
+so any OpenAI SDK works.
 llmq extras: ``priority``, ``lane``, ``timeout`` (seconds) in the body or as headers
 ``x-llmq-priority``, ``x-llmq-lane``, ``x-llmq-timeout`` (the body wins).
 
@@ -179,14 +182,26 @@ def _unencodable_field(value: Any, path: str = "") -> str | None:
     return None
 
 
+#: Fields refused when set (truthy): each changes the answer and llmq cannot honour it.
+_REFUSED: Final = ("logprobs", "top_logprobs", "echo", "tools", "functions", "logit_bias",
+                   "suffix", "audio", "guided_json", "guided_regex", "guided_choice",
+                   "guided_grammar")
+
+
 def _refuse_unsupported(body: Mapping[str, Any]) -> None:
     if body.get("n", 1) != 1:
         raise invalid("only n=1 is supported", "n")
     if body.get("best_of", 1) != 1:
         raise invalid("only best_of=1 is supported", "best_of")
-    for name in ("logprobs", "top_logprobs", "echo", "tools", "functions"):
+    for name in _REFUSED:
         if body.get(name):
             raise invalid(f"{name} is not supported", name)
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, Mapping) and fmt.get("type", "text") == "text"):
+        raise invalid('only {"type": "text"} is supported', "response_format")
+    modalities = body.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise invalid('only ["text"] is supported', "modalities")
 
 
 def _flag(body: Mapping[str, Any], name: str, param: str | None = None) -> bool:

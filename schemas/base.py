@@ -14,7 +14,7 @@ from typing import Annotated, Any, Final, Self
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, Strict
 
-from schemas.common import MAX_TOKENS, SCHEMA_VERSION
+from schemas.common import MAX_ATTEMPT, MAX_TOKENS, SCHEMA_VERSION
 
 # --- limits ----------------------------------------------------------------------------------
 
@@ -74,7 +74,7 @@ TokenCount = Annotated[int, Field(ge=0, le=MAX_TOKENS)]
 #: Counters and sizes that may exceed 2**32 (bytes of VRAM, KV tokens of a big node).
 Count = Annotated[int, Field(ge=0, le=(1 << 63) - 1)]
 #: Attempt numbers start at 1 and grow by one on every requeue.
-Attempt = Annotated[int, Field(ge=1, le=1_000)]
+Attempt = Annotated[int, Field(ge=1, le=MAX_ATTEMPT)]
 #: An engine's KV-transfer parameters, passed through as they are (vLLM's
 #: ``kv_transfer_params``: the prefill instance's engine id, host, port and block ids).
 KvTransfer = Annotated[dict[str, JsonValue], Field(max_length=64)]

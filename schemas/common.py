@@ -41,6 +41,9 @@ Phase = Literal["whole", "prefill", "decode"]
 #: Upper bound on max_tokens and on any token count a message reports (here, not in
 #: schemas.base, so the pure cores can check it without importing pydantic).
 MAX_TOKENS: Final = 1 << 20
+#: The last attempt a request may have (wire: ``Attempt``); the scheduler ends a request
+#: lost at it instead of requeueing it.
+MAX_ATTEMPT: Final = 1_000
 
 #: A topic prefix: dot-separated words of [A-Za-z0-9_-], the first starting alphanumeric
 #: (``llmq``, ``team-a.llmq``); the settings and the topic catalog check the same rule.

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from schemas.common import engine_rank
+from schemas.common import MAX_ATTEMPT, engine_rank
 from services.scheduler import (
     DEFAULT_PROFILE,
     ConfigError,
@@ -243,6 +243,14 @@ def test_a_prompt_no_prefill_worker_could_hold_runs_whole_on_a_decode_worker() -
                make_worker("d0", role="decode", partition=1)]
     long_prompt = make_request("r1", prompt_tokens=6000, max_tokens=500, kv_tokens=6512)
     [placement], _ = cycle(workers, long_prompt)
+    assert isinstance(placement, Placement)
+    assert (placement.worker_id, placement.phase) == ("d0", "whole")
+
+
+def test_a_request_at_its_last_attempt_is_not_staged() -> None:
+    # Its decode stage would need the next attempt, past the wire's bound: it runs whole.
+    [placement], _ = cycle(fleet(prefill=1, decode=1),
+                           make_request("r1", attempt=MAX_ATTEMPT, lane="long"))
     assert isinstance(placement, Placement)
     assert (placement.worker_id, placement.phase) == ("d0", "whole")
 

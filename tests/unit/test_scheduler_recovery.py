@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from schemas.common import MAX_ATTEMPT
 from services.scheduler import Ledger, Reject, Requeue, lease_refusal, requeue_lost
 from tests.builders import make_request, make_worker
 
@@ -26,6 +27,19 @@ def test_requeue_lost_releases_and_splits_by_streamed() -> None:
     assert ledger.reservations("dead") == () and ledger.reserved_kv("alive") == 1_024
     assert ledger.holder("dead") is None
     assert requeue_lost(ledger, "dead", streamed=set()) == []  # idempotent
+
+
+def test_a_request_lost_at_its_last_attempt_ends_worker_lost() -> None:
+    # No attempt is left to place it at (the wire's bound): ended, not requeued for ever.
+    ledger = Ledger()
+    dead = make_worker("dead")
+    ledger.reserve(dead, make_request("last", attempt=MAX_ATTEMPT))
+    ledger.reserve(dead, make_request("before", attempt=MAX_ATTEMPT - 1))
+    decisions = {d.request_id if isinstance(d, Reject) else d.request.request_id: d
+                 for d in requeue_lost(ledger, "dead", streamed=set())}
+    last, before = decisions["last"], decisions["before"]
+    assert isinstance(last, Reject) and last.code == "worker_lost"
+    assert isinstance(before, Requeue) and before.request.attempt == MAX_ATTEMPT
 
 
 def test_requeue_lost_of_a_restarted_worker_releases_only_the_named_work() -> None:

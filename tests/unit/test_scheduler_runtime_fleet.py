@@ -129,3 +129,14 @@ def test_block_size_of_a_model() -> None:
     fleet.observe(hb("b", block_size=32))
     fleet.observe(hb("c", block_size=64, model="other"))
     assert fleet.block_size("m") == 32
+
+
+def test_block_size_is_the_live_workers_when_any_is_live() -> None:
+    # A worker long gone, replayed from the compacted heartbeats with an odd block size,
+    # must not round every request of the model up to it.
+    fleet = FleetView()
+    fleet.observe(hb("gone", block_size=16_384, ts=T))
+    fleet.observe(hb("live", block_size=16, ts=T + 3_600))
+    assert fleet.block_size("m", T + 3_600) == 16
+    assert fleet.block_size("m") == 16_384  # a restore: no clock, every known one
+    assert fleet.block_size("m", T + 7_200) == 16_384  # none live: every known one

@@ -86,7 +86,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from operator import mul
 
-from schemas.common import Lane, Role
+from schemas.common import MAX_ATTEMPT, Lane, Role
 from services.scheduler.core.index import Route, RouteIndex, capacity, route_index
 from services.scheduler.core.ledger import Ledger
 from services.scheduler.core.queue import ClassKey, PendingQueue
@@ -307,8 +307,9 @@ class _Cycle:
             decode = self._index(request, "decode")
             engines = self._holding_engines(decode, request.kv_tokens)
             prefill = self._index(request, "prefill", engines=engines) if engines else None
+            # (At the last attempt, no later one is left for a decode stage: it runs whole.)
             staged = None if prefill is None or not prefill.members \
-                else self._prefill_stage(request, prefill)
+                or request.attempt >= MAX_ATTEMPT else self._prefill_stage(request, prefill)
             if staged is not None and prefill is not None \
                     and self._max_usable(prefill) >= staged.kv_tokens:
                 overflow = self._overflow(request, route, prefill, decode)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
+from schemas.common import MAX_ATTEMPT
 from services.scheduler.core.ledger import Ledger
 from services.scheduler.core.types import Reject, Requeue, ReservationKey
 
@@ -53,6 +54,10 @@ def requeue_lost(
             decisions.append(
                 Reject(request.request_id, "worker_lost", f"{worker_id} {cause} mid-stream")
             )
+        elif request.attempt >= MAX_ATTEMPT:  # no attempt is left to place it at
+            decisions.append(Reject(request.request_id, "worker_lost",
+                                    f"{worker_id} {cause} at attempt {request.attempt}, "
+                                    f"the last one ({MAX_ATTEMPT})"))
         else:
             decisions.append(
                 Requeue(request.as_whole(request.attempt + 1), f"{worker_id} {cause}")

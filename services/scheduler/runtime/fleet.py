@@ -106,10 +106,15 @@ class FleetView:
         )
         return Snapshot.of((worker_state(hb) for hb in live), now, max(bound, 1e-9))
 
-    def block_size(self, model: str) -> int | None:
-        """The largest block size of any known worker of ``model`` (None: none known)."""
-        sizes = [hb.block_size for hb in self._beats.values() if hb.model == model]
-        return max(sizes) if sizes else None
+    def block_size(self, model: str, now: float | None = None) -> int | None:
+        """The largest block size of the workers of ``model`` live at ``now``: of any known
+        one when none is (or without ``now``: a restore, before heartbeats are read); None
+        when none is known. Live first, so that one long-gone worker's odd block size,
+        replayed from the compacted heartbeats, does not round every request up."""
+        known = [hb for hb in self._beats.values() if hb.model == model]
+        if now is not None:
+            known = [hb for hb in known if self._fresh(hb, now)] or known
+        return max((hb.block_size for hb in known), default=None)
 
     def _fresh(self, hb: WorkerHeartbeat, now: float) -> bool:
         # Either side of now: a worker whose clock runs ahead must not stay "fresh" after

@@ -348,7 +348,8 @@ class SchedulerState:
             self.cancels.discard(request_id, admitted.request.tenant)
             return [self._end(admitted, 1, "cancelled", "cancelled before it was queued",
                               now, (ticket,), trace=trace)]
-        block = self.fleet.block_size(admitted.request.model) or self.config.default_block_size
+        block = self.fleet.block_size(admitted.request.model, now) \
+            or self.config.default_block_size
         queued = queued_request(admitted, block)
         # Always admitted: the record is in memory already. The pause ladder keeps the
         # queue near its bound by pausing the topics (module docstring of runtime.flow).
@@ -481,7 +482,7 @@ class SchedulerState:
                                          "cancelled after its prefill", now, (),
                                          reply_attempt=attempt, trace=trace))
                 continue
-            block = self.fleet.block_size(prefill.request.model) \
+            block = self.fleet.block_size(prefill.request.model, now) \
                 or self.config.default_block_size
             kv_transfer = self.log.prefilled(request_id, prefill.attempt)
             queued = decode_stage(prefill, block, kv_transfer)
@@ -492,10 +493,10 @@ class SchedulerState:
             if tracked.prefill is None or tracked.queued.phase != "decode":
                 continue
             if self._prefill_gone(tracked.prefill, now):
-                self._start_over(tracked, "whose worker is gone")
+                self._start_over(tracked, "whose worker is gone", now)
             elif self._handoff_expired(tracked.prefill, now):
                 self._start_over(tracked, "whose KV has waited past handoff_ttl_s "
-                                          f"({self.config.handoff_ttl_s:g} s)")
+                                          f"({self.config.handoff_ttl_s:g} s)", now)
         return effects
 
     def _handoff_expired(self, prefill: Assignment, now: float) -> bool:
@@ -515,7 +516,7 @@ class SchedulerState:
         return hb is not None and prefill.worker_started_at is not None \
             and hb.started_at != prefill.worker_started_at
 
-    def _start_over(self, tracked: _Tracked, why: str) -> None:
+    def _start_over(self, tracked: _Tracked, why: str, now: float) -> None:
         """A queued hand-off whose prompt KV is gone (its prefill worker is gone, or it
         waited too long): the whole request instead, at the same attempt (the prompt is
         computed again)."""
@@ -524,7 +525,8 @@ class SchedulerState:
         _log.warning("scheduler: %s#%d handed off from %s, %s; placed whole as attempt %d",
                      prefill.request_id, prefill.attempt, prefill.worker_id, why,
                      tracked.queued.attempt)
-        block = self.fleet.block_size(prefill.request.model) or self.config.default_block_size
+        block = self.fleet.block_size(prefill.request.model, now) \
+            or self.config.default_block_size
         whole = queued_request(prefill.admitted, block, tracked.queued.attempt)
         self.pending.remove(prefill.request_id)
         self.pending.push(whole, force=True)

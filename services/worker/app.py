@@ -490,11 +490,26 @@ class Worker:
         # run like any other (its terminal is sent until acknowledged, or fenced).
         cancelled = "cancelled before it started" \
             if self.cancels.matches(rid, a.request.tenant, self._clock()) else None
-        self._start_run(a, record.offset, tracing.extract(headers), cancelled)
+        refused = self._cannot_serve(a)
+        if refused is not None:
+            _log.warning("slot %d: %s#%d: %s; answered worker_lost without running it",
+                         self.id.slot, rid, attempt, refused)
+        self._start_run(a, record.offset, tracing.extract(headers), cancelled, refused)
         return "running"
 
+    def _cannot_serve(self, a: Assignment) -> str | None:
+        """Why this worker cannot run ``a`` (a model or pinned version it does not serve: a
+        misrouted or forged assignment); None when it can."""
+        request, me = a.request, self.id
+        if request.model != me.model:
+            return f"assigned model {request.model!r} to a worker serving {me.model!r}"
+        if request.model_version is not None and request.model_version != me.model_version:
+            return (f"assigned {request.model!r} version {request.model_version!r} to a worker "
+                    f"serving version {me.model_version!r}")
+        return None
+
     def _start_run(self, a: Assignment, offset: int, parent: tracing.Context,
-                   cancelled: str | None = None) -> None:
+                   cancelled: str | None = None, refused: str | None = None) -> None:
         assert self._publisher is not None
         priority, lane = a.admitted.priority, a.admitted.lane
 
@@ -508,7 +523,8 @@ class Worker:
 
         run = RequestRun(a, self.engine, self._publisher, self.run_cfg, clock=self._clock,
                          on_tokens=self._count_tokens, on_first_token=first_token,
-                         trace_parent=parent, may_send=may_send, cancelled=cancelled)
+                         trace_parent=parent, may_send=may_send, cancelled=cancelled,
+                         refused=refused)
         self.runs[a.request_id] = run
         task = asyncio.create_task(self._run_one(run, offset), name=f"run:{run.engine_id}")
         self._run_tasks.add(task)

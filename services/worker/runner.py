@@ -269,7 +269,7 @@ class RequestRun:
                  on_first_token: Callable[[float], None] | None = None,
                  trace_parent: tracing.Context | None = None,
                  may_send: Callable[[], Awaitable[bool]] | None = None,
-                 cancelled: str | None = None) -> None:
+                 cancelled: str | None = None, refused: str | None = None) -> None:
         self.assignment = assignment
         self.engine = engine
         self.publisher = publisher
@@ -282,6 +282,9 @@ class RequestRun:
         # Cancelled before its assignment came (the worker remembered the cancel): it ends
         # at once, through the same terminal path as any run (resent until acknowledged).
         self._cancelled_before = cancelled
+        # An assignment this worker cannot run (another model or version): it ends at once
+        # with worker_lost (503, retryable: the fleet's fault), through the same path.
+        self._refused = refused
         self._span: Span = trace.INVALID_SPAN
         self._headers: tracing.Headers = []
         self._inbox: asyncio.Queue[_Item] = asyncio.Queue()
@@ -349,6 +352,8 @@ class RequestRun:
     async def _run(self) -> Outcome:
         if self._cancelled_before is not None:
             return await self._terminal(_Stop("cancelled", self._cancelled_before))
+        if self._refused is not None:
+            return await self._terminal(_Failed("worker_lost", self._refused))
         if self._clock() >= self.deadline:
             return await self._terminal(_Stop("timeout", "deadline passed before it started"))
         self._started_at = self._clock()

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from schemas.codec import encode
 from schemas.workers import EventFirstToken, WorkerHeartbeat
 from services.ops.drain_progress import DrainProgress
 from services.worker.__main__ import build
@@ -228,5 +229,34 @@ async def test_a_prefill_stage_that_handed_its_kv_on_is_held(fenced: bool) -> No
         assert [r["kind"] for _, r in producer.records].count("event.prefilled") >= 1
         assert worker.handoffs.held(time.time()) == 1
         assert worker.handoffs.since() is not None and worker.handoffs.since() <= now + 1
+    finally:
+        await _stop(worker)
+
+
+async def test_an_assignment_for_another_model_is_answered_worker_lost_unrun() -> None:
+    # Misrouted or forged: running it would answer with the wrong model. Its one terminal
+    # is worker_lost (the fleet's fault, retryable), and the engine never sees it.
+    worker = _worker()
+    await worker.engine.start()
+    producer = _Producer()
+    worker._publisher = Publisher(producer, 5.0)
+    worker._serving = True
+    worker.lease.restart(time.monotonic())
+    now = time.time()
+    request = make_request(request_id="r1", model="another-model", max_tokens=40,
+                           timeout_s=600, created_at=now)
+    admitted = make_admitted(request=request, reply_topic="p.replies.acme", admitted_at=now)
+    try:
+        record = SimpleNamespace(offset=0, headers=[], value=encode(make_assignment(
+            admitted=admitted, worker_id="w0", partition=0, deadline=now + 600,
+            assigned_at=now, worker_started_at=worker.started_at)))
+        assert await worker._admit(record) == "running"
+        (task,) = worker._run_tasks
+        await asyncio.wait_for(task, 5.0)
+        kinds = [(topic, r["kind"], r.get("code")) for topic, r in producer.records]
+        assert ("p.replies.acme", "error", "worker_lost") in kinds
+        assert (worker.topics.events, "event.failed", "worker_lost") in kinds
+        assert not any(kind == "event.started" for _, kind, _ in kinds)
+        assert worker.engine.capacity().running == 0
     finally:
         await _stop(worker)

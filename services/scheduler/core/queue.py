@@ -171,12 +171,12 @@ class PendingQueue:
     def overdue(self, request: QueuedRequest, now: float) -> bool:
         """True once ``request`` has waited the aging bound of the class it is queued at
         (for a decode stage, which ranks as high, its class's ``handoff_step_s`` steps)."""
-        return now - request.enqueued_at >= self._offset(request)
+        return now >= self.order_key(request)
 
     def effective_priority(self, request: QueuedRequest, now: float) -> float:
         """``rank - wait / aging_s_per_class`` (a decode stage's rank: its offset over
         the aging scale); smaller is served first."""
-        return (self._offset(request) - (now - request.enqueued_at)) / self._aging
+        return (self.order_key(request) - now) / self._aging
 
     def engine_priority(self, request: QueuedRequest, now: float) -> int:
         """The class ``request`` has aged into at ``now`` — ``max(0, ceil(effective
@@ -191,16 +191,10 @@ class PendingQueue:
 
     def order_key(self, request: QueuedRequest) -> float:
         """A time-free key with the same order as effective priority at any ``now``."""
-        # Hot path (every head, every cycle): _offset inlined.
+        # Its class's offset: rank · aging_s_per_class, or for a decode stage
+        # rank(priority) · handoff_step_s (module docstring).
         step = self._handoff_step if request.phase == "decode" else self._aging
         return request.enqueued_at + _RANK[request.priority] * step
-
-    def _offset(self, request: QueuedRequest) -> float:
-        """Seconds its class adds to the order key: ``rank · aging_s_per_class``; for a
-        decode stage, ``rank(priority) · handoff_step_s`` (module docstring)."""
-        if request.phase == "decode":
-            return _RANK[request.priority] * self._handoff_step
-        return _RANK[request.priority] * self._aging
 
     # -- mutation ---------------------------------------------------------------------
 

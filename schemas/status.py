@@ -28,8 +28,8 @@ class QueueStatus(WireMessage):
     )
     running_tokens: Count = Field(description="Σ reserved tokens of placed, unfinished requests.")
     drain_tokens_per_s: Annotated[float, Field(ge=0.0)] = Field(
-        description="Tokens (prompt + generated) finished per second over the recent window; "
-        "0 when nothing finished yet."
+        description="Reserved tokens (prompt + max_tokens, the unit of pending_tokens) of "
+        "requests finished per second over the recent window; 0 when nothing finished yet."
     )
     live_workers: Count = Field(description="Workers with a fresh heartbeat serving the model.")
     max_usable_kv_tokens: Count = Field(

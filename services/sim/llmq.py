@@ -12,7 +12,8 @@ This adapter only plays the parts of the Kafka plumbing:
   The ledger, updated at once by placements and finishes, is ahead of it.
 * **Queue status** (``llmq.status``) with the same period: ``queued_tokens`` = Σ (prompt +
   max_tokens) of pending requests, ``drain_tokens_per_s`` from the live scheduler's
-  :class:`DrainMeter` (tokens finished while requests waited, per backlogged second, over
+  :class:`DrainMeter` (reserved tokens, prompt + max_tokens, of requests finished while
+  requests waited, per backlogged second, over
   ``drain_window_s`` = 30 s), fed the same way: finishes as they happen, the backlog
   after every scheduling pass. With the live workers, their largest usable KV and the
   fleet's KV headroom it forms the :class:`ClusterView` admission reads; like the live
@@ -222,9 +223,9 @@ class LlmqPolicy:
 
     def on_finished(self, job: Job, now: float) -> None:
         self._ledger.release(str(job.idx), self._attempts.pop(job.idx, 0), at=now)
-        used = job.prompt + job.output
-        self._settle(job, used, now)
-        self._drain.add(self._model, now, used)
+        self._settle(job, job.prompt + job.output, now)
+        # The queue's unit, as the live scheduler measures it (prompt + max_tokens).
+        self._drain.add(self._model, now, job.prompt + job.max_tokens)
         self._schedule(now)
 
     def on_prefilled(self, job: Job, now: float) -> None:

@@ -220,6 +220,7 @@ def test_worker_loss_requeues_unstreamed_work_and_fails_streamed() -> None:
     assert isinstance(event, EventFailed)
     # Signed by the scheduler: the ending is its, not the worker's (``_note_ending``).
     assert (event.code, event.worker_id, event.attempt) == ("worker_lost", SCHED, 1)
+    assert event.usage is None  # it ran: what it generated is unknown (charged in full)
     assert state.reserved_kv("w0") == 0
     assert state.tick(T + 5.1).lost_workers == []  # declared once
 
@@ -381,6 +382,8 @@ def test_queue_deadline_ends_with_queue_timeout_from_the_scheduler() -> None:
     assert isinstance(event, EventFailed)
     assert (event.code, event.attempt, event.worker_id, event.tenant) == (
         "queue_timeout", 1, SCHED, "acme")
+    # It never ran: ingest's settlement refunds its tenant the whole reservation.
+    assert event.usage == Usage(prompt_tokens=0, completion_tokens=0)
     assert tickets(result.effects) == [("tp", 0)]
     assert result.rejected == {"queue_timeout": 1}
     assert state.on_request(admitted("late", timeout_s=2.0), ("tp", 0), T + 3) == [
@@ -401,6 +404,7 @@ def test_cancel_of_a_pending_request() -> None:
     assert (error.code, error.attempt) == ("cancelled", 0)
     (event,) = events(result.effects)
     assert isinstance(event, EventAborted) and event.code == "cancelled"
+    assert event.usage == Usage(prompt_tokens=0, completion_tokens=0)  # never ran
 
 
 def test_a_cancel_before_the_request_arrives_is_remembered() -> None:
@@ -452,8 +456,9 @@ def test_queue_status_per_model() -> None:
     assert (status.pending_requests, status.pending_tokens) == (1, 6_008)
     assert status.running_tokens == 6_016
     assert (status.live_workers, status.max_usable_kv_tokens) == (2, 9_500)
-    # The third request has waited since T: 1,020 tokens finished in 3 backlogged seconds.
-    assert status.drain_tokens_per_s == pytest.approx(1_020 / 3.0)
+    # The third request has waited since T: one request of 6,008 reserved tokens (prompt +
+    # max_tokens, the queue's unit; it generated fewer) finished in 3 backlogged seconds.
+    assert status.drain_tokens_per_s == pytest.approx(6_008 / 3.0)
 
 
 def test_revoked_partitions_take_their_pending_requests_but_not_requeues() -> None:

@@ -14,7 +14,12 @@ from collections.abc import Collection
 class DrainMeter:
     """How fast the fleet empties a model's queue: tokens finished per second.
 
-    The plain measure, all tokens (prompt + generated) finished in a sliding window of
+    Tokens in the queue's unit: a finished request counts what it reserved while queued,
+    prompt + max_tokens (the caller adds it so), not the tokens it generated — ingest
+    divides queued tokens by this rate, and answers that stop short of max_tokens would
+    otherwise make the fleet look slower than it drains.
+
+    The plain measure, all tokens finished in a sliding window of
     ``window_s`` divided by the window, is a lower bound of capacity; but when the fleet
     was idle for part of the window it is far below it (completions follow the arrivals:
     one warm-up request, or a quiet night, is not what a fleet can do). Capacity shows while

@@ -22,7 +22,7 @@ from pydantic import JsonValue
 from schemas.base import WireMessage
 from schemas.codec import encode
 from schemas.common import ErrorCode
-from schemas.replies import Error
+from schemas.replies import Error, Usage
 from schemas.requests import AdmittedRequest, Assignment
 from schemas.topics import message_key
 from schemas.workers import EventAborted, EventFailed
@@ -160,9 +160,13 @@ def terminal(
 
     ``reply_attempt`` is 0 for a request that never reached a worker (Error's rule),
     otherwise the attempt; the event always carries ``attempt`` (events start at 1).
-    Cancels end with ``event.aborted``, everything else with ``event.failed``.
+    Cancels end with ``event.aborted``, everything else with ``event.failed``. The event
+    of one that never reached a worker says it used no tokens, so ingest's settlement
+    gives its tenant the whole reservation back (unknown usage costs all of it: a lost
+    worker's attempt may have generated up to max_tokens).
     """
     request = admitted.request
+    usage = Usage(prompt_tokens=0, completion_tokens=0) if reply_attempt == 0 else None
     text = message[:4096]
     reply = Error(
         request_id=request.request_id,
@@ -176,12 +180,12 @@ def terminal(
     if code == "cancelled":
         event = EventAborted(
             request_id=request.request_id, tenant=request.tenant, attempt=attempt,
-            worker_id=worker_id, ts=now, code="cancelled",
+            worker_id=worker_id, ts=now, code="cancelled", usage=usage,
         )
     else:
         event = EventFailed(
             request_id=request.request_id, tenant=request.tenant, attempt=attempt,
-            worker_id=worker_id, ts=now, code=code, message=text,
+            worker_id=worker_id, ts=now, code=code, message=text, usage=usage,
         )
     return (Outgoing.of(admitted.reply_topic, reply, headers=headers),
             Outgoing.of(events_topic, event, headers=headers))

@@ -230,6 +230,7 @@ class SchedulerState:
     def observe_event(self, event: LifecycleEvent) -> bool:
         """A lifecycle event; True when it freed capacity (worth a dispatch cycle)."""
         self._note_ending(event)
+        ran = self.log.latest(event.request_id)  # before a terminal drops it from the log
         news = self.log.observe_event(event)
         if isinstance(event, EventStarted):
             # ``at`` (the worker's clock, like its heartbeats) lets the ledger credit capacity
@@ -263,10 +264,13 @@ class SchedulerState:
             self._active_trace.pop(event.request_id, None)
             self._withdraw_answered_requeue(event)
         usage = event.usage
-        if news and usage is not None:
-            model = self.log.model_of(event.request_id)
-            if model is not None:
-                self.drain.add(model, event.ts, usage.total_tokens)
+        if news and usage is not None and usage.total_tokens > 0 and ran is not None:
+            # In the queue's own unit (prompt + max_tokens, as ingest and the pending
+            # figures count a request), not the tokens generated: ingest divides the queued
+            # tokens by this rate, and a fleet whose answers stop well short of max_tokens
+            # would otherwise look max_tokens ÷ generated times slower than it drains.
+            self.drain.add(ran.admitted.request.model, event.ts,
+                           ran.admitted.prompt_tokens + ran.admitted.request.max_tokens)
         return freed
 
     def _note_ending(self, event: LifecycleEvent) -> None:

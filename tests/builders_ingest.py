@@ -91,6 +91,7 @@ def make_capacity(
     drain_tokens_per_s: float = 10_000.0,
     max_model_len: int | None = None,
     kv_headroom_tokens: int = 0,
+    block_size: int | None = None,
 ) -> ModelCapacity:
     return ModelCapacity(
         model=model,
@@ -100,6 +101,7 @@ def make_capacity(
         drain_tokens_per_s=drain_tokens_per_s,
         max_model_len=max_model_len,
         kv_headroom_tokens=kv_headroom_tokens,
+        block_size=block_size,
     )
 
 

@@ -8,10 +8,16 @@ scheduler). :meth:`ClusterTracker.view` applies the rules, failing closed:
 
 - a worker is live when ``now - ts <= staleness × interval_s``, it is not draining and it
   reports a KV budget (``kv_total_tokens > 0``); ``max_usable_kv_tokens`` is the largest
-  such budget (its whole capacity, not what is free now);
-- queued tokens and drain rate are summed over fresh statuses (``now - ts <=
-  status_stale_s``) of every scheduler. No fresh status means no known backlog: the
-  scheduler bounds its own queue, and admission still needs a live worker.
+  such budget (its whole capacity, not what is free now), lowered to the schedulers'
+  own figure when a fresh status gives one (theirs keeps the KV safety margin, and a
+  request ingest admitted past it would only be refused ``too_large`` a round trip
+  later); ``block_size`` is the largest of the live workers', as the scheduler rounds;
+- over fresh statuses (``now - ts <= status_stale_s``) of every scheduler, queued tokens
+  are summed (each replica queues the requests of its own partitions), while running
+  tokens and the drain rate are the largest one (every replica reads every assignment
+  and terminal event, so each reports the whole fleet's: a sum would count it once per
+  replica). No fresh status means no known backlog: the scheduler bounds its own queue,
+  and admission still needs a live worker.
 
 Models are keyed by their canonical registry name when the registry knows them.
 
@@ -88,20 +94,26 @@ class ClusterTracker:
         workers: dict[str, list[WorkerHeartbeat]] = defaultdict(list)
         for hb in self.live_workers(now):
             workers[self._canonical(hb.model)].append(hb)
-        queued: dict[str, tuple[int, float, int]] = {}  # model -> (tokens, drain, running)
+        # model -> (queued tokens, drain, running tokens, usable KV): module docstring
+        queued: dict[str, tuple[int, float, int, int]] = {}
         for (model, _), st in self._statuses.items():
             if abs(now - st.ts) <= self._freshness.status_stale_s:
-                tokens, drain, running = queued.get(model, (0, 0.0, 0))
-                queued[model] = (tokens + st.pending_tokens, drain + st.drain_tokens_per_s,
-                                 running + st.running_tokens)
+                tokens, drain, running, usable = queued.get(model, (0, 0.0, 0, 0))
+                queued[model] = (tokens + st.pending_tokens,
+                                 max(drain, st.drain_tokens_per_s),
+                                 max(running, st.running_tokens),
+                                 max(usable, st.max_usable_kv_tokens))
         capacities = []
         for model in workers.keys() | queued.keys():
             live = workers.get(model, [])
-            tokens, drain, running = queued.get(model, (0, 0.0, 0))
+            tokens, drain, running, usable = queued.get(model, (0, 0.0, 0, 0))
             best_kv = max((hb.kv_total_tokens for hb in live), default=0)
+            if usable > 0:
+                best_kv = min(best_kv, usable)
             headroom = max(0, sum(hb.kv_total_tokens for hb in live) - running)
+            block = max((hb.block_size for hb in live), default=None)
             capacities.append(ModelCapacity(model, len(live), best_kv, tokens, drain,
-                                            kv_headroom_tokens=headroom))
+                                            kv_headroom_tokens=headroom, block_size=block))
         return ClusterView.of(capacities)
 
     def _live(self, hb: WorkerHeartbeat, now: float) -> bool:

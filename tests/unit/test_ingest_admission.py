@@ -192,6 +192,16 @@ def test_admit_reserves_prompt_plus_max_tokens_in_whole_blocks() -> None:
                                        tokens=state.tokens - 200, in_flight=1)
 
 
+def test_the_kv_reservation_is_rounded_to_the_live_workers_block_size() -> None:
+    # The registry says 16; the fleet runs blocks of 64, and the scheduler rounds to them.
+    request = make_request(prompt_tokens=100, max_tokens=100)
+    result = decide(request, cluster=make_cluster(make_capacity(block_size=64)))
+    assert isinstance(result, Admit) and result.kv_tokens == 256
+    refused = decide(request, cluster=make_cluster(make_capacity(block_size=64,
+                                                                 max_usable_kv_tokens=250)))
+    assert isinstance(refused, Reject) and refused.check == "kv_capacity"
+
+
 @pytest.mark.parametrize(
     ("prompt", "max_tokens", "hint", "may_set_lane", "lane"),
     [(1000, 1000, None, False, "short"), (1000, 1001, None, False, "long"),

@@ -25,10 +25,10 @@ def beat(worker: str, **changes: object) -> object:
 
 
 def status(model: str, scheduler: str, pending: int, drain: float, ts: float,
-           running: int = 0) -> QueueStatus:
+           running: int = 0, usable: int = 0) -> QueueStatus:
     return QueueStatus(model=model, scheduler_id=scheduler, pending_requests=1,
                        pending_tokens=pending, running_tokens=running, drain_tokens_per_s=drain,
-                       live_workers=1, max_usable_kv_tokens=1, ts=ts)
+                       live_workers=1, max_usable_kv_tokens=usable, ts=ts)
 
 
 def test_fresh_workers_count_and_stale_draining_or_empty_ones_do_not() -> None:
@@ -75,20 +75,22 @@ def test_newest_heartbeat_wins_across_restarts() -> None:
     assert t.view(NOW).models == {}
 
 
-def test_queue_status_is_summed_over_fresh_schedulers() -> None:
+def test_queued_tokens_are_summed_over_fresh_schedulers_and_the_drain_rate_is_not() -> None:
+    # Each replica queues its own partitions' requests, but measures the drain from every
+    # terminal event: the same fleet's rate, counted once.
     t = tracker()
     t.observe_heartbeat(beat("a"))
     t.observe_status(status(LLAMA, "s1", 1000, 50.0, NOW - 1))
-    t.observe_status(status("llama-3.1-8b", "s2", 500, 25.0, NOW - 2))
-    t.observe_status(status("llama-3.1-8b", "s3", 9999, 1.0, NOW - 60))  # stale
-    t.observe_status(status("llama-3.1-8b", "s4", 7777, 1.0, NOW + 3600))  # a clock far ahead
+    t.observe_status(status("llama-3.1-8b", "s2", 500, 45.0, NOW - 2))
+    t.observe_status(status("llama-3.1-8b", "s3", 9999, 99.0, NOW - 60))  # stale
+    t.observe_status(status("llama-3.1-8b", "s4", 7777, 99.0, NOW + 3600))  # a clock far ahead
     capacity = t.view(NOW).models["llama-3.1-8b"]
-    assert (capacity.queued_tokens, capacity.drain_tokens_per_s) == (1500, 75.0)
+    assert (capacity.queued_tokens, capacity.drain_tokens_per_s) == (1500, 50.0)
     # The last status read from a scheduler is its latest (the log orders them), whatever
     # its stamp says: s4 back on time replaces its far-ahead one.
-    t.observe_status(status("llama-3.1-8b", "s4", 100, 5.0, NOW))
+    t.observe_status(status("llama-3.1-8b", "s4", 100, 55.0, NOW))
     capacity = t.view(NOW).models["llama-3.1-8b"]
-    assert (capacity.queued_tokens, capacity.drain_tokens_per_s) == (1600, 80.0)
+    assert (capacity.queued_tokens, capacity.drain_tokens_per_s) == (1600, 55.0)
 
 
 def test_kv_headroom_is_the_live_budget_minus_what_running_requests_reserve() -> None:
@@ -96,11 +98,23 @@ def test_kv_headroom_is_the_live_budget_minus_what_running_requests_reserve() ->
     t.observe_heartbeat(beat("a", kv_total_tokens=1000, kv_free_tokens=0))
     t.observe_heartbeat(beat("b", kv_total_tokens=5000, kv_free_tokens=0))
     t.observe_heartbeat(beat("gone", ts=NOW - 3.5, kv_total_tokens=9000, kv_free_tokens=0))
+    # Two replicas, each reading every assignment: the running figure is the fleet's once.
     t.observe_status(status(LLAMA, "s1", 10, 0.0, NOW - 1, running=1500))
-    t.observe_status(status(LLAMA, "s2", 10, 0.0, NOW - 1, running=500))
-    assert t.view(NOW).models["llama-3.1-8b"].kv_headroom_tokens == 4000
+    t.observe_status(status(LLAMA, "s2", 10, 0.0, NOW - 1, running=1400))
+    assert t.view(NOW).models["llama-3.1-8b"].kv_headroom_tokens == 4500
     t.observe_status(status(LLAMA, "s2", 10, 0.0, NOW, running=9000))
     assert t.view(NOW).models["llama-3.1-8b"].kv_headroom_tokens == 0  # never negative
+
+
+def test_the_largest_request_is_judged_by_the_schedulers_usable_kv_and_block_size() -> None:
+    # The scheduler keeps a safety margin off each worker's KV and rounds to the live
+    # workers' block size: ingest judges "too large" the same way, not a round trip later.
+    t = tracker()
+    t.observe_heartbeat(beat("a", kv_total_tokens=1000, kv_free_tokens=0, block_size=32))
+    capacity = t.view(NOW).models["llama-3.1-8b"]
+    assert (capacity.max_usable_kv_tokens, capacity.block_size) == (1000, 32)  # no status yet
+    t.observe_status(status(LLAMA, "s1", 0, 0.0, NOW - 1, usable=950))
+    assert t.view(NOW).models["llama-3.1-8b"].max_usable_kv_tokens == 950
 
 
 def test_status_without_workers_keeps_the_model_with_no_live_worker() -> None:

@@ -9,9 +9,10 @@ data; the ingest agent publishes them). Checks, first failure wins:
    worker. A model the tenant may not use gets the same code and the same message, so a
    tenant cannot probe which models exist (as OpenAI answers "does not exist or you do not
    have access"); ``Reject.check`` tells the two apart in logs and metrics.
-3. ``too_large`` (413): ``prompt + max_tokens > max_model_len`` (registry or heartbeats,
-   the smaller), or the KV reservation ``kv_tokens_for(prompt, max_tokens, block_size)``
-   exceeds the usable KV of the largest live worker for the model, or the request needs
+3. ``too_large`` (413): ``prompt + max_tokens > max_model_len`` (the registry's, or the
+   view's when it has a smaller one), or the KV reservation ``kv_tokens_for(prompt,
+   max_tokens, block_size)`` (the live workers' block size, else the registry's) exceeds
+   the usable KV of the largest live worker for the model, or the request needs
    more tokens than the tenant's token bucket can ever hold (retrying would never help).
 4. ``rate_limited`` (429): concurrency cap (Retry-After ``CONCURRENCY_RETRY_AFTER_S``, 1 s:
    when a slot frees is unknown, so the client polls), request or token bucket (exact
@@ -77,7 +78,10 @@ class ModelCapacity:
     max_tokens) of admitted requests for the model not yet placed. ``drain_tokens_per_s``:
     the same unit leaving the queue per second, measured while work waited (0 or NaN:
     unknown — a fleet that has not been busy yet has no measured capacity).
-    ``max_model_len``: the smallest limit the workers report, None if unreported.
+    ``max_model_len``: a context limit of the fleet's, when one is known (the live
+    tracker has none: heartbeats do not carry it, so ingest checks the registry's and an
+    engine serving a shorter context refuses the rest ``too_large`` itself).
+    ``block_size``: the live workers' KV block size (the largest), None if unknown.
     ``kv_headroom_tokens``: Σ KV budget of the live workers minus what running requests
     reserve — how much could start at once. A backlog within it is admitted whatever the
     drain rate (an idle fleet's measured rate says little about what it can do).
@@ -90,6 +94,7 @@ class ModelCapacity:
     drain_tokens_per_s: float
     max_model_len: int | None = None
     kv_headroom_tokens: int = 0
+    block_size: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,7 +168,10 @@ def admit(
     if not may_use_model(tenant_policy, request.model, shape):
         return _unknown_model(request.model, "model_not_allowed")
     total = request.prompt_tokens + request.max_tokens
-    block_size = config.default_block_size if shape is None else shape.block_size
+    # Rounded as the scheduler will round it: to the live workers' block size.
+    live_block = capacity.block_size if capacity is not None and live else None
+    block_size = live_block or (config.default_block_size if shape is None
+                                else shape.block_size)
     kv_tokens = kv_tokens_for(request.prompt_tokens, request.max_tokens, block_size)
     too_large = _too_large(
         request.prompt_tokens, total, kv_tokens, shape, capacity if live else None

@@ -250,3 +250,34 @@ async def test_the_caller_sees_its_own_id_while_llmq_uses_the_scoped_one() -> No
     out = await api.call([body], [(b"x-request-id", b"job-1")])
     assert out.status == 200 and json.loads(out.body)["id"] == "job-1"
     assert sent == ["default:job-1"]
+
+
+async def test_a_client_id_whose_call_ended_is_refused_to_the_next_call() -> None:
+    # Intake still holds the first call's reservation for a moment after its answer, and
+    # the scheduler remembers the id for long: a new call with it waited for its timeout.
+    api = Api([(0.01, lambda rid: make_done(request_id=rid, attempt=1))])
+    body = json.dumps({"model": "m", "prompt": "x"}).encode()
+    first = await api.call([body], [(b"x-request-id", b"job-42")])
+    assert first.status == 200
+    again = await api.call([body], [(b"x-request-id", b"job-42")])
+    assert again.status == 409
+    error = json.loads(again.body)["error"]
+    assert (error["code"], error["param"]) == ("duplicate_request", "x-request-id")
+    assert "'job-42' was used by a call that ended" in error["message"]
+    # An id llmq chose is never reused; another client id is fine.
+    assert (await api.call([body], [(b"x-request-id", b"job-43")])).status == 200
+    assert (await api.post({"model": "m", "prompt": "x"})).status == 200
+
+
+async def test_a_retry_with_the_id_of_an_abandoned_call_is_refused_not_sent_its_cancel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(routes, "_DISCONNECT_POLL_S", 0.05)
+    api = Api([])
+    body = json.dumps({"model": "m", "prompt": "x", "timeout": 30}).encode()
+    gone = asyncio.Event()
+    asyncio.get_running_loop().call_later(0.1, gone.set)
+    left = await api.call([body], [(b"x-request-id", b"job-7")], gone)
+    assert left.status == 499 and len(api.producer.cancels) == 1
+    retry = await api.call([body], [(b"x-request-id", b"job-7")])
+    assert retry.status == 409

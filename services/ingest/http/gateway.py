@@ -6,6 +6,13 @@ on the instance's own reply topic. :meth:`Gateway.submit` opens the reply stream
 producing, so no reply can be missed; a request counts as queued only once the broker
 acknowledged it (else 503). Cancels for disconnected clients are fire-and-forget tasks:
 they are sent from places where the caller is itself being cancelled.
+
+A client-chosen id (``x-request-id``) whose call ended, answered or abandoned, is refused
+to a new call for :data:`REUSE_GUARD_S` (409). Downstream, the id is still taken: until
+its reservation is settled, intake would drop the new call's record as a redelivery of the
+old one (the call would wait for replies that came already, or get the old one's
+``cancelled``), and later the scheduler refuses it as a reuse. Only this instance's own
+calls are known here.
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ from services.ingest.topics import IngestTopics
 
 _log = logging.getLogger(__name__)
 _SEND_TIMEOUT_S = 10.0
+#: How long a client-chosen id whose call ended stays refused to new calls, in seconds.
+REUSE_GUARD_S = 60.0
 
 
 class Gateway:
@@ -40,6 +49,8 @@ class Gateway:
         self._producer: Any = None
         self._router: ReplyRouter | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        #: Client-chosen ids whose call ended -> when (monotonic), oldest first.
+        self._ended: dict[str, float] = {}
 
     @property
     def producer_ready(self) -> bool:
@@ -87,6 +98,11 @@ class Gateway:
         """Queue ``request`` on intake (with ``headers``: its trace context); its replies
         arrive on the returned stream. ``client_id``: the client chose the request id, so
         its retry after a failed send reuses it (see :meth:`_unsure`)."""
+        if client_id and self._ended_recently(request.request_id, time.monotonic()):
+            shown = request.request_id.split(":", 1)[-1]
+            raise ApiError(409, f"request id {shown!r} was used by a call that ended less "
+                           f"than {REUSE_GUARD_S:g} s ago; request ids must be unique: send "
+                           "it with a new one", "duplicate_request", "x-request-id")
         if self._router is None or self._producer is None:
             raise unavailable("ingest is not connected to Kafka yet")
         try:
@@ -129,6 +145,22 @@ class Gateway:
         """Stop waiting for ``request_id``'s replies."""
         if self._router is not None:
             self._router.close(request_id)
+
+    def ended(self, request_id: str, *, client_id: bool) -> None:
+        """The call of ``request_id`` ended, answered or abandoned: stop waiting for its
+        replies and, for a client-chosen id, refuse it to new calls for a while."""
+        self.close(request_id)
+        if client_id:
+            self._ended.pop(request_id, None)  # re-inserted last: the dict stays in time order
+            self._ended[request_id] = time.monotonic()
+
+    def _ended_recently(self, request_id: str, now: float) -> bool:
+        while self._ended:
+            oldest = next(iter(self._ended))
+            if now - self._ended[oldest] <= REUSE_GUARD_S:
+                break
+            del self._ended[oldest]
+        return request_id in self._ended
 
     def cancel_soon(self, request_id: str, tenant: str, reason: str, now: float) -> None:
         """Send a ``CancelRequest`` in the background (the caller may be cancelled itself)."""

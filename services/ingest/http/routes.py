@@ -139,6 +139,7 @@ def create_api(deps: HttpDeps) -> FastAPI:
     api = FastAPI(title="llmq ingest", lifespan=lifespan, docs_url=None, redoc_url=None)
     api.add_exception_handler(ApiError, _api_error)
     api.add_exception_handler(StarletteHTTPException, _http_error)
+    api.add_exception_handler(Exception, _server_error)
     _add_routes(api, deps)
     return api
 
@@ -344,7 +345,7 @@ class _Call:
             return
         self._finished = True
         request = self._call.request
-        self._deps.gateway.close(request.request_id)
+        self._deps.gateway.ended(request.request_id, client_id=bool(self._call.client_id))
         if cancel_reason is not None:
             self._deps.gateway.cancel_soon(request.request_id, request.tenant, cancel_reason,
                                            self._deps.clock())
@@ -468,7 +469,14 @@ async def _api_error(_: Request, exc: Exception) -> Response:
 
 
 async def _http_error(_: Request, exc: Exception) -> Response:
-    # Starlette's own 404/405 in OpenAI's error shape.
+    # Starlette's own 404/405 in OpenAI's error shape, with its headers (a 405's Allow).
     assert isinstance(exc, StarletteHTTPException)
-    return ApiError(exc.status_code, str(exc.detail), None).response()
+    return ApiError(exc.status_code, str(exc.detail), None).response(dict(exc.headers or {}))
+
+
+async def _server_error(_: Request, exc: Exception) -> Response:
+    # A bug: the client still gets OpenAI's error shape, not a plain-text 500 (Starlette
+    # logs the traceback and re-raises it to the server after this response).
+    return ApiError(500, f"internal error in llmq ingest ({type(exc).__name__}); see its "
+                         "log", "internal_error").response()
 

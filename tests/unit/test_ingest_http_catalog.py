@@ -51,7 +51,9 @@ def api(tenancy: Tenancy, tracker: ClusterTracker,
         tenancy=tenancy, watcher=watcher,  # type: ignore[arg-type]  # stand-in watcher
         defaults=ApiDefaults(), reply_grace_s=1.0, clock=clock,
     ))
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://ingest")
+    # An exception the app lets out reaches the server (as under uvicorn), not the test.
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    return httpx.AsyncClient(transport=transport, base_url="http://ingest")
 
 
 def serving(tenancy: Tenancy, *models: str, ts: float = NOW) -> ClusterTracker:
@@ -115,3 +117,26 @@ async def test_readyz_stays_ready_once_a_live_worker_was_seen() -> None:
         assert (await client.get("/readyz")).json()["checks"]["worker_heartbeat"]
         clock[0] = NOW + 3_600  # the worker's beat is an hour old now
         assert (await client.get("/readyz")).json()["checks"]["worker_heartbeat"]
+
+
+async def test_a_wrong_method_is_405_in_openai_shape_with_allow() -> None:
+    tenancy = load_tenancy(None)
+    async with api(tenancy, serving(tenancy, "m")) as client:
+        r = await client.get("/v1/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"  # RFC 9110 wants Allow
+    assert r.json()["error"]["message"] == "Method Not Allowed"
+
+
+class _Broken(ClusterTracker):
+    def served_models(self, now: float) -> list[str]:
+        raise RuntimeError("a bug")
+
+
+async def test_a_bug_is_a_500_in_openai_shape_not_plain_text() -> None:
+    tenancy = load_tenancy(None)
+    async with api(tenancy, _Broken(tenancy.config.admission.registry)) as client:
+        r = await client.get("/v1/models")
+    assert r.status_code == 500
+    assert r.json()["error"] == {
+        "message": "internal error in llmq ingest (RuntimeError); see its log",
+        "type": "server_error", "param": None, "code": "internal_error"}

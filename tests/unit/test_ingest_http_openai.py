@@ -66,7 +66,7 @@ def test_chat_body_maps_messages_and_defaults() -> None:
     messages = call.request.messages
     assert messages is not None
     assert [(m.role, m.content, m.name) for m in messages] == [
-        ("system", "Be terse.", None), ("user", "ab", "bob"),
+        ("system", "Be terse.", None), ("user", "a\nb", "bob"),  # joined as vLLM joins parts
     ]
     assert call.request.max_tokens == 512 and call.include_usage and not call.stream
 
@@ -74,7 +74,9 @@ def test_chat_body_maps_messages_and_defaults() -> None:
 def test_options_that_leave_the_answer_as_it_is_are_accepted() -> None:
     call = _map({"model": "m", "messages": [{"role": "user", "content": "hi"}],
                  "response_format": {"type": "text"}, "modalities": ["text"], "store": False,
-                 "metadata": {"k": "v"}, "logit_bias": {}}, "chat")
+                 "metadata": {"k": "v"}, "logit_bias": {}, "n": None, "logprobs": False,
+                 "tools": [], "tool_choice": "auto", "repetition_penalty": 1,
+                 "skip_special_tokens": True, "min_tokens": 0}, "chat")
     assert call.request.model == "m"
 
 
@@ -130,6 +132,17 @@ def test_llmq_extras_from_body_or_headers() -> None:
          "logit_bias"),
         ({"model": "m", "prompt": "x", "guided_json": {"type": "object"}}, "completion",
          "guided_json"),
+        # Falsy, and still not "nothing": the sampled token's logprob; two answers.
+        ({"model": "m", "prompt": "x", "logprobs": 0}, "completion", "logprobs"),
+        ({"model": "m", "prompt": "x", "n": True}, "completion", "n"),
+        ({"model": "m", "messages": [], "tool_choice": "required"}, "chat", "tool_choice"),
+        # vLLM's extras, which a vLLM server would honour.
+        ({"model": "m", "prompt": "x", "min_tokens": 5}, "completion", "min_tokens"),
+        ({"model": "m", "prompt": "x", "ignore_eos": True}, "completion", "ignore_eos"),
+        ({"model": "m", "prompt": "x", "structured_outputs": {"choice": ["a"]}}, "completion",
+         "structured_outputs"),
+        ({"model": "m", "messages": [], "add_generation_prompt": False}, "chat",
+         "add_generation_prompt"),
     ],
 )
 def test_invalid_bodies_name_the_field(body: dict[str, Any], kind: Kind, param: str) -> None:
@@ -151,6 +164,21 @@ def test_bad_header_values_are_named() -> None:
 def test_oversized_prompt_is_413() -> None:
     err = _refused({"model": "m", "prompt": "x" * (MAX_PROMPT_CHARS + 1)})
     assert (err.status, err.param, err.code) == (413, "prompt", "too_large")
+    chat = _refused({"model": "m", "messages": [
+        {"role": "user", "content": "x" * (MAX_PROMPT_CHARS + 1)}]}, "chat")
+    assert (chat.status, chat.param) == (413, "messages.0.content")
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"model": "m" * 300, "prompt": "x"}, "model"),
+    ({"model": "m", "prompt": "x", "stop": "s" * 300}, "stop"),
+    ({"model": "m", "prompt": "x", "stop": ["s"] * 9}, "stop"),
+])
+def test_an_over_long_short_field_is_a_bad_request_not_a_payload_too_large(
+    body: dict[str, Any], param: str
+) -> None:
+    err = _refused(body)
+    assert (err.status, err.param, err.code) == (400, param, "invalid")
 
 
 def test_a_prompt_of_many_emoji_within_the_character_limit_is_accepted() -> None:

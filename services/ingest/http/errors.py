@@ -100,11 +100,22 @@ def from_reply(error: Error) -> ApiError:
 
 
 def from_schema_error(exc: SchemaError, param: str | None) -> ApiError:
-    """400 (or 413 for oversized input) naming ``param``, the field as the client spelled it."""
-    status = 413 if exc.error_code == "too_large" else 400
+    """400 naming ``param``, the field as the client spelled it; 413 when it is the input
+    (the prompt, the messages or one's content) that is over llmq's bound. An over-long
+    short field (a 300-character ``stop`` or ``model``, too many stop strings, a long
+    ``x-request-id``) is a malformed request, not a payload too large."""
     first = exc.errors[0]
     where = f"{param}: " if param else ""
-    return ApiError(status, f"{where}{first.message}", exc.error_code, param)
+    if exc.error_code == "too_large" and _is_input(param):
+        return ApiError(413, f"{where}{first.message}", "too_large", param)
+    return ApiError(400, f"{where}{first.message}", "invalid", param)
+
+
+def _is_input(param: str | None) -> bool:
+    if param in ("prompt", "messages", None):  # None: the record as a whole
+        return True
+    parts = param.split(".")
+    return len(parts) == 3 and parts[0] == "messages" and parts[2] == "content"
 
 
 def invalid(message: str, param: str | None = None) -> ApiError:

@@ -5,12 +5,15 @@ Request mapping (``to_inference_request``): the body of ``/v1/completions`` or
 (``schemas.codec.decode``), and a ``SchemaError`` comes back as 400/413 naming the field as
 the client spelled it (``sampling.temperature`` → ``temperature``, ``timeout_s`` →
 ``timeout``); so does a string UTF-8 cannot carry (a lone surrogate, ``"\\ud800"``).
-Fields llmq cannot honour are refused by name (``n`` > 1, ``logprobs``, ``echo``,
-``best_of`` > 1, ``tools``, ``logit_bias``, ``suffix``, ``response_format`` other than
-text, ``modalities`` other than text, ``audio``, vLLM's ``guided_*``): each would change
-the answer, and a 200 without it would look honoured. Fields that do not change the result
-(``user``, ``seed``, ``store``, ``metadata``, ``response_format`` text, ...) are ignored,
-so any OpenAI SDK works.
+Fields llmq cannot honour are refused by name unless set to a value that changes nothing
+(``_REFUSED``: ``n`` or ``best_of`` other than 1, ``logprobs`` (``0`` too, on
+/v1/completions), ``echo``, ``tools``, ``tool_choice`` "required", ``logit_bias``,
+``suffix``, ``response_format`` other than text, ``modalities`` other than text,
+``audio``, and vLLM's extras — ``guided_*``, ``structured_outputs``, ``min_tokens``,
+``ignore_eos``, ``repetition_penalty``, chat-template options, ...): each would change
+the answer, and a 200 without it would look honoured. Fields that do not change the
+result (``user``, ``store``, ``metadata``, ``parallel_tool_calls``, ...) are ignored, as
+a vLLM server ignores fields it does not know, so any OpenAI SDK works.
 llmq extras: ``priority``, ``lane``, ``timeout`` (seconds) in the body or as headers
 ``x-llmq-priority``, ``x-llmq-lane``, ``x-llmq-timeout`` (the body wins).
 
@@ -182,26 +185,48 @@ def _unencodable_field(value: Any, path: str = "") -> str | None:
     return None
 
 
-#: Fields refused when set (truthy): each changes the answer and llmq cannot honour it.
-_REFUSED: Final = ("logprobs", "top_logprobs", "echo", "tools", "functions", "logit_bias",
-                   "suffix", "audio", "guided_json", "guided_regex", "guided_choice",
-                   "guided_grammar")
+#: Fields that change the answer and that llmq cannot honour, each with the values that
+#: leave the answer as it is (null always does): any other value is refused by name. Ours
+#: are OpenAI's, then vLLM's extras (its sampling parameters and chat-template options),
+#: which a vLLM server honours: a 200 without them would look honoured.
+_REFUSED: Final[Mapping[str, tuple[Any, ...]]] = {
+    "n": (1,), "best_of": (1,), "logprobs": (False,), "top_logprobs": (0,),
+    "echo": (False,), "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"),
+    "function_call": ("none", "auto"), "logit_bias": ({},), "suffix": ("",), "audio": (),
+    "prediction": (), "reasoning_effort": (),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "structured_outputs": (), "min_tokens": (0,), "ignore_eos": (False,),
+    "stop_token_ids": ([],), "repetition_penalty": (1.0,), "min_p": (0.0,),
+    "length_penalty": (1.0,), "use_beam_search": (False,), "allowed_token_ids": (),
+    "bad_words": ([],), "prompt_logprobs": (), "truncate_prompt_tokens": (),
+    "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,), "add_generation_prompt": (True,),
+    "continue_final_message": (False,), "chat_template": (), "chat_template_kwargs": ({},),
+    "documents": (), "logits_processors": (), "return_tokens_as_token_ids": (False,),
+}
 
 
 def _refuse_unsupported(body: Mapping[str, Any]) -> None:
-    if body.get("n", 1) != 1:
-        raise invalid("only n=1 is supported", "n")
-    if body.get("best_of", 1) != 1:
-        raise invalid("only best_of=1 is supported", "best_of")
-    for name in _REFUSED:
-        if body.get(name):
-            raise invalid(f"{name} is not supported", name)
+    for name, as_is in _REFUSED.items():
+        value = body.get(name)
+        if value is not None and not any(_same(value, v) for v in as_is):
+            shown = " or ".join(json.dumps(v) for v in as_is)
+            raise invalid(f"{name} is not supported" + (f" (only {shown})" if shown else ""),
+                          name)
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, Mapping) and fmt.get("type", "text") == "text"):
         raise invalid('only {"type": "text"} is supported', "response_format")
     modalities = body.get("modalities")
     if modalities is not None and modalities != ["text"]:
         raise invalid('only ["text"] is supported', "modalities")
+
+
+def _same(value: Any, as_is: Any) -> bool:
+    """Equal, a bool only to a bool (``n: true`` is not ``n: 1``, ``logprobs: 0`` — the
+    sampled token's logprob on /v1/completions — is not ``false``)."""
+    if isinstance(value, bool) or isinstance(as_is, bool):
+        return value is as_is
+    return bool(value == as_is)
 
 
 def _flag(body: Mapping[str, Any], name: str, param: str | None = None) -> bool:
@@ -280,7 +305,8 @@ def _text_parts(parts: list[Any], param: str) -> str:
         if not isinstance(text, str):
             raise invalid("a text part needs a string 'text'", param)
         texts.append(text)
-    return "".join(texts)
+    # As vLLM's chat parser joins them: the model sees the same prompt either way.
+    return "\n".join(texts)
 
 
 # -- responses ------------------------------------------------------------------------------

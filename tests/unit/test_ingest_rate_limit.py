@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from services.ingest.core import (
@@ -73,6 +75,14 @@ def test_clock_going_backwards_refills_nothing_and_waits_for_the_stamp() -> None
     assert refilled(state, POLICY, 5.0) is state
     _, throttle = try_consume(state, POLICY, 1_000, now=9.0)
     assert throttle is not None and throttle.retry_after_s == pytest.approx(2.0)
+
+
+def test_a_stamp_far_ahead_of_the_clock_does_not_lock_the_tenant_out_until_then() -> None:
+    # Written by an agent whose clock ran 1,000 s ahead: refills nothing, waits for nothing.
+    state = make_state(POLICY, now=11_000.0, tokens=0.0)
+    assert refilled(state, POLICY, 10_000.0) == replace(state, updated_at=10_000.0)
+    _, throttle = try_consume(state, POLICY, 1_000, now=10_000.0)
+    assert throttle is not None and throttle.retry_after_s == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize(

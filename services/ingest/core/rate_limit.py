@@ -33,6 +33,10 @@ RESOLUTION_S: Final = 1e-6
 #: one of the tenant's requests in flight), so this is a polling interval, not a promise:
 #: one second, the shortest Retry-After a header can say.
 CONCURRENCY_RETRY_AFTER_S: Final = 1.0
+#: How far ahead of ``now`` a bucket's stamp may be and still count as clock skew between
+#: agents (refill waits for the stamp). Further ahead, a clock that was wrong wrote it (or
+#: ours stepped back): taken as stamped now, so the tenant is not locked out until then.
+MAX_CLOCK_SKEW_S: Final = 5.0
 
 ThrottleLimit = Literal["burst", "concurrency", "requests", "tokens"]
 
@@ -184,8 +188,11 @@ class Throttle:
 
 
 def refilled(state: TenantState, policy: TenantPolicy, now: float) -> TenantState:
-    """The state advanced to ``now``. A clock that went backwards refills nothing."""
+    """The state advanced to ``now``. A clock that went backwards refills nothing (past
+    :data:`MAX_CLOCK_SKEW_S`, the state is re-stamped ``now``)."""
     if now <= state.updated_at:
+        if state.updated_at - now > MAX_CLOCK_SKEW_S:
+            return TenantState(state.requests, state.tokens, now, state.in_flight)
         return state
     requests, tokens, stamp = _levels(state, policy, now, policy.rpm / 60.0, policy.tpm / 60.0)
     return TenantState(requests, tokens, stamp, state.in_flight)
@@ -231,7 +238,8 @@ def _levels(
     """``refilled()`` without building a state (this is the hot path of admission)."""
     elapsed = now - state.updated_at
     if elapsed <= 0.0:
-        return state.requests, state.tokens, state.updated_at
+        stamp = state.updated_at if -elapsed <= MAX_CLOCK_SKEW_S else now
+        return state.requests, state.tokens, stamp
     return (
         min(policy.request_capacity, state.requests + elapsed * request_rate),
         min(policy.token_capacity, state.tokens + elapsed * token_rate),

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from services.common.settings import Settings
+from services.ops.params import PORT, FiniteFloatRange, seconds
 
 if TYPE_CHECKING:
     from services.stack import StackConfig
@@ -25,6 +26,8 @@ if TYPE_CHECKING:
 
 #: How long a detached `llmq up` watches its children before reporting them started.
 _DETACH_SETTLE_S = 3.0
+#: Longest wait any command takes a timeout for: a day.
+_MAX_WAIT_S = 86_400.0
 
 
 def _emit(data: dict[str, Any], as_json: bool, text: str) -> None:
@@ -112,7 +115,8 @@ def _broker(settings: Settings) -> Any:
 
 
 @kafka.command("up")
-@click.option("--timeout", default=90.0, show_default=True, help="Seconds to wait for it.")
+@click.option("--timeout", default=90.0, show_default=True, type=seconds(3600),
+              help="Seconds to wait for it to answer.")
 @click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
 @click.pass_obj
 def kafka_up(settings: Settings, timeout: float, as_json: bool) -> None:
@@ -149,10 +153,12 @@ def kafka_status(settings: Settings, as_json: bool, quiet: bool) -> None:
 
 
 @kafka.command("ping")
-@click.option("--timeout", default=3.0, show_default=True)
+@click.option("--timeout", default=3.0, show_default=True, type=seconds(600),
+              help="Seconds to wait for an answer.")
 @click.pass_obj
 def kafka_ping(settings: Settings, timeout: float) -> None:
-    """Exit 0 when any broker answers on the configured bootstrap (ours or not), else 1."""
+    """Exit 0 when any broker answers on the configured bootstrap (ours or not), else 1
+    (2 on a bad option)."""
     from services.common.kafka import broker_answers
 
     sys.exit(0 if asyncio.run(broker_answers(settings.bootstrap, timeout)) else 1)
@@ -202,9 +208,12 @@ def bench() -> None:
 
 
 @bench.command("decide")
-@click.option("--workers", default=1000, show_default=True, help="Fleet size.")
-@click.option("--pending", default=10000, show_default=True, help="Queued requests.")
-@click.option("--repeats", default=2000, show_default=True, help="Placements measured.")
+@click.option("--workers", default=1000, show_default=True, type=click.IntRange(1),
+              help="Fleet size.")
+@click.option("--pending", default=10000, show_default=True, type=click.IntRange(1),
+              help="Queued requests.")
+@click.option("--repeats", default=2000, show_default=True, type=click.IntRange(1),
+              help="Placements measured.")
 @click.option("--seed", default=1, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 def bench_decide(workers: int, pending: int, repeats: int, seed: int, as_json: bool) -> None:
@@ -246,8 +255,7 @@ _register_commands()
 @click.option("--model", default="llama-3.1-8b", show_default=True)
 @click.option("--chat", is_flag=True, help="Send PROMPT as one user chat message.")
 @click.option("--timeout", "timeout_s", default=120.0, show_default=True,
-              type=click.FloatRange(0, 86_400, min_open=True),
-              help="Seconds to wait for the end of the reply.")
+              type=seconds(_MAX_WAIT_S), help="Seconds to wait for the end of the reply.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object at the end.")
 @click.pass_obj
 def submit(settings: Settings, prompt: str, max_tokens: int, priority: str, lane: str | None,
@@ -316,16 +324,18 @@ async def _submit(settings: Settings, prompt: str, max_tokens: int, priority: st
 @main.command("demo")
 @click.option("--requests", "n", default=200, show_default=True, type=click.IntRange(2))
 @click.option("--rate", default=10.0, show_default=True, help="Arrivals per second.",
-              type=click.FloatRange(0, min_open=True))
+              type=FiniteFloatRange(0, 10_000, min_open=True))
 @click.option("--trace", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               default=None, help="Trace file (default: the Azure conversation trace).")
 @click.option("--url", default="http://127.0.0.1:8080", show_default=True,
               help="Base URL of the ingest HTTP API.")
 @click.option("--model", default="llama-3.1-8b", show_default=True)
-@click.option("--max-prompt", default=4000, show_default=True, help="Clip prompt tokens.")
-@click.option("--max-output", default=400, show_default=True, help="Clip output tokens.")
+@click.option("--max-prompt", default=4000, show_default=True, type=click.IntRange(1),
+              help="Clip prompt tokens to at most this many.")
+@click.option("--max-output", default=400, show_default=True, type=click.IntRange(1),
+              help="Clip output tokens to at most this many.")
 @click.option("--timeout", "timeout_s", default=120.0, show_default=True,
-              type=click.FloatRange(0, 86_400, min_open=True), help="Per-request timeout (s).")
+              type=seconds(_MAX_WAIT_S), help="Per-request timeout (s).")
 @click.option("--seed", default=1, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @click.pass_obj
@@ -390,10 +400,13 @@ def lane_workers(prefill_workers: int, short_workers: int, long_workers: int,
                    "then default to 0).")
 @click.option("--decode-workers", default=0, show_default=True, type=click.IntRange(0),
               help="Workers that take the prefill workers' hand-offs.")
-@click.option("--http-port", default=8080, show_default=True, help="Ingest HTTP port.")
-@click.option("--health-port", default=8081, show_default=True, help="Health service port.")
-@click.option("--metrics-base-port", default=9400, show_default=True,
-              help="First of the services' Prometheus ports (one per service, upwards).")
+@click.option("--http-port", default=8080, show_default=True, type=PORT,
+              help="Ingest HTTP port.")
+@click.option("--health-port", default=8081, show_default=True, type=PORT,
+              help="Health service port.")
+@click.option("--metrics-base-port", default=9400, show_default=True, type=PORT,
+              help="First of the services' Prometheus ports (one per service, upwards: "
+                   "3 plus one per worker).")
 @click.option("--profile", default="llama3-8b-h100", show_default=True,
               help="Engine profile of the sim workers.")
 @click.option("--model", default="llama-3.1-8b", show_default=True)
@@ -415,8 +428,15 @@ def up(ctx: click.Context, detach: bool, short_workers: int, long_workers: int,
     127.0.0.1:8080, the scheduler, health, and sim workers (2 short-pool + 1 long-pool).
     In the foreground, Ctrl-C also stops the broker and Jaeger if this command started
     them (`--keep-kafka` leaves the broker); `--detach` leaves all to `llmq down`.
+    At most LLMQ_ASSIGNMENT_PARTITIONS workers (one slot each); the ports must not overlap.
+    Exit status 2 on a bad option, before anything starts.
     """
-    from services.stack import StackConfig, running_services
+    from services.stack import (
+        ServicesFileError,
+        StackConfig,
+        config_problem,
+        running_services,
+    )
 
     if (prefill_workers == 0) != (decode_workers == 0):
         raise click.BadParameter(
@@ -427,7 +447,19 @@ def up(ctx: click.Context, detach: bool, short_workers: int, long_workers: int,
     short_workers, long_workers = lane_workers(prefill_workers, short_workers, long_workers,
                                                given)
     settings: Settings = ctx.obj
-    running = running_services(settings)
+    cfg = StackConfig(
+        short_workers=short_workers, long_workers=long_workers, any_workers=any_workers,
+        prefill_workers=prefill_workers, decode_workers=decode_workers, http_port=http_port,
+        health_port=health_port, metrics_base_port=metrics_base_port,
+        profile=profile, model=model)
+    problem = None if kafka_only else config_problem(cfg, settings.assignment_partitions)
+    if problem is not None:
+        option, message = problem
+        raise click.BadParameter(message, param_hint=option)
+    try:
+        running = running_services(settings)
+    except ServicesFileError as exc:
+        raise click.ClickException(str(exc)) from exc
     if running and not kafka_only:
         raise click.ClickException(
             f"a stack is already running here ({', '.join(running)}); stop it with "
@@ -442,11 +474,7 @@ def up(ctx: click.Context, detach: bool, short_workers: int, long_workers: int,
         if not settings.kafka_bootstrap:
             ctx.invoke(kafka_up, timeout=90.0, as_json=False)
         started_jaeger = with_jaeger and _start_jaeger(settings)
-        _up(ctx, settings, detach, StackConfig(
-            short_workers=short_workers, long_workers=long_workers, any_workers=any_workers,
-            prefill_workers=prefill_workers, decode_workers=decode_workers, http_port=http_port,
-            health_port=health_port, metrics_base_port=metrics_base_port,
-            profile=profile, model=model), kafka_only)
+        _up(ctx, settings, detach, cfg, kafka_only)
     finally:
         for sig in _STOP_SIGNALS:  # the clean-up below is bounded: let it finish
             signal.signal(sig, signal.SIG_IGN)
@@ -554,11 +582,18 @@ def _up(ctx: click.Context, settings: Settings, detach: bool, cfg: StackConfig,
 @click.option("--keep-kafka", is_flag=True, help="Leave the embedded broker running.")
 @click.pass_context
 def down(ctx: click.Context, keep_kafka: bool) -> None:
-    """Stop what `llmq up --detach` started (services, then the embedded Kafka)."""
-    from services.stack import stop_detached
+    """Stop what `llmq up --detach` started (services, then the embedded Kafka).
+
+    A malformed entry of <LLMQ_HOME>/stack/services.json is skipped with a warning; a file
+    that is not a JSON object stops nothing and exits 1.
+    """
+    from services.stack import ServicesFileError, stop_detached
 
     settings: Settings = ctx.obj
-    stopped = stop_detached(settings)
+    try:
+        stopped = stop_detached(settings)
+    except ServicesFileError as exc:
+        raise click.ClickException(str(exc)) from exc
     click.echo(f"stopped {len(stopped)} services" + (": " + ", ".join(stopped) if stopped else ""))
     marker = _jaeger_marker(settings)
     if marker.exists():  # started by a detached `llmq up --jaeger`

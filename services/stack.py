@@ -58,10 +58,50 @@ class StackConfig:
     extra_env: tuple[tuple[str, str], ...] = field(default=())
 
 
+#: Services of the stack besides the workers: scheduler, ingest, health.
+_SERVICES_BESIDE_WORKERS = 3
+_MAX_PORT = 65_535
+
+
+def worker_count(cfg: StackConfig) -> int:
+    return (cfg.short_workers + cfg.long_workers + cfg.any_workers + cfg.prefill_workers
+            + cfg.decode_workers)
+
+
+def metrics_ports(cfg: StackConfig) -> range:
+    """The services' Prometheus ports: one each, upwards from ``metrics_base_port``."""
+    count = _SERVICES_BESIDE_WORKERS + worker_count(cfg)
+    return range(cfg.metrics_base_port, cfg.metrics_base_port + count)
+
+
+def config_problem(cfg: StackConfig, slots: int) -> tuple[str, str] | None:
+    """``(option, what is wrong)`` when the stack cannot run as configured, else None: found
+    before anything starts, not in a child after Kafka did. ``slots``: partitions of the
+    assignments topic (LLMQ_ASSIGNMENT_PARTITIONS), one per worker."""
+    workers = worker_count(cfg)
+    if workers > slots:
+        return ("--short-workers/--long-workers/--any-workers/--prefill-workers/"
+                "--decode-workers",
+                f"{workers} workers need {workers} slots but LLMQ_ASSIGNMENT_PARTITIONS is "
+                f"{slots}: run fewer workers or raise it")
+    ports = metrics_ports(cfg)
+    if ports[-1] > _MAX_PORT:
+        return ("--metrics-base-port",
+                f"the {len(ports)} services take one port each from {ports[0]} up, past "
+                f"{_MAX_PORT}: give at most {_MAX_PORT - len(ports) + 1}")
+    if cfg.health_port == cfg.http_port:
+        return "--health-port", f"{cfg.health_port} is --http-port too: give another port"
+    for option, port in (("--http-port", cfg.http_port), ("--health-port", cfg.health_port)):
+        if port in ports:
+            return (option, f"{port} is one of the metrics ports {ports[0]}-{ports[-1]} "
+                            "(--metrics-base-port and up): give another port")
+    return None
+
+
 def stack_services(cfg: StackConfig) -> list[ServiceSpec]:
     """The processes of the local stack, in start order."""
     py = sys.executable
-    port = iter(range(cfg.metrics_base_port, cfg.metrics_base_port + 1000))
+    port = iter(metrics_ports(cfg))
     specs = [
         ServiceSpec(
             "scheduler",
@@ -301,18 +341,74 @@ def write_services_file(settings: Settings, stack: Stack) -> Path:
     return path
 
 
-def stop_detached(settings: Settings, grace_s: float = 20.0) -> list[str]:
-    """Stop the services a detached ``llmq up`` started (by the pids in services.json)."""
-    path = stack_dir(settings) / "services.json"
+class ServicesFileError(ValueError):
+    """services.json is not what ``llmq up`` writes; the message names it and what to do."""
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedService:
+    """A child of a stack as services.json records it."""
+
+    name: str
+    pid: int
+    argv: tuple[str, ...]
+
+
+def _warn(message: str) -> None:
+    print(f"llmq: warning: {message}", file=sys.stderr, flush=True)
+
+
+def read_services_file(path: Path) -> list[RecordedService]:
+    """The services recorded in ``path`` (:func:`write_services_file`); [] when it does
+    not exist. An entry without a pid (an integer ≥ 1) and an argv (a list of strings) is
+    skipped with a one-line warning naming the file and the entry: one bad entry must not
+    keep the others running. Raises :class:`ServicesFileError` when the file cannot be read
+    or is not a JSON object."""
+    todo = (f"stop the services it lists by hand (their logs are in {path.parent}), then "
+            "delete it")
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
         return []
-    pids = {name: int(info["pid"]) for name, info in data.items()}
-    alive = {n: p for n, p in pids.items() if _is_ours(p, data[n].get("argv", []))}
+    except OSError as exc:
+        raise ServicesFileError(f"cannot read {path} ({exc.strerror}): {todo}") from exc
+    except ValueError as exc:  # UnicodeDecodeError is a ValueError too
+        raise ServicesFileError(f"{path} is not JSON ({exc}): {todo}") from exc
+    if not isinstance(data, dict):
+        raise ServicesFileError(f"{path} is not a JSON object of services: {todo}")
+    found = []
+    for name, entry in data.items():
+        why = _bad_entry(entry)
+        if why is not None:
+            _warn(f"ignoring entry {name!r} of {path}: {why} (stop it by hand if it runs)")
+            continue
+        found.append(RecordedService(name, entry["pid"], tuple(entry["argv"])))
+    return found
+
+
+def _bad_entry(entry: object) -> str | None:
+    """What is wrong with one entry of services.json, or None."""
+    if not isinstance(entry, dict):
+        return f"{entry!r} is not an object with a pid and an argv"
+    pid, argv = entry.get("pid"), entry.get("argv")
+    if type(pid) is not int or pid < 1:  # a bool is not a pid either
+        return f"its pid is {pid!r}, not an integer ≥ 1"
+    if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
+        return f"its argv is {argv!r}, not a list of strings"
+    return None
+
+
+def stop_detached(settings: Settings, grace_s: float = 20.0) -> list[str]:
+    """Stop the services a detached ``llmq up`` started (by the pids in services.json).
+
+    Raises :class:`ServicesFileError` (and stops nothing) when services.json is not a JSON
+    object; bad entries are skipped (:func:`read_services_file`).
+    """
+    path = stack_dir(settings) / "services.json"
+    alive = {s.name: s for s in read_services_file(path) if _is_ours(s.pid, s.argv)}
     # As Stack.stop: the workers drain first, then the services that stream their answers.
-    for names in stop_stages([(n, data[n].get("argv", [])) for n in alive]):
-        stage = [alive[n] for n in names]
+    for names in stop_stages([(s.name, s.argv) for s in alive.values()]):
+        stage = [alive[n].pid for n in names]
         for pid in stage:
             process.send(pid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
@@ -326,18 +422,19 @@ def stop_detached(settings: Settings, grace_s: float = 20.0) -> list[str]:
 
 
 def running_services(settings: Settings) -> list[str]:
-    """Services of a stack recorded in services.json that still run (by pid and command)."""
-    try:
-        data = json.loads((stack_dir(settings) / "services.json").read_text())
-        return [n for n, info in data.items() if _is_ours(int(info["pid"]), info.get("argv", []))]
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
-        return []
+    """Services of a stack recorded in services.json that still run (by pid and command).
+
+    Raises :class:`ServicesFileError` when services.json is not a JSON object: what runs
+    is unknown then.
+    """
+    path = stack_dir(settings) / "services.json"
+    return [s.name for s in read_services_file(path) if _is_ours(s.pid, s.argv)]
 
 
-def _is_ours(pid: int, argv: list[str]) -> bool:
+def _is_ours(pid: int, argv: Sequence[str]) -> bool:
     """The pid still runs the command we started (not a reused pid)."""
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return False
-    return [c.decode(errors="replace") for c in cmdline if c] == argv
+    return [c.decode(errors="replace") for c in cmdline if c] == list(argv)

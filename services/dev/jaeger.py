@@ -32,6 +32,7 @@ import click
 
 from services.common.settings import PROJECT_ROOT, Settings
 from services.dev import process
+from services.ops.params import seconds
 
 VERSION: Final = "v1.76.0"
 MODULE: Final = "github.com/jaegertracing/jaeger/cmd/jaeger"
@@ -207,7 +208,7 @@ def jaeger() -> None:
 
 
 @jaeger.command("up")
-@click.option("--timeout", default=60.0, show_default=True,
+@click.option("--timeout", default=60.0, show_default=True, type=seconds(3600),
               help="Seconds to wait for the query API (the build is not counted).")
 @click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
 @click.pass_obj

@@ -13,7 +13,7 @@ a tombstone (null value) followed the heartbeat                        ``gone``
 fresh: ``|now - ts| <= staleness × interval_s``, ``draining``          ``draining``
 fresh, not draining                                                    ``up``
 not fresh, last beat draining with nothing running or waiting          ``gone``
-not fresh for longer than ``gone_after_s``                             ``gone``
+not fresh, ``now - ts > gone_after`` (below)                           ``gone``
 not fresh otherwise                                                    ``stale``
 =====================================================================  ==========
 
@@ -21,6 +21,12 @@ Fail closed: anything we cannot vouch for is not ``up``. A heartbeat from the fu
 the freshness window (a skewed clock) is as unknown as an old one, so it is ``stale`` too.
 A drained worker that stopped beating exited on purpose (its last heartbeat says draining,
 nothing running), so it is ``gone`` at once rather than ``stale``.
+
+``gone_after`` (:func:`gone_after`) is ``max(gone_after_s, 2 × staleness × interval_s)``:
+a silent worker is ``stale`` for at least one freshness window before it is ``gone``. With
+the defaults (staleness 3, 60 s) that changes nothing up to a 10 s heartbeat interval; a
+worker beating every 30 s (window 90 s) would otherwise go from ``up`` straight to ``gone``,
+never shown or flagged as ``stale``.
 
 **Desired registry state** (:func:`desired_state`), per worker:
 
@@ -66,7 +72,8 @@ class HealthPolicy:
 
     #: A heartbeat is fresh within this many of its own ``interval_s`` (DESIGN.md: 3).
     staleness: float = 3.0
-    #: A worker silent this long is deregistered (``gone``).
+    #: A worker silent this long is deregistered (``gone``); never sooner than
+    #: :func:`gone_after` allows.
     gone_after_s: float = 60.0
     #: Smallest TTL given to a check; the TTL is ``max(min_ttl_s, staleness × interval_s)``
     #: so that a worker with a long interval is not flagged between two beats.
@@ -99,6 +106,11 @@ def freshness_window(hb: WorkerHeartbeat, policy: HealthPolicy) -> float:
     return policy.staleness * hb.interval_s
 
 
+def gone_after(hb: WorkerHeartbeat, policy: HealthPolicy) -> float:
+    """Seconds of silence after which the worker is ``gone`` (module docstring)."""
+    return max(policy.gone_after_s, 2 * freshness_window(hb, policy))
+
+
 def is_fresh(hb: WorkerHeartbeat, now: float, policy: HealthPolicy) -> bool:
     """Within the freshness window on either side of ``now`` (see the module docstring)."""
     return abs(now - hb.ts) <= freshness_window(hb, policy)
@@ -116,7 +128,7 @@ def worker_state(rec: WorkerRecord, now: float, policy: HealthPolicy) -> WorkerS
         return "gone"
     if is_fresh(hb, now, policy):
         return "draining" if hb.draining else "up"
-    if drained(hb) or now - hb.ts > policy.gone_after_s:
+    if drained(hb) or now - hb.ts > gone_after(hb, policy):
         return "gone"
     return "stale"
 
@@ -172,7 +184,10 @@ def desired_state(rec: WorkerRecord, now: float, policy: HealthPolicy) -> Desire
     age = now - hb.ts
     if state == "stale":
         check: CheckStatus = "critical"
-        note = f"stale: no heartbeat for {age:.1f}s (limit {freshness_window(hb, policy):g}s)"
+        limit = freshness_window(hb, policy)
+        note = (f"stale: no heartbeat for {age:.1f}s (limit {limit:g}s)" if age >= 0 else
+                f"stale: last heartbeat stamped {-age:.1f}s in the future (limit {limit:g}s; "
+                "is a clock skewed?)")
     else:
         check = "passing"
         note = f"{state}: heartbeat seq {hb.seq}, {hb.running} running, {hb.waiting} waiting"

@@ -4,7 +4,9 @@
 - ``GET /readyz``: 200 when Kafka answered the last probe and the heartbeats topic was read
   to its end, else 503; the body says which part is missing;
 - ``GET /status[?group=G]``: the ``llmq status --json`` document
-  (:mod:`services.ops.status`); 503 with ``{"error": ...}`` when Kafka cannot be read.
+  (:mod:`services.ops.status`); 503 with ``{"error": ...}`` when Kafka cannot be read, and
+  503 with ``{"error": ..., "heartbeats_caught_up": false}`` until the heartbeats topic
+  was read to its end (fail closed: an empty or partial fleet is not an answer).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from aiokafka.errors import KafkaError
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from services.health.service import HealthService
+from services.health.service import FleetNotRead, HealthService
 
 _log = logging.getLogger(__name__)
 
@@ -37,6 +39,9 @@ def create_app(service: HealthService) -> FastAPI:
     async def status(group: str | None = None) -> JSONResponse:
         try:
             doc = await service.status(group)
+        except FleetNotRead as exc:
+            return JSONResponse({"error": str(exc), "heartbeats_caught_up": False},
+                                status_code=503)
         except (KafkaError, OSError, TimeoutError) as exc:
             _log.warning("health: /status failed: %r", exc)
             return JSONResponse({"error": f"cannot read Kafka: {exc!r}"}, status_code=503)

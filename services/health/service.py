@@ -12,7 +12,9 @@ Fail closed:
   before that, absence of a heartbeat means "not read yet", not "gone";
 - a failed registry call leaves that service id in an unknown state, so the next tick
   registers it again from scratch (this also repopulates a restarted Consul agent);
-- ``/readyz`` is 200 only while the last Kafka probe answered *and* the feed caught up.
+- ``/readyz`` is 200 only while the last Kafka probe answered *and* the feed caught up;
+- ``/status`` (:meth:`HealthService.status`) refuses with :class:`FleetNotRead` until the
+  feed caught up: a fleet read half-way (or not at all) would look smaller than it is.
 
 Kafka being down at start does not stop the service: ``/healthz`` answers, ``/readyz``
 says why not, and the feed is retried until the broker answers.
@@ -62,6 +64,10 @@ _log = logging.getLogger(__name__)
 
 #: Consul service name of the health service's own instance.
 HEALTH_SERVICE = "llmq-health"
+
+
+class FleetNotRead(Exception):
+    """The heartbeats topic has not been read to its end yet: the fleet is not known."""
 
 
 class HealthService:
@@ -133,7 +139,13 @@ class HealthService:
                 raise
 
     async def status(self, group: str | None = None) -> dict[str, Any]:
-        """The ``llmq status --json`` document, from the tracker and fresh offsets."""
+        """The ``llmq status --json`` document, from the tracker and fresh offsets.
+
+        Raises :class:`FleetNotRead` before the heartbeats topic was read to its end.
+        """
+        if not self.caught_up:
+            raise FleetNotRead(f"still reading {self.settings.topic_prefix}.heartbeats to its "
+                               "end; the fleet is not known yet (see /readyz)")
         topics, groups, missing = await self.figures(group)
         return build_status(
             bootstrap=self.settings.bootstrap,

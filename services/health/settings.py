@@ -2,7 +2,9 @@
 ``LLMQ_CONSUL_TOKEN`` and ``LLMQ_METRICS_PORT``, shared names other services use too).
 
 Read once in ``services.health.__main__`` (flags override the environment) and passed down
-frozen, next to the shared :class:`services.common.settings.Settings`. The HTTP endpoints
+frozen, next to the shared :class:`services.common.settings.Settings`; the part that
+classifies workers (:class:`HealthPolicySettings`) is read by ``llmq status``, ``drain``
+and ``top`` too, at their entry, so that they agree with the service. The HTTP endpoints
 always bind 127.0.0.1: nothing llmq serves listens beyond the loopback interface.
 """
 
@@ -40,7 +42,33 @@ def parse_consul_addr(addr: str) -> ConsulAddress:
     return ConsulAddress(parts.hostname, parts.port or 8500, scheme)
 
 
-class HealthSettings(BaseSettings):
+class HealthPolicySettings(BaseSettings):
+    """The settings of :class:`~services.health.core.HealthPolicy` (``LLMQ_HEALTH_*``).
+
+    On their own so that ``llmq status``, ``drain`` and ``top`` read the same ones as the
+    health service (and classify workers as it does) without needing its other settings.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="LLMQ_HEALTH_", frozen=True, extra="ignore")
+
+    staleness: float = Field(
+        default=3.0, gt=0, le=100,
+        description="A heartbeat is fresh within this many of its own interval_s (DESIGN.md: 3).",
+    )
+    gone_after_s: float = Field(
+        default=60.0, gt=0, le=86_400,
+        description="A worker silent this long is deregistered from Consul (state gone); "
+        "never sooner than twice its freshness window (services.health.core.gone_after).",
+    )
+    min_ttl_s: float = Field(
+        default=10.0, ge=1, le=3600, description="Smallest TTL of a Consul check."
+    )
+
+    def policy(self) -> HealthPolicy:
+        return HealthPolicy(self.staleness, self.gone_after_s, self.min_ttl_s)
+
+
+class HealthSettings(HealthPolicySettings):
     """Each field maps to ``LLMQ_HEALTH_<NAME>`` unless its doc names another variable."""
 
     model_config = SettingsConfigDict(
@@ -75,17 +103,6 @@ class HealthSettings(BaseSettings):
         description="This instance's name (its own Consul service id is llmq-health-<id>); "
         "default <host>-<port>.",
     )
-    staleness: float = Field(
-        default=3.0, gt=0, le=100,
-        description="A heartbeat is fresh within this many of its own interval_s (DESIGN.md: 3).",
-    )
-    gone_after_s: float = Field(
-        default=60.0, gt=0, le=86_400,
-        description="A worker silent this long is deregistered from Consul (state gone).",
-    )
-    min_ttl_s: float = Field(
-        default=10.0, ge=1, le=3600, description="Smallest TTL of a Consul check."
-    )
     tick_s: float = Field(
         default=1.0, gt=0, le=60,
         description="How often the registry is reconciled and the gauges refreshed.",
@@ -101,7 +118,8 @@ class HealthSettings(BaseSettings):
         default=5.0, gt=0, le=3600,
         description="A QueueStatus older than this is shown as not fresh in /status.",
     )
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        default="info", description="Log level of the service (LLMQ_HEALTH_LOG_LEVEL).")
 
     @field_validator("consul_addr")
     @classmethod
@@ -109,9 +127,6 @@ class HealthSettings(BaseSettings):
         if value is not None:
             parse_consul_addr(value)
         return value
-
-    def policy(self) -> HealthPolicy:
-        return HealthPolicy(self.staleness, self.gone_after_s, self.min_ttl_s)
 
     def consul(self) -> ConsulAddress | None:
         return None if self.consul_addr is None else parse_consul_addr(self.consul_addr)

@@ -11,6 +11,8 @@ commands (:mod:`services.ops.cli`, registered by ``services/cli.py``):
 - :mod:`services.ops.top`: ``llmq top``, the status document joined with rates and latency
   percentiles scraped from the services' /metrics (:mod:`services.ops.top_frame`,
   :mod:`services.ops.promtext`), live in the terminal.
+- :mod:`services.ops.params`: click types every ``llmq`` command uses for numbers that
+  must be finite and in range (``nan`` included), refused before anything is sent.
 
 Worker states come from :mod:`services.health.core`, so the CLI and the health service
 never disagree. Everything here reads Kafka; nothing here creates topics or groups.

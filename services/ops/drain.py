@@ -16,6 +16,7 @@ A worker that is ``stale`` does get it (it may come back), but waiting ends at o
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -77,9 +78,12 @@ async def request_drain(
 ) -> DrainResult:
     """Drain ``worker_id`` (see the module docstring).
 
-    Raises :class:`UnknownWorker` when no heartbeat of it was ever read, and
-    :class:`KafkaUnavailable` when the broker does not answer.
+    Raises :class:`UnknownWorker` when no heartbeat of it was ever read,
+    :class:`KafkaUnavailable` when the broker does not answer, and ValueError (before
+    anything is read or sent) when ``timeout_s`` is not a positive finite number.
     """
+    if not 0 < timeout_s < math.inf:  # nan fails too: it would never time out
+        raise ValueError(f"timeout_s must be a positive number of seconds, not {timeout_s}")
     policy = policy or HealthPolicy()
     started = time.monotonic()
     if not await broker_answers(bootstrap, 3.0):

@@ -15,8 +15,8 @@ The document (``schema`` 1)::
                   "draining", "drain_requested", "age_s", "interval_s", ...}, ...],
      "summary": {"up": n, "draining": n, "stale": n, "gone": n, "total": n},
      "queues": [{"model", "scheduler_id", "pending_requests", "pending_tokens",
-                 "running_tokens", "drain_tokens_per_s", "live_workers", "age_s",
-                 "fresh"}, ...],
+                 "running_tokens", "drain_tokens_per_s", "live_workers",
+                 "max_usable_kv_tokens", "age_s", "fresh"}, ...],
      "topics": [{"topic", "role", "partitions", "depth", "end_offset", "group", "lag",
                  "slots": [{"partition", "group", "committed", "end", "lag"}]}, ...],
      "groups": {"scheduler": <group or null>, "ingest": <group or null>},
@@ -29,8 +29,9 @@ engine has no worker of the other role: the scheduler hands a prompt's KV only b
 workers of one engine, so those workers sit idle or run requests whole.
 
 Worker states follow :func:`services.health.core.worker_state` (fail closed: a worker we
-cannot vouch for is ``stale``, never ``up``). ``kv_*_pct`` is null for a worker that
-reports no KV.
+cannot vouch for is ``stale``, never ``up``), under the policy the caller passes: the CLI
+reads the health service's settings for it (:func:`services.ops.cli.health_policy`).
+``kv_*_pct`` is null for a worker that reports no KV.
 
 **Metrics URLs** come from ``<LLMQ_HOME>/stack/services.json``, written by the local stack
 launcher (``llmq up``, services/stack.py)::

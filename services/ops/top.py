@@ -41,7 +41,9 @@ from services.common.settings import Settings
 from services.health.core import HealthPolicy
 from services.health.fleet import FleetFeed, FleetTracker
 from services.health.lag import LagInspector
+from services.ops.cli import health_policy
 from services.ops.errors import KafkaUnavailable, OpsError
+from services.ops.params import FiniteFloatRange
 from services.ops.promtext import Scrape, parse_scrape
 from services.ops.render import queues_table, topics_table, workers_table
 from services.ops.status import build_status, read_metrics_urls, services_file
@@ -51,6 +53,8 @@ from services.ops.top_frame import Endpoint, Round, build_frame
 SCRAPE_TIMEOUT_S: Final = 2.0
 #: Bound on one Kafka read of a frame once connected (the first read gets more).
 READ_TIMEOUT_S: Final = 10.0
+#: Longest --interval: an hour between frames.
+MAX_INTERVAL_S: Final = 3600.0
 
 
 class ClusterReader:
@@ -146,12 +150,14 @@ async def scrape_round(client: httpx.AsyncClient, urls: Mapping[str, str],
 
 async def run_top(settings: Settings, *, group: str | None, interval_s: float, once: bool,
                   emit: Callable[[dict[str, Any]], None],
+                  policy: HealthPolicy | None = None,
                   monotonic: Callable[[], float] = time.monotonic) -> None:
-    """Emit frames every ``interval_s`` (one with ``once``) until cancelled.
+    """Emit frames every ``interval_s`` (one with ``once``) until cancelled; workers are
+    classified under ``policy`` (default: the default policy).
 
     Raises :class:`KafkaUnavailable` when the first read of the cluster fails.
     """
-    reader = ClusterReader(settings, group)
+    reader = ClusterReader(settings, group, policy)
     await reader.start()
     home = settings.home
     try:
@@ -296,7 +302,7 @@ def _settings(ctx: click.Context) -> Settings:
 
 @click.command("top")
 @click.option("--interval", "interval_s", default=1.0, show_default=True,
-              type=click.FloatRange(min=0.1),
+              type=FiniteFloatRange(0.1, MAX_INTERVAL_S),
               help="Seconds between frames (with --once: the window rates are measured over).")
 @click.option("--once", is_flag=True, help="Print one frame and exit.")
 @click.option("--json", "as_json", is_flag=True, help="With --once: print the frame as JSON.")
@@ -308,18 +314,20 @@ def top(ctx: click.Context, interval_s: float, once: bool, as_json: bool,
     """Live view: queue by class, workers with KV, rates, latency percentiles, lag.
 
     Reads Kafka (as `llmq status`) and the metrics endpoints of the local stack listed in
-    <LLMQ_HOME>/stack/services.json. Exit 1 when Kafka cannot be read at start.
+    <LLMQ_HOME>/stack/services.json. Exit status 1 when Kafka cannot be read at start,
+    2 on a bad option.
     """
     if as_json and not once:
         raise click.UsageError("--json needs --once (one frame as one JSON document)")
     settings = _settings(ctx)
+    policy = health_policy()
     console = Console()
 
     if once:
         frames: list[dict[str, Any]] = []
         try:
             asyncio.run(run_top(settings, group=group, interval_s=interval_s, once=True,
-                                emit=frames.append))
+                                emit=frames.append, policy=policy))
         except OpsError as exc:
             click.echo(f"error: {exc}", err=True)
             sys.exit(1)
@@ -336,7 +344,7 @@ def top(ctx: click.Context, interval_s: float, once: bool, as_json: bool,
 
         try:
             asyncio.run(run_top(settings, group=group, interval_s=interval_s, once=False,
-                                emit=emit))
+                                emit=emit, policy=policy))
         except KeyboardInterrupt:
             return
         except OpsError as exc:

@@ -19,6 +19,12 @@ def test_start_find_by_pid_file_and_stop(tmp_path: Path) -> None:
     pid_file.write_text(f"{proc.pid}\n")
     try:
         assert process.alive(proc.pid)
+        deadline = time.monotonic() + 30
+        # Until the child has exec'd, /proc shows the parent's command line (a busy machine
+        # makes that window long enough to see).
+        while process.own_pid(pid_file, (marker, "time.sleep")) is None:
+            assert time.monotonic() < deadline, "the child never ran its command"
+            time.sleep(0.02)
         assert process.own_pid(pid_file, (marker, "time.sleep")) == proc.pid
         # Another program's command line (a reused PID) is not ours.
         assert process.own_pid(pid_file, (marker, "kafka.Kafka")) is None

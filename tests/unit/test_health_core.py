@@ -119,6 +119,25 @@ def test_stale_note_says_why() -> None:
     assert d is not None and "no heartbeat for 12.0s" in d.note
 
 
+@pytest.mark.parametrize(
+    ("age_s", "state"),
+    [
+        (90.0, "up"),       # 3 × 30 s: still fresh
+        (91.0, "stale"),    # gone_after_s (60 s) alone would make it gone here, never stale
+        (179.0, "stale"),
+        (181.0, "gone"),    # past twice the freshness window
+    ],
+)
+def test_a_slow_heartbeat_is_stale_before_it_is_gone(age_s: float, state: WorkerState) -> None:
+    assert worker_state(rec(age_s, interval_s=30.0), NOW, POLICY) == state
+
+
+def test_a_heartbeat_from_the_future_is_described_as_such() -> None:
+    d = desired_state(rec(-999_000.0), NOW, POLICY)
+    assert d is not None and d.check == "critical"
+    assert "stamped 999000.0s in the future" in d.note and "-999000" not in d.note
+
+
 # ---- reconcile ---------------------------------------------------------------------------
 
 def want(record: WorkerRecord) -> Desired:

@@ -90,3 +90,12 @@ def test_up_with_prefill_workers_runs_no_lane_pool_workers_unless_asked() -> Non
     assert lane_workers(0, 2, 1, set()) == (2, 1)  # no split: the defaults
     assert lane_workers(1, 2, 1, set()) == (0, 0)  # a split: nothing beside it
     assert lane_workers(1, 2, 3, {"long_workers"}) == (0, 3)  # ... unless asked for
+
+
+@pytest.mark.parametrize("timeout_s", [float("nan"), float("inf"), 0.0, -5.0])
+async def test_request_drain_refuses_a_timeout_it_could_not_keep(timeout_s: float) -> None:
+    from services.ops.drain import request_drain
+
+    # Refused before the broker is asked anything (nothing listens on port 1 anyway).
+    with pytest.raises(ValueError, match="timeout_s must be a positive number"):
+        await request_drain("127.0.0.1:1", "nokafka", "w1", "", True, timeout_s)

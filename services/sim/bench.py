@@ -3,8 +3,11 @@
 Order of work (all randomness from one ``random.Random(seed)``, drawn in this order, so a
 seed fixes everything):
 
-1. Load the trace (or generate ``synthetic`` arrivals: Poisson, lognormal lengths with
-   means 1,000 prompt / 200 output tokens), keep the first ``requests`` of them.
+1. Load the trace (or generate ``synthetic`` arrivals: gamma inter-arrival times with
+   coefficient of variation ``synthetic_cv`` — 1, the default, is Poisson — and lognormal
+   lengths with means ``synthetic_prompt_mean`` / ``synthetic_output_mean``, default
+   1,000 / 200 tokens; see :func:`~services.sim.workload.synthetic`), keep the first
+   ``requests`` of them.
 2. ``attach_classes``: Zipf tenants and 10/60/30 % high/normal/low.
 3. ``fleet_capacity_rps``: N · μ for this length mix; ``scale_to_load`` so the offered
    load is ``load`` (λ = ρ · N · μ), keeping the trace's burstiness.
@@ -20,10 +23,11 @@ The result is plain JSON-able data; wall-clock figures sit under ``wall_s`` and
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -69,21 +73,42 @@ class BenchConfig:
     kv_link_gbps: float = 25.0
     max_tokens_slack: float = 1.0
     llmq: LlmqConfig = field(default_factory=LlmqConfig)
+    #: The synthetic workload's inter-arrival coefficient of variation (1: Poisson).
+    synthetic_cv: float = 1.0
+    #: The synthetic workload's mean prompt and output lengths, tokens.
+    synthetic_prompt_mean: float = 1000.0
+    synthetic_output_mean: float = 200.0
 
     def __post_init__(self) -> None:
         unknown = [p for p in self.policies if p not in POLICIES]
         if unknown or not self.policies:
             raise ValueError(f"unknown policies {unknown}; known: {', '.join(POLICIES)}")
-        if self.workers < 1 or not self.load > 0:
-            raise ValueError("workers must be >= 1 and load > 0")
+        if self.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {self.workers}")
+        if not (math.isfinite(self.load) and self.load > 0):
+            raise ValueError(f"load must be a finite number > 0, got {self.load!r}")
+        if not (math.isfinite(self.max_tokens_slack) and self.max_tokens_slack >= 1):
+            raise ValueError(
+                f"max_tokens_slack must be a finite number >= 1, got {self.max_tokens_slack!r}"
+            )
         if self.requests is not None and self.requests < 2:
             raise ValueError("requests must be >= 2")
         if not self.synthetic and self.trace is None:
             raise ValueError("give a trace or ask for a synthetic workload")
         if self.pools == "pd" and self.workers < 2:
             raise ValueError("--pools pd needs at least 2 workers (a prefill and a decode one)")
-        if not self.kv_link_gbps > 0:
-            raise ValueError("kv_link_gbps must be > 0")
+        if not (math.isfinite(self.kv_link_gbps) and self.kv_link_gbps > 0):
+            raise ValueError(f"kv_link_gbps must be a finite number > 0, got {self.kv_link_gbps!r}")
+        if not (math.isfinite(self.synthetic_cv) and self.synthetic_cv > 0):
+            raise ValueError(f"synthetic_cv must be a finite number > 0, got {self.synthetic_cv!r}")
+        for name in ("synthetic_prompt_mean", "synthetic_output_mean"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 1):
+                raise ValueError(f"{name} must be a finite number >= 1, got {value!r}")
+        for f in fields(self.llmq):  # LlmqConfig checks > 0, which inf and some NaN pass
+            value = getattr(self.llmq, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"llmq.{f.name} must be finite, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +128,9 @@ def prepare(config: BenchConfig) -> Workload:
     rng = random.Random(config.seed)
     profile = get_profile(config.profile, config.profiles_file)
     if config.synthetic:
-        raw = synthetic(config.requests or 200_000, rng, rate_rps=1.0)
+        raw = synthetic(config.requests or 200_000, rng, rate_rps=1.0, cv=config.synthetic_cv,
+                        prompt_mean=config.synthetic_prompt_mean,
+                        output_mean=config.synthetic_output_mean)
         source = "synthetic"
     else:
         assert config.trace is not None
@@ -215,6 +242,10 @@ def _config_doc(config: BenchConfig, workload: Workload) -> dict[str, Any]:
         "llmq_pools": {p: workload.pools.count(p) for p in ("short", "long", "any")},
         **({"llmq_roles": {r: workload.roles.count(r) for r in ("prefill", "decode")},
             "kv_link_gbps": config.kv_link_gbps} if workload.roles is not None else {}),
+        **({"synthetic": {"cv": config.synthetic_cv,
+                          "prompt_mean": config.synthetic_prompt_mean,
+                          "output_mean": config.synthetic_output_mean}}
+           if config.synthetic else {}),
         "fleet_capacity_rps": round(workload.capacity_rps, 6),
         "arrival_span_s": round(reqs[-1].arrival_s - reqs[0].arrival_s, 6),
         "llmq": {k: (dict(v) if isinstance(v, dict) else v) for k, v in llmq.items()},

@@ -9,6 +9,7 @@ happen here; the work is :func:`services.sim.bench.run_bench` and, with ``--matr
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from collections.abc import Iterator
@@ -31,12 +32,48 @@ from services.sim.simulator import check_heartbeat
 
 TRACES = PROJECT_ROOT.parent / "shared" / "traces"
 DEFAULT_TRACE = TRACES / "azure_llm_2023_conv.csv"
+#: What ``--plot`` writes, chosen by the file's suffix (matplotlib's Agg canvas does all).
+PLOT_FORMATS = (".png", ".svg", ".pdf")
+#: The synthetic generator's length caps (``services.sim.workload.synthetic``).
+_PROMPT_CAP, _OUTPUT_CAP = 8192, 2048
+_SYNTHETIC_OPTIONS = ("synthetic_cv", "synthetic_prompt_mean", "synthetic_output_mean")
+
+
+class FiniteFloat(click.FloatRange):
+    """``click.FloatRange`` that refuses ``inf`` and ``nan`` (which ``float`` parses and a
+    range lets through: ``nan`` compares false with every bound), as a usage error naming
+    the option and the value."""
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number
 
 
 @click.command("policies")
 @click.option("--trace", type=click.Path(dir_okay=False, path_type=Path), default=DEFAULT_TRACE,
-              show_default=True, help="Trace file (.csv Azure format or .jsonl Mooncake).")
-@click.option("--synthetic", is_flag=True, help="Synthetic Poisson arrivals instead of a trace.")
+              show_default=True,
+              help="Trace file, UTF-8: .csv in Azure's format (TIMESTAMP,ContextTokens,"
+                   "GeneratedTokens; timestamps all dates, with or without a UTC offset, "
+                   "or all numbers in seconds) or .jsonl in Mooncake's (one JSON object "
+                   "per line, timestamps in ms).")
+@click.option("--synthetic", is_flag=True,
+              help="Synthetic arrivals instead of a trace: gamma inter-arrival times (Poisson "
+                   "by default, see --synthetic-cv), lognormal lengths.")
+@click.option("--synthetic-cv", type=FiniteFloat(min=0.0, min_open=True), default=1.0,
+              show_default=True,
+              help="With --synthetic: coefficient of variation of the inter-arrival times "
+                   "(1 = Poisson, > 1 bursty, < 1 smoother than Poisson).")
+@click.option("--synthetic-prompt-mean", type=FiniteFloat(min=1.0, max=_PROMPT_CAP),
+              default=1000.0, show_default=True,
+              help=f"With --synthetic: mean prompt length, tokens (lognormal, σ = 1, clipped "
+                   f"to {_PROMPT_CAP:,}: a mean near the cap comes out lower).")
+@click.option("--synthetic-output-mean", type=FiniteFloat(min=1.0, max=_OUTPUT_CAP),
+              default=200.0, show_default=True,
+              help=f"With --synthetic: mean output length, tokens (lognormal, σ = 1, clipped "
+                   f"to {_OUTPUT_CAP:,}).")
 @click.option("--requests", type=click.IntRange(min=2), default=None,
               help="Use only the first N requests (synthetic: how many; default 200000).")
 @click.option("--policies", "policy_list", default=",".join(POLICIES), show_default=True,
@@ -45,30 +82,31 @@ DEFAULT_TRACE = TRACES / "azure_llm_2023_conv.csv"
 @click.option("--profile", default="llama3-8b-h100", show_default=True, help="Engine profile.")
 @click.option("--profiles-file", type=click.Path(dir_okay=False, exists=True, path_type=Path),
               help="Extra engine profiles (TOML, [profiles.NAME] tables) for --profile.")
-@click.option("--load", type=click.FloatRange(min=0.0, min_open=True), default=0.85,
+@click.option("--load", type=FiniteFloat(min=0.0, min_open=True), default=0.85,
               show_default=True, help="Offered load ρ = λ / (N · μ).")
 @click.option("--seed", type=int, default=1, show_default=True)
 @click.option("--pools", type=click.Choice(["latency", "proportional", "hybrid", "any", "pd"]),
               default="latency",
               show_default=True, help="How llmq splits the fleet: into lane pools, or with "
                                       "'pd' into prefill and decode workers (KV handed off).")
-@click.option("--kv-link-gbps", type=click.FloatRange(min=0.0, min_open=True), default=25.0,
+@click.option("--kv-link-gbps", type=FiniteFloat(min=0.0, min_open=True), default=25.0,
               show_default=True, help="With --pools pd: KV transfer between workers, GB/s.")
-@click.option("--heartbeat-s", type=click.FloatRange(min=0.0, min_open=True), default=1.0,
+@click.option("--heartbeat-s", type=FiniteFloat(min=0.0, min_open=True), default=1.0,
               show_default=True, help="llmq's heartbeat and queue-status period.")
-@click.option("--timeout-s", type=click.FloatRange(min=0.0, min_open=True), default=120.0,
+@click.option("--timeout-s", type=FiniteFloat(min=0.0, min_open=True), default=120.0,
               show_default=True, help="Request timeout: admission horizon and queue deadline.")
-@click.option("--kv-margin", type=click.FloatRange(0.0, 1.0, max_open=True), default=0.05,
+@click.option("--kv-margin", type=FiniteFloat(0.0, 1.0, max_open=True), default=0.05,
               show_default=True, help="llmq ledger's KV safety margin.")
 @click.option("--engine-priority/--no-engine-priority", default=True, show_default=True,
               help="llmq's engines serve their waiting queue by class (vLLM's "
                    "--scheduling-policy priority) instead of FCFS.")
-@click.option("--max-tokens-slack", type=click.FloatRange(min=1.0), default=1.0,
+@click.option("--max-tokens-slack", type=FiniteFloat(min=1.0), default=1.0,
               show_default=True, help="max_tokens = ceil(true output × slack).")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path),
               help="Write the figures as JSON here.")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path),
-              help="Write latency CDFs per policy (short and long lanes) as PNG here.")
+              help="Write latency CDFs per policy (short and long lanes) here: a .png, "
+                   ".svg or .pdf file, by its suffix.")
 @click.option("--matrix", is_flag=True,
               help="Run {conv, code} × {0.6, 0.85, 0.95} and render one markdown table "
                    "(one per seed with --seeds).")
@@ -79,7 +117,8 @@ DEFAULT_TRACE = TRACES / "azure_llm_2023_conv.csv"
                    "then each target's range across the seeds and at how many it holds.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no table.")
 def policies(
-    trace: Path, synthetic: bool, requests: int | None, policy_list: str, workers: int,
+    trace: Path, synthetic: bool, synthetic_cv: float, synthetic_prompt_mean: float,
+    synthetic_output_mean: float, requests: int | None, policy_list: str, workers: int,
     profile: str, profiles_file: Path | None, load: float, seed: int, pools: str,
     kv_link_gbps: float, heartbeat_s: float, timeout_s: float, kv_margin: float,
     engine_priority: bool,
@@ -94,21 +133,23 @@ def policies(
     \b
         llmq bench policies --workers 8 --load 0.85 --seed 1 --json out.json --plot out.png
         llmq bench policies --synthetic --requests 200000 --workers 1000 --policies llmq
+        llmq bench policies --synthetic --synthetic-cv 4 --requests 20000 --workers 16
         llmq bench policies --matrix --markdown matrix.md
         llmq bench policies --matrix --seeds 1,2,3 --markdown seeds.md
     """
     ctx = click.get_current_context()
     _check_combination(ctx, matrix, synthetic, plot, markdown)
     seeds = _seeds(ctx, seed_list, matrix)
+    _check_synthetic(ctx, synthetic)
     for path, hint in ((json_out, "--json"), (plot, "--plot"), (markdown, "--markdown")):
         if path is not None and not os.access(path.parent, os.W_OK):
             # Found out now, not after minutes of simulation.
             raise click.BadParameter(f"cannot write to {path.parent}/", param_hint=hint)
-    names = tuple(p.strip() for p in policy_list.split(",") if p.strip())
-    unknown = [p for p in names if p not in POLICIES]
-    if unknown or not names:
-        raise click.BadParameter(f"unknown {unknown}; known: {', '.join(POLICIES)}",
-                                 param_hint="--policies")
+    if plot is not None and plot.suffix.lower() not in PLOT_FORMATS:
+        raise click.BadParameter(
+            f"{plot.name}: want a file ending in {', '.join(PLOT_FORMATS)} (the suffix picks "
+            "the format)", param_hint="--plot")
+    names = _policy_names(policy_list)
     try:
         check_heartbeat(heartbeat_s)
     except ValueError as exc:
@@ -123,6 +164,8 @@ def policies(
         policies=names,
         pools=pools,  # type: ignore[arg-type]  # click.Choice guarantees a PoolMode
         kv_link_gbps=kv_link_gbps, max_tokens_slack=max_tokens_slack, llmq=llmq,
+        synthetic_cv=synthetic_cv, synthetic_prompt_mean=synthetic_prompt_mean,
+        synthetic_output_mean=synthetic_output_mean,
     )
     show = not quiet and sys.stderr.isatty()
     if matrix:
@@ -131,7 +174,7 @@ def policies(
     with _progress(show) as factory:
         doc, runs = run_bench(base, factory)
     if json_out is not None:
-        json_out.write_text(json.dumps(doc, indent=2) + "\n", "utf-8")
+        json_out.write_text(json_text(doc), "utf-8")
     if plot is not None:
         from services.sim.plot import plot_cdfs
 
@@ -151,7 +194,8 @@ def _check_combination(
     fixed = ["--synthetic"] if synthetic else []
     fixed += ["--plot"] if plot is not None else []
     fixed += [
-        f"--{name}" for name in ("trace", "load", "policies")
+        f"--{name.replace('_', '-')}"
+        for name in ("trace", "load", "policies", *_SYNTHETIC_OPTIONS)
         if ctx.get_parameter_source(
             "policy_list" if name == "policies" else name
         ) is ParameterSource.COMMANDLINE
@@ -161,6 +205,52 @@ def _check_combination(
             f"--matrix runs the fixed grid (the conv and code traces × loads 0.6, 0.85, 0.95, "
             f"all four policies, no plot): drop {', '.join(fixed)}"
         )
+
+
+def _check_synthetic(ctx: click.Context, synthetic: bool) -> None:
+    """Refuse the synthetic generator's options without --synthetic (they would be
+    ignored)."""
+    given = [f"--{name.replace('_', '-')}" for name in _SYNTHETIC_OPTIONS
+             if ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE]
+    if given and not synthetic:
+        one = len(given) == 1
+        raise click.UsageError(f"{', '.join(given)} only shape{'s' if one else ''} a synthetic "
+                               f"workload: add --synthetic, or drop {'it' if one else 'them'}")
+
+
+def _policy_names(policy_list: str) -> tuple[str, ...]:
+    """The policies of ``--policies``, in order; unknown, repeated or none: a usage error."""
+    names = tuple(p.strip() for p in policy_list.split(",") if p.strip())
+    known = ", ".join(POLICIES)
+    if not names:
+        raise click.BadParameter(f"no policy given; known: {known}", param_hint="--policies")
+    unknown = [p for p in names if p not in POLICIES]
+    if unknown:
+        raise click.BadParameter(f"unknown {', '.join(unknown)}; known: {known}",
+                                 param_hint="--policies")
+    twice = sorted({p for p in names if names.count(p) > 1})
+    if twice:
+        raise click.BadParameter(f"{', '.join(twice)} given more than once (each policy runs "
+                                 "once)", param_hint="--policies")
+    return names
+
+
+def json_text(doc: object) -> str:
+    """``doc`` as strict JSON text (RFC 8259 has no NaN or Infinity). Every figure should
+    be finite once the options are; should one not be, it is written as ``null`` — what
+    a figure with no value (a percentile over no requests) already is — never as a token
+    other JSON readers refuse."""
+    return json.dumps(_finite(doc), indent=2, allow_nan=False) + "\n"
+
+
+def _finite(x: object) -> object:
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_finite(v) for v in x]
+    return x
 
 
 def _seeds(ctx: click.Context, seed_list: str | None, matrix: bool) -> tuple[int, ...]:
@@ -202,7 +292,7 @@ def _run_matrix(
         markdown.write_text(text, "utf-8")
     if json_out is not None:  # each document names its seed (config.seed)
         docs = [cell.doc for cells in by_seed.values() for cell in cells]
-        json_out.write_text(json.dumps(docs, indent=2) + "\n", "utf-8")
+        json_out.write_text(json_text(docs), "utf-8")
     if not quiet:
         click.echo(text)
 

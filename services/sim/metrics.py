@@ -21,8 +21,13 @@ and a rejection counts at least as long as every rejected request's time alone (
 the k-th fastest latency is at least the k-th fastest latency alone. (The plain
 ``e2e_p99_s`` has no such floor: shedding the slowest requests lowers it.)
 
+Per lane and per priority class: P50, P90 and P99 of ``wait``, ``queue``, ``ttft`` and
+``e2e`` (keys ``{name}_p{50,90,99}_s``); per class also the maximum ``wait`` and
+``queue``, per lane the slowdowns and throughput below.
+
 Percentiles interpolate linearly between closest ranks (numpy's default method) over
-completed requests. The
+completed requests (a class's ``wait`` and ``queue`` count its rejected requests too, see
+:func:`class_summary`). The
 ``*_with_rejections`` variants count every rejected request as if it had taken the whole
 request timeout (``timeout_s``) — the latency of a client that gives up — or as long as
 the slowest completed request, or the longest time alone of a rejected request, if that is
@@ -113,7 +118,8 @@ def lane_summary(jobs: Sequence[Job], timeout_s: float, window: tuple[float, flo
     for name in ("e2e", "ttft", "wait"):
         for q in _QUANTILES:
             out[f"{name}_p{q}_s"] = _pct(lat[name], q)
-    out["queue_p99_s"] = _pct(lat["queue"], 99)
+    for q in _QUANTILES:
+        out[f"queue_p{q}_s"] = _pct(lat["queue"], q)
     alone = [j.e2e_alone_s for j in jobs if math.isfinite(j.e2e_alone_s)]
     out["e2e_alone_p99_s"] = _pct(alone, 99)
     out["slowdown_p50"] = _pct(lat["slow"], 50)
@@ -138,18 +144,20 @@ def class_summary(jobs: Sequence[Job], timeout_s: float) -> Summary:
     shed = [j for j in jobs if j.state == REJECTED]
     until_shed = [j.finished_s - j.arrival_s for j in shed if j.finished_s is not None]
     wait, queue = lat["wait"] + until_shed, lat["queue"] + until_shed
-    return {
+    out: Summary = {
         "arrived": len(jobs),
         "completed": len(lat["e2e"]),
         "rejected": len(shed),
-        "wait_p50_s": _pct(wait, 50),
-        "wait_p99_s": _pct(wait, 99),
-        "wait_max_s": _max(wait),
-        "queue_p99_s": _pct(queue, 99),
-        "queue_max_s": _max(queue),
-        "e2e_p99_s": _pct(lat["e2e"], 99),
-        "e2e_p99_with_rejections_s": _with_rejections(lat["e2e"], shed, timeout_s, 99),
     }
+    for name, values in (("wait", wait), ("queue", queue)):
+        for q in _QUANTILES:
+            out[f"{name}_p{q}_s"] = _pct(values, q)
+        out[f"{name}_max_s"] = _max(values)
+    for name in ("ttft", "e2e"):  # of completed requests, as per lane
+        for q in _QUANTILES:
+            out[f"{name}_p{q}_s"] = _pct(lat[name], q)
+    out["e2e_p99_with_rejections_s"] = _with_rejections(lat["e2e"], shed, timeout_s, 99)
+    return out
 
 
 def summarize(jobs: Sequence[Job], timeout_s: float) -> Summary:

@@ -27,9 +27,12 @@ when its KV runs out, as a plain vLLM does. Exact readings:
 ``llmq`` (:mod:`.llmq`)
     llmq's own governance: admission, priority with aging, lanes, KV-aware placement.
 
-A job too large for an engine's KV pool alone (prompt + output > the pool) can never run;
-the baselines reject it ``too_large`` on arrival, as vLLM refuses a request longer than
-``max_model_len`` (llmq's admission does the same through its own check).
+A job longer than an engine accepts — prompt + max_tokens over the model's
+``max_model_len`` or over what the KV pool holds, whichever is less
+(:func:`~services.sim.workload.context_limit`) — can never run: the baselines reject it
+``too_large`` on arrival, as vLLM refuses a request longer than its ``max_model_len``
+(which it keeps within its KV pool). llmq's admission applies the same ``max_model_len``
+through its own check, and its KV check besides.
 """
 
 from __future__ import annotations
@@ -49,10 +52,12 @@ from services.scheduler import (
 from services.sim.fleet import Job, SimWorker
 from services.sim.llmq import LlmqConfig, LlmqPolicy
 from services.sim.simulator import Policy, Simulator
+from services.sim.workload import context_limit
 
 
-def _fits_engine(sim: Simulator, job: Job) -> bool:
-    return job.prompt + job.output <= sim.profile.max_seq_tokens()
+def _fits_engine(limit: int, job: Job) -> bool:
+    """Whether vLLM would take ``job`` at all (``limit``: :func:`context_limit`)."""
+    return job.prompt + job.max_tokens <= limit
 
 
 class FifoRoundRobin:
@@ -67,14 +72,16 @@ class FifoRoundRobin:
         self._cursor = -1
         self._free = 0  # workers with a free sequence slot
         self._sim: Simulator | None = None
+        self._limit = 0
 
     def start(self, sim: Simulator) -> None:
         self._sim = sim
         self._free = len(sim.workers)
+        self._limit = context_limit(sim.profile)
 
     def on_arrival(self, job: Job, now: float) -> None:
         sim = self._started()
-        if not _fits_engine(sim, job):
+        if not _fits_engine(self._limit, job):
             sim.reject(job, "too_large")
             return
         self._fifo.append(job)
@@ -142,9 +149,11 @@ class RouteOnArrival:
         self._candidates: list[tuple[float, WorkerState]] = []
         self._snapshot: Snapshot | None = None
         self._sim: Simulator | None = None
+        self._limit = 0
 
     def start(self, sim: Simulator) -> None:
         self._sim = sim
+        self._limit = context_limit(sim.profile)
         states = [_state(w, 0) for w in sim.workers]
         self._candidates = [(0.0, s) for s in states]
         self._snapshot = Snapshot.of(states, 0.0)
@@ -152,7 +161,7 @@ class RouteOnArrival:
     def on_arrival(self, job: Job, now: float) -> None:
         sim, snapshot = self._sim, self._snapshot
         assert sim is not None and snapshot is not None, "start() first"
-        if not _fits_engine(sim, job):
+        if not _fits_engine(self._limit, job):
             sim.reject(job, "too_large")
             return
         ctx = PlacementContext(snapshot, self._ledger, now)

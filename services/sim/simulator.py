@@ -78,6 +78,12 @@ class SimulationError(RuntimeError):
     """The run broke an invariant or cannot make progress (a bug, never a result)."""
 
 
+class ClockResolutionError(SimulationError, ValueError):
+    """The workload spans more time than the nanosecond clock can step through (float
+    seconds past ~2·10^6 s): an input to change — a higher load, fewer requests — not a
+    bug. A ``ValueError`` too, so the command line reports it in one line."""
+
+
 def check_heartbeat(period_s: float) -> None:
     """Refuse a heartbeat period the clock cannot step by: one that is not finite, or that
     rounds to under 1 ns on the nanosecond grid (each heartbeat would then schedule the next
@@ -306,7 +312,7 @@ class Simulator:
         self._wakes += 1
         until = self.now + _EPS_S
         if to_ns(until) <= to_ns(self.now):
-            raise SimulationError(
+            raise ClockResolutionError(
                 f"t={self.now:.0f} s is past the clock's nanosecond resolution: the simulated "
                 "span is too long (raise --load, or use fewer requests)"
             )
@@ -373,9 +379,10 @@ class Simulator:
         due at ``now`` would fire again and again without the clock moving."""
         t = to_s(max(to_ns(self.now + interval), to_ns(self.now) + 1))
         if t <= self.now:
-            raise SimulationError(
+            raise ClockResolutionError(
                 f"t={self.now:.0f} s is past the clock's nanosecond resolution: the simulated "
-                "span is too long for this heartbeat period"
+                "span is too long for this heartbeat period (raise --load or --heartbeat-s, or use "
+                "fewer requests)"
             )
         return t
 

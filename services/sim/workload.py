@@ -8,14 +8,17 @@ Traces
     LLM inference using phase splitting", ISCA 2024). Columns
     ``TIMESTAMP,ContextTokens,GeneratedTokens``; timestamps like
     ``2023-11-16 18:17:03.9799600`` (7 fractional digits, more than ``datetime`` parses,
-    so they are parsed by hand into integer nanoseconds). Any CSV with these columns
-    loads; a TIMESTAMP that is a plain number is taken in ``time_unit`` (default seconds).
+    so they are parsed by hand into integer nanoseconds), or with a UTC offset as in the
+    2024 traces (``2024-05-10 00:00:00.009930+00:00``, or ``Z``), converted to UTC. Any
+    CSV with these columns loads; a TIMESTAMP that is a plain number is taken in
+    ``time_unit`` (default seconds). One file holds one kind of timestamp — numbers,
+    dates without an offset, or dates with one — since a mix has no common clock.
     JSONL traces in Mooncake's format, one ``{"timestamp", "input_length",
     "output_length"}`` object per line (other keys ignored), have timestamps in
     milliseconds there, so ``time_unit`` defaults to ``"ms"`` for them.
     Arrivals are returned sorted, relative to the earliest (t = 0), ``idx`` = position in
-    arrival order (the file order for the sorted shipped traces). A bad row raises
-    ``TraceFormatError`` naming file, line and column.
+    arrival order (the file order for the sorted shipped traces). Files are UTF-8. A bad
+    row raises ``TraceFormatError`` naming file, line and column.
 
 Classes
     ``attach_classes`` gives each request a tenant drawn from a Zipf law over
@@ -38,13 +41,14 @@ import csv
 import json
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import date
 from pathlib import Path
 from typing import Any, Final, Literal
 
 from schemas.common import PRIORITIES, Priority
+from services.ingest.core import AdmissionConfig
 from services.worker.engines.sim.capacity import saturated_capacity
 from services.worker.engines.sim.model import EngineProfile
 
@@ -108,40 +112,82 @@ def _number_ns(path: Path, line: int, column: str, raw: float, unit: str) -> int
     return round(scaled)
 
 
-def _timestamp_ns(path: Path, line: int, raw: str, unit: str) -> int:
-    """``YYYY-MM-DD HH:MM:SS[.fraction]`` (space or ``T``), or a plain number in ``unit``.
-    An integer is taken exactly: as a float, epochs in ns or µs that differ by under
-    ~200 ns would collapse into one arrival."""
+#: What a CSV timestamp is; one file holds one kind (a mix cannot be put on one clock).
+_NUMBER: Final = "a plain number"
+_NAIVE: Final = "a date and time without a UTC offset"
+_AWARE: Final = "a date and time with a UTC offset"
+_DATE_FORMAT: Final = "'YYYY-MM-DD HH:MM:SS[.fffffff][Z|+HH:MM]'"
+
+
+def _timestamp_ns(path: Path, line: int, raw: str, unit: str) -> tuple[int, str]:
+    """(integer ns, kind) of ``raw``: ``YYYY-MM-DD HH:MM:SS[.fraction]`` (space or ``T``),
+    optionally ending in ``Z`` or a UTC offset ``±HH:MM`` (``±HHMM``, ``±HH``) — then
+    converted to UTC, so rows with different offsets land on one clock — or a plain
+    number in ``unit``. An integer is taken exactly: as a float, epochs in ns or µs that
+    differ by under ~200 ns would collapse into one arrival."""
     text = raw.strip()
     exact = _digits(text)
     if exact is not None:
-        return _number_ns(path, line, CSV_COLUMNS[0], exact, unit)
+        return _number_ns(path, line, CSV_COLUMNS[0], exact, unit), _NUMBER
     try:
         value = float(text)
     except ValueError:
         pass
     else:
         if math.isfinite(value):
-            return _number_ns(path, line, CSV_COLUMNS[0], value, unit)
+            return _number_ns(path, line, CSV_COLUMNS[0], value, unit), _NUMBER
+    parsed = _date_ns(text)
+    if parsed is None:
+        raise _fail(
+            path, line, CSV_COLUMNS[0], f"expected {_DATE_FORMAT} or a number, got {raw!r}"
+        )
+    return parsed
+
+
+def _date_ns(text: str) -> tuple[int, str] | None:
+    """(ns since 0001-01-01 UTC, kind) of a date and time, or None if it is not one. The
+    fraction is kept to the nanosecond (the 2023 Azure traces have 7 digits, more than
+    ``datetime`` parses); finer digits are dropped."""
+    day, _, clock = text.replace("T", " ", 1).partition(" ")
+    clock, offset_s = _split_offset(clock.strip())
+    hms, _, frac = clock.partition(".")
+    ymd = [_digits(x) for x in day.split("-")]
+    parts = [_digits(x) for x in hms.split(":")]
+    if len(ymd) != 3 or len(parts) != 3 or None in ymd or None in parts:
+        return None
+    if frac and _digits(frac) is None:  # '²' is a digit to isdigit; _digits refuses it
+        return None
+    y, mo, d = (x or 0 for x in ymd)
+    h, mi, s = (x or 0 for x in parts)
+    if not (h < 24 and mi < 60 and s < 61):
+        return None
     try:
-        day, clock = text.replace("T", " ").split(" ")
-        y, mo, d = (int(x) for x in day.split("-"))
-        hms, _, frac = clock.partition(".")
-        h, mi, s = (int(x) for x in hms.split(":"))
-        if not (0 <= h < 24 and 0 <= mi < 60 and 0 <= s < 61) or (
-            frac and not (frac.isascii() and frac.isdigit())  # '²' is a digit to isdigit
-        ):
-            raise ValueError
         days = date(y, mo, d).toordinal()
     except ValueError:
-        raise _fail(
-            path,
-            line,
-            CSV_COLUMNS[0],
-            f"expected 'YYYY-MM-DD HH:MM:SS.fffffff' or a number, got {raw!r}",
-        ) from None
-    frac_ns = int(frac[:9].ljust(9, "0")) if frac else 0  # finer than 1 ns is dropped
-    return ((days * 86400 + h * 3600 + mi * 60 + s) * 10**9) + frac_ns
+        return None
+    frac_ns = int(frac[:9].ljust(9, "0")) if frac else 0
+    local = (days * 86400 + h * 3600 + mi * 60 + s) * 10**9 + frac_ns
+    if offset_s is None:
+        return local, _NAIVE
+    return local - offset_s * 10**9, _AWARE
+
+
+def _split_offset(clock: str) -> tuple[str, int | None]:
+    """(``clock`` without its zone, the zone's offset from UTC in seconds or None).
+    ``Z`` is UTC; ``±HH:MM``, ``±HHMM`` and ``±HH`` are offsets (under 24 h). Anything
+    else after a sign leaves the clock as it is (and it then fails to parse)."""
+    if clock[-1:] in ("Z", "z"):
+        return clock[:-1].rstrip(), 0
+    for sign in ("+", "-"):
+        head, found, zone = clock.rpartition(sign)
+        if not found:
+            continue
+        hours, minutes = zone.split(":", 1) if ":" in zone else (zone[:2], zone[2:] or "00")
+        h, m = _digits(hours), _digits(minutes)
+        if h is None or m is None or len(hours) != 2 or len(minutes) != 2 or h > 23 or m > 59:
+            return clock, None
+        return head.rstrip(), (h * 3600 + m * 60) * (1 if sign == "+" else -1)
+    return clock, None
 
 
 def _finish(path: Path, rows: list[tuple[int, int, int]]) -> list[TraceRequest]:
@@ -155,28 +201,89 @@ def _finish(path: Path, rows: list[tuple[int, int, int]]) -> list[TraceRequest]:
     ]
 
 
+def _not_utf8(path: Path, exc: UnicodeDecodeError) -> TraceFormatError:
+    """The error for a file that is not UTF-8 text, naming the first line that is not.
+    (Decoding reads ahead in chunks, so where it failed says little about the line; UTF-8
+    never puts a newline byte inside a character, so each line decodes on its own.)"""
+    with path.open("rb") as fh:
+        for line_no, data in enumerate(fh, start=1):
+            try:
+                data.decode("utf-8")
+            except UnicodeDecodeError as bad:
+                byte = data[bad.start]
+                return TraceFormatError(
+                    f"{path}:{line_no}: not UTF-8 text (byte 0x{byte:02x} at column "
+                    f"{bad.start + 1}); save the trace as UTF-8"
+                )
+    return TraceFormatError(f"{path}: not UTF-8 text ({exc.reason}); save the trace as UTF-8")
+
+
+class _CsvRows:
+    """The records of a CSV file as (line the record starts on, cells). A quoting error
+    (a stray double quote whose cell swallows the lines after it until it passes the csv
+    module's field limit) and a file that is not UTF-8 raise ``TraceFormatError`` naming
+    the line."""
+
+    def __init__(self, path: Path, fh: Any) -> None:
+        # skipinitialspace: ``1, "2", 3`` is three cells 1, 2, 3 (a space before a quote
+        # would otherwise keep the quotes in the cell).
+        self._reader = csv.reader(fh, skipinitialspace=True)
+        self._path = path
+
+    def __iter__(self) -> Iterator[tuple[int, list[str]]]:
+        reader = self._reader
+        while True:
+            first = reader.line_num + 1
+            try:
+                cells = next(reader)
+            except StopIteration:
+                return
+            except csv.Error as exc:
+                raise TraceFormatError(
+                    f"{self._path}:{first}: unreadable CSV ({exc}); look for an unbalanced "
+                    "double quote on this line"
+                ) from None
+            except UnicodeDecodeError as exc:
+                raise _not_utf8(self._path, exc) from None
+            yield first, cells
+
+
 def load_csv_trace(path: Path, *, time_unit: TimeUnit = "s") -> list[TraceRequest]:
     """Azure-format CSV (``TIMESTAMP,ContextTokens,GeneratedTokens``; extra columns in any
-    order ok; cells may be quoted and padded with spaces; a byte-order mark is skipped)."""
+    order ok; cells may be quoted and padded with spaces; a byte-order mark is skipped).
+    Timestamps are all dates or all numbers (see :func:`_timestamp_ns`); a row whose kind
+    differs from the first row's is an error naming it. The file must be UTF-8."""
     with path.open(encoding="utf-8-sig", newline="") as fh:
-        reader = csv.reader(fh)
-        header = [cell.strip() for cell in next(reader, [])]
+        records = iter(_CsvRows(path, fh))
+        _, head = next(records, (1, []))
+        header = [cell.strip() for cell in head]
         missing = [c for c in CSV_COLUMNS if c not in header]
         if missing:
             raise _fail(path, 1, missing[0], f"header lacks it (found {header})")
         ts_i, ctx_i, gen_i = (header.index(c) for c in CSV_COLUMNS)
         rows: list[tuple[int, int, int]] = []
-        for cells in reader:
-            line_no = reader.line_num
+        first_kind: tuple[int, str] | None = None
+        for line_no, cells in records:
             if not any(cell.strip() for cell in cells):
                 continue
             if len(cells) != len(header):
+                spans = any("\n" in cell or "\r" in cell for cell in cells)
+                hint = " (a quoted cell runs past this line: an unbalanced quote?)" if spans else ""
                 raise TraceFormatError(
-                    f"{path}:{line_no}: expected {len(header)} cells, got {len(cells)}"
+                    f"{path}:{line_no}: expected {len(header)} cells, got {len(cells)}{hint}"
+                )
+            ts, kind = _timestamp_ns(path, line_no, cells[ts_i].strip(), time_unit)
+            if first_kind is None:
+                first_kind = (line_no, kind)
+            elif kind != first_kind[1]:
+                raise _fail(
+                    path, line_no, CSV_COLUMNS[0],
+                    f"{cells[ts_i].strip()!r} is {kind}, but line {first_kind[0]} has "
+                    f"{first_kind[1]}; one trace needs one kind of timestamp",
                 )
             rows.append(
                 (
-                    _timestamp_ns(path, line_no, cells[ts_i].strip(), time_unit),
+                    ts,
                     _tokens(path, line_no, CSV_COLUMNS[1], cells[ctx_i].strip()),
                     _tokens(path, line_no, CSV_COLUMNS[2], cells[gen_i].strip()),
                 )
@@ -186,39 +293,56 @@ def load_csv_trace(path: Path, *, time_unit: TimeUnit = "s") -> list[TraceReques
 
 def load_jsonl_trace(path: Path, *, time_unit: TimeUnit = "ms") -> list[TraceRequest]:
     """Mooncake-format JSONL: ``timestamp`` (default unit ms), ``input_length``,
-    ``output_length`` per line."""
+    ``output_length`` per line — one JSON object per line, not one JSON array; UTF-8, a
+    byte-order mark is skipped."""
     rows: list[tuple[int, int, int]] = []
-    with path.open(encoding="utf-8") as fh:
-        for line_no, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj: Any = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise TraceFormatError(f"{path}:{line_no}: not JSON: {exc.msg}") from None
-            except (ValueError, RecursionError) as exc:
-                # JSON past what Python reads: an integer over 4,300 digits, deep nesting.
-                raise TraceFormatError(f"{path}:{line_no}: unreadable JSON: {exc}") from None
-            if not isinstance(obj, dict):
-                raise TraceFormatError(f"{path}:{line_no}: expected a JSON object")
-            for key in JSONL_KEYS:
-                if key not in obj:
-                    raise _fail(path, line_no, key, "missing")
-            ts = obj["timestamp"]
-            if (
-                isinstance(ts, bool)
-                or not isinstance(ts, int | float)
-                or (isinstance(ts, float) and not math.isfinite(ts))  # isfinite(10**400) raises
-            ):
-                raise _fail(path, line_no, "timestamp", f"expected a number, got {ts!r}")
-            rows.append(
-                (
-                    _number_ns(path, line_no, "timestamp", ts, time_unit),
-                    _tokens(path, line_no, "input_length", obj["input_length"]),
-                    _tokens(path, line_no, "output_length", obj["output_length"]),
-                )
-            )
+    try:
+        with path.open(encoding="utf-8-sig") as fh:
+            for line_no, line in enumerate(fh, start=1):
+                if line.strip():
+                    rows.append(_jsonl_row(path, line_no, line, time_unit, not rows))
+    except UnicodeDecodeError as exc:
+        raise _not_utf8(path, exc) from None
     return _finish(path, rows)
+
+
+def _jsonl_row(
+    path: Path, line_no: int, line: str, time_unit: TimeUnit, first: bool
+) -> tuple[int, int, int]:
+    if first and line.lstrip().startswith("["):
+        raise TraceFormatError(
+            f"{path}:{line_no}: expected one JSON object per line (JSONL), not a JSON array"
+        )
+    try:
+        obj: Any = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise TraceFormatError(
+            f"{path}:{line_no}: not JSON: {exc.msg} (expected one JSON object per line: "
+            "JSONL)"
+        ) from None
+    except (ValueError, RecursionError) as exc:
+        # JSON past what Python reads: an integer over 4,300 digits, deep nesting.
+        raise TraceFormatError(f"{path}:{line_no}: unreadable JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise TraceFormatError(
+            f"{path}:{line_no}: expected a JSON object, one per line (JSONL), got "
+            f"{type(obj).__name__}"
+        )
+    for key in JSONL_KEYS:
+        if key not in obj:
+            raise _fail(path, line_no, key, "missing")
+    ts = obj["timestamp"]
+    if (
+        isinstance(ts, bool)
+        or not isinstance(ts, int | float)
+        or (isinstance(ts, float) and not math.isfinite(ts))  # isfinite(10**400) raises
+    ):
+        raise _fail(path, line_no, "timestamp", f"expected a number, got {ts!r}")
+    return (
+        _number_ns(path, line_no, "timestamp", ts, time_unit),
+        _tokens(path, line_no, "input_length", obj["input_length"]),
+        _tokens(path, line_no, "output_length", obj["output_length"]),
+    )
 
 
 def load_trace(path: Path, *, time_unit: TimeUnit | None = None) -> list[TraceRequest]:
@@ -305,6 +429,17 @@ def scale_to_load(
     return scale_to_rate(requests, load * fleet_capacity_rps)
 
 
+def context_limit(profile: EngineProfile) -> int:
+    """The largest prompt + max_tokens an engine of ``profile`` accepts: its model's
+    ``max_model_len`` in the registry llmq's admission reads (when the registry knows the
+    model), capped by what the KV pool holds — vLLM will not start with a context its KV
+    cannot hold, so its limit is the smaller of the two. Longer requests can never run:
+    every policy refuses them ``too_large``."""
+    shape = AdmissionConfig().registry.get(profile.model or profile.name)
+    pool = profile.max_seq_tokens()
+    return pool if shape is None else min(shape.max_model_len, pool)
+
+
 def fleet_capacity_rps(
     profile: EngineProfile,
     engines: int,
@@ -316,11 +451,14 @@ def fleet_capacity_rps(
     μ measured on a random sample of ``sample_size`` requests (with replacement)."""
     if engines < 1 or not requests:
         raise ValueError("need at least one engine and one request")
-    limit = profile.max_seq_tokens()
+    limit = context_limit(profile)
     runnable = [r for r in requests if r.prompt_tokens + r.output_tokens <= limit]
     if not runnable:
-        raise ValueError(f"no request fits one engine: every prompt + output exceeds the "
-                         f"{limit - 1}-token KV pool of profile {profile.name!r}")
+        what = (f"{limit - 1}-token KV pool of profile {profile.name!r}"
+                if limit == profile.max_seq_tokens()
+                else f"{limit}-token context (max_model_len) of profile {profile.name!r}'s "
+                     f"model")
+        raise ValueError(f"no request fits one engine: every prompt + output exceeds the {what}")
     if len(runnable) < len(requests):
         requests = runnable  # the rest can never run (every policy refuses them too_large)
     sample = [rng.choice(requests) for _ in range(sample_size)]

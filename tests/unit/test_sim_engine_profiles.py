@@ -9,7 +9,13 @@ import pytest
 
 from services.sim.workload import load_csv_trace
 from services.worker.engines.sim.capacity import latency_alone, saturated_capacity
-from services.worker.engines.sim.model import SeqEvent, SimEngineCore, SimRequest, to_ns
+from services.worker.engines.sim.model import (
+    EngineProfile,
+    SeqEvent,
+    SimEngineCore,
+    SimRequest,
+    to_ns,
+)
 from services.worker.engines.sim.profiles import get_profile, load_profiles
 
 # The shared traces sit beside the checkout (DESIGN.md, "Data"): <root>/../shared/traces.
@@ -153,3 +159,59 @@ def test_saturated_capacity_on_the_conversation_mix() -> None:
     # Prefill-bound: ≈ 1155 prompt tokens per request at 17.25 µs → ~50 req/s at most.
     assert 20 < cap.requests_per_s < 60
     assert cap.prompt_tokens_per_s * 17.2509e-6 < 1.0  # prefill alone fits in wall time
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"beta0_us": "inf"}, r"bad\.toml: profiles\.foo\.beta0_us must be a finite number, "
+                              r"got inf"),
+        ({"beta1_us_per_prefill_token": "nan"}, "beta1_us_per_prefill_token must be a finite"),
+        ({"beta2_us_per_decode_token": "1" + "0" * 400},
+         r"beta2_us_per_decode_token must be a finite number, got 100000000000\.\.\. \(too "),
+        ({"block_size": "65536"}, r"profiles\.foo\.block_size must be <= 1024 tokens, got 65536"),
+        ({"block_size": "100000000"}, r"block_size must be <= 1024"),
+    ],
+)
+def test_non_finite_numbers_and_huge_blocks_are_refused_naming_file_and_key(
+    tmp_path: Path, change: dict[str, str], message: str
+) -> None:
+    body = "".join(f"{k} = {v}\n" for k, v in {**_GOOD, **change}.items())
+    extra = tmp_path / "bad.toml"
+    extra.write_text("[profiles.foo]\n" + body)
+    with pytest.raises(ValueError, match=message):
+        load_profiles(extra)
+
+
+def test_the_block_size_bound_is_1024_tokens(tmp_path: Path) -> None:
+    def load(block_size: int) -> int:
+        body = "".join(f"{k} = {v}\n" for k, v in {**_GOOD, "block_size": block_size}.items())
+        extra = tmp_path / "big.toml"
+        extra.write_text("[profiles.foo]\n" + body)
+        return load_profiles(extra)["foo"].block_size
+
+    assert load(1024) == 1024
+    with pytest.raises(ValueError, match="block_size must be <= 1024 tokens, got 1025"):
+        load(1025)
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("beta0_s", math.inf, "beta0_s must be finite"),
+    ("beta2_s_per_decode_tok", math.nan, "beta2_s_per_decode_tok must be finite"),
+    ("block_size", 2048, "block_size must be <= 1024"),
+])
+def test_engine_profile_refuses_what_the_file_loader_refuses(
+    field: str, value: float, message: str
+) -> None:
+    good = dict(name="x", beta0_s=0.005, beta1_s_per_prefill_tok=1e-5,
+                beta2_s_per_decode_tok=1e-5, num_blocks=10)
+    with pytest.raises(ValueError, match=message):
+        EngineProfile(**{**good, field: value})  # type: ignore[arg-type]
+
+
+def test_a_profile_file_that_is_not_utf8_names_file_and_line(tmp_path: Path) -> None:
+    body = "".join(f"{k} = {v}\n" for k, v in _GOOD.items())
+    extra = tmp_path / "latin1.toml"
+    extra.write_bytes(b"# profiles\n[profiles.foo]\n" + body.encode() + b'model = "caf\xe9"\n')
+    with pytest.raises(ValueError, match=r"latin1\.toml:9: not UTF-8 text \(byte 0xe9\)"):
+        load_profiles(extra)

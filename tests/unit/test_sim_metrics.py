@@ -284,3 +284,37 @@ def test_a_rejection_never_counts_as_faster_than_a_success() -> None:
                         window=(0.0, 10.0))
     assert shed["e2e_p99_with_rejections_s"] >= alone["e2e_p99_s"]
     assert shed["e2e_p99_with_rejections_s"] == pytest.approx(10.0)  # the slowest success
+
+
+def test_each_class_and_lane_has_p50_p90_p99_of_wait_queue_ttft_and_e2e() -> None:
+    # Ten high requests queued 0..9 s, each served 1 s (TTFT = wait + prefill alone).
+    jobs = [done(i, float(i), wait=float(i), priority="high") for i in range(10)]
+    s = summarize(jobs, timeout_s=30.0)
+    high, short = s["classes"]["high"], s["lanes"]["short"]
+    prefill = jobs[0].ttft_alone_s
+    for q in (50, 90, 99):
+        expected = percentile([float(i) for i in range(10)], q)
+        for name in ("wait", "queue"):
+            assert high[f"{name}_p{q}_s"] == pytest.approx(expected, abs=1e-6), (name, q)
+        assert short[f"queue_p{q}_s"] == pytest.approx(expected, abs=1e-6), q
+        assert high[f"ttft_p{q}_s"] == pytest.approx(expected + prefill, abs=1e-6), q
+        assert high[f"e2e_p{q}_s"] == pytest.approx(expected + 1.0, abs=1e-6), q
+        assert high[f"ttft_p{q}_s"] == short[f"ttft_p{q}_s"]
+        assert high[f"e2e_p{q}_s"] == short[f"e2e_p{q}_s"]
+    assert s["classes"]["low"]["ttft_p90_s"] is None  # no request of that class
+
+
+def test_the_new_percentiles_leave_the_existing_keys_as_they_were() -> None:
+    late = rejected(3, 0.0)
+    late.priority, late.finished_s = "low", 50.0
+    jobs = [done(0, 0.0, wait=3.0, priority="low"), done(1, 1.0, wait=1.0, priority="low"),
+            done(2, 2.0, priority="high"), late]
+    low = summarize(jobs, timeout_s=30.0)["classes"]["low"]
+    # Rejected after waiting 50 s: it counts in wait and queue, not in TTFT or e2e.
+    assert (low["wait_max_s"], low["queue_max_s"], low["queue_p99_s"]) == (
+        50.0, 50.0, pytest.approx(percentile([3.0, 1.0, 50.0], 99), abs=1e-6))
+    assert low["ttft_p99_s"] == pytest.approx(
+        percentile([3.0 + jobs[0].ttft_alone_s, 1.0 + jobs[1].ttft_alone_s], 99), abs=1e-6)
+    assert low["e2e_p99_s"] == pytest.approx(percentile([4.0, 2.0], 99), abs=1e-6)
+    assert {"arrived", "completed", "rejected", "wait_p50_s", "wait_p99_s", "wait_max_s",
+            "queue_p99_s", "queue_max_s", "e2e_p99_s", "e2e_p99_with_rejections_s"} <= set(low)

@@ -60,12 +60,16 @@ Floats in the API are seconds; they round-trip exactly for times below ~10^6 s.
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Final, Literal
 
 NS_PER_S: Final = 1_000_000_000
+#: Largest KV block a profile may have, in tokens. vLLM's are 1 to 256 (16 by default);
+#: the bound leaves room above that while keeping the per-step block arithmetic cheap.
+MAX_BLOCK_SIZE: Final = 1024
 
 
 def to_ns(t_s: float) -> int:
@@ -106,8 +110,16 @@ class EngineProfile:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"EngineProfile.{f.name} must be finite, got {value!r}")
             if isinstance(value, int | float) and not value > 0:
                 raise ValueError(f"EngineProfile.{f.name} must be > 0, got {value!r}")
+        if self.block_size > MAX_BLOCK_SIZE:
+            # The quiet-step arithmetic walks one slot per block position: a huge block
+            # makes every step O(block_size), and no vLLM runs such blocks.
+            raise ValueError(
+                f"EngineProfile.block_size must be <= {MAX_BLOCK_SIZE}, got {self.block_size}"
+            )
         if round(self.beta0_s * NS_PER_S) < 1:
             # A zero-length step would let the clock stand still while tokens flow.
             raise ValueError("EngineProfile.beta0_s must be at least 1 ns")

@@ -4,19 +4,21 @@ A profile file holds ``[profiles.NAME]`` tables; see the comments at the top of
 ``profiles.toml`` for the keys, their units and where the shipped numbers come from.
 ``load_profiles(extra)`` returns the shipped profiles, then those in ``extra``; a user
 profile with a shipped name replaces it (recalibrating a model is the common reason).
-Every value is checked and a bad one raises ``ValueError`` naming it, e.g.
-``profiles.foo.beta0_us must be > 0``; unknown keys are errors too, so typos do not pass
-silently as defaults.
+Every value is checked and a bad one raises ``ValueError`` naming the file and key, e.g.
+``profiles.foo.beta0_us must be > 0``: numbers must be finite and positive, ``block_size``
+at most :data:`~services.worker.engines.sim.model.MAX_BLOCK_SIZE` tokens; unknown keys are
+errors too, so typos do not pass silently as defaults. Files are UTF-8.
 """
 
 from __future__ import annotations
 
+import math
 import tomllib
 from importlib import resources
 from pathlib import Path
 from typing import Any, Final
 
-from services.worker.engines.sim.model import EngineProfile
+from services.worker.engines.sim.model import MAX_BLOCK_SIZE, EngineProfile
 
 _US: Final = 1e-6
 _REQUIRED_FLOATS: Final = (
@@ -36,9 +38,16 @@ def _number(where: str, raw: dict[str, Any], key: str) -> float:
     value = raw[key]
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ValueError(f"{where}.{key} must be a number, got {value!r}")
-    if not value > 0:
+    try:
+        number = float(value)
+    except OverflowError:  # an integer past a float's range
+        number = math.inf
+    if not math.isfinite(number):  # TOML has inf and nan
+        shown = repr(value) if len(repr(value)) <= 24 else f"{str(value)[:12]}... (too large)"
+        raise ValueError(f"{where}.{key} must be a finite number, got {shown}")
+    if not number > 0:
         raise ValueError(f"{where}.{key} must be > 0, got {value!r}")
-    return float(value)
+    return number
 
 
 def _integer(where: str, raw: dict[str, Any], key: str, default: int | None) -> int:
@@ -76,6 +85,11 @@ def profile_from_table(name: str, raw: dict[str, Any]) -> EngineProfile:
         raise ValueError(f"{where}.beta0_us must be >= 0.001 (one nanosecond)")
     ints = {k: _integer(where, raw, k, None) for k in _REQUIRED_INTS}
     ints |= {k: _integer(where, raw, k, d) for k, d in _OPTIONAL_INTS.items()}
+    if ints["block_size"] > MAX_BLOCK_SIZE:
+        raise ValueError(
+            f"{where}.block_size must be <= {MAX_BLOCK_SIZE} tokens, got "
+            f"{ints['block_size']} (vLLM's blocks are 1 to 256 tokens, 16 by default)"
+        )
     if ints["max_num_batched_tokens"] < ints["max_num_seqs"]:
         raise ValueError(f"{where}.max_num_batched_tokens must be >= max_num_seqs")
     return EngineProfile(
@@ -122,8 +136,21 @@ def load_profiles(extra_path: Path | None = None) -> dict[str, EngineProfile]:
     """Shipped profiles, then the ones in ``extra_path`` (which win on a name clash)."""
     profiles = shipped_profiles()
     if extra_path is not None:
-        profiles |= parse_profiles(extra_path.read_text("utf-8"), str(extra_path))
+        profiles |= parse_profiles(_read_utf8(extra_path), str(extra_path))
     return profiles
+
+
+def _read_utf8(path: Path) -> str:
+    """The text of ``path``; ``ValueError`` naming the file and line if it is not UTF-8."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise ValueError(
+            f"{path}:{line}: not UTF-8 text (byte 0x{data[exc.start]:02x}); TOML files "
+            "must be UTF-8"
+        ) from None
 
 
 def get_profile(name: str, extra_path: Path | None = None) -> EngineProfile:

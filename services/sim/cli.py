@@ -208,8 +208,11 @@ def _check_combination(
 
 
 def _check_synthetic(ctx: click.Context, synthetic: bool) -> None:
-    """Refuse the synthetic generator's options without --synthetic (they would be
-    ignored)."""
+    """Refuse the synthetic generator's options without --synthetic, and a trace with it
+    (either would be ignored)."""
+    if synthetic and ctx.get_parameter_source("trace") is ParameterSource.COMMANDLINE:
+        raise click.UsageError("--synthetic generates the arrivals: drop --trace (or run the "
+                               "trace without --synthetic)")
     given = [f"--{name.replace('_', '-')}" for name in _SYNTHETIC_OPTIONS
              if ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE]
     if given and not synthetic:

@@ -86,10 +86,13 @@ def test_synthetic_run_needs_no_trace(tmp_path: Path) -> None:
     out = tmp_path / "s.json"
     result = CliRunner().invoke(
         policies, ["--synthetic", "--requests", "400", "--workers", "3", "--quiet",
-                   "--json", str(out), "--trace", str(tmp_path / "missing.csv")],
+                   "--json", str(out)],
     )
     assert result.exit_code == 0, result.output
     assert json.loads(out.read_text())["config"]["source"] == "synthetic"
+    # A trace with it would be ignored: refused.
+    both = CliRunner().invoke(policies, ["--synthetic", "--trace", str(out)])
+    assert both.exit_code == 2 and "drop --trace" in both.output
 
 
 def test_the_llmq_cli_registers_the_command() -> None:

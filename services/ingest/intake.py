@@ -284,6 +284,9 @@ class IntakeHandler:
         target = authorized_reply_topic(req, prefix)
         if target is None:
             reason = f"reply_to {req.reply_to!r} is not authorized for tenant {req.tenant!r}"
+            if req.reply_to is not None and _instance_reply_topic(req.reply_to, prefix):
+                reason += (f" with request_id {req.request_id!r}: an ingest instance's topic "
+                           f"takes only ids '{req.tenant}:<id>'")
             return _Decision(reply_topic(prefix, req.tenant),
                              _error(req.request_id, "invalid", reason, now))
         ahead = req.created_at - now
@@ -343,6 +346,12 @@ class IntakeHandler:
         if target is None:
             return
         request_id, topic = target
+        if request_id in self._reservations:
+            # A broken copy of a request in flight: that one's terminal is still to come,
+            # and a refusal under its id would be a second one.
+            _log.warning("undecodable record for in-flight request %s: dead-lettered only",
+                         request_id)
+            return
         _count_refusal(exc.error_code)
         try:
             await self._send(topic, _error(request_id, exc.error_code, str(exc), self._clock()))
@@ -506,11 +515,22 @@ def admission_request(req: InferenceRequest, counter: TokenCounter = ESTIMATE) -
 
 def authorized_reply_topic(req: InferenceRequest, prefix: str) -> str | None:
     """Where replies of ``req`` may go: the tenant's own reply topic, or an ingest
-    instance's (``<prefix>.replies.ingest-*``, used by ingest.http); None otherwise."""
+    instance's (``<prefix>.replies.ingest-*``, used by ingest.http) for an id of the
+    tenant's own there (:func:`_own_instance_id`); None otherwise."""
     own = reply_topic(prefix, req.tenant)
     if req.reply_to is None or req.reply_to == own:
         return own
-    return req.reply_to if _instance_reply_topic(req.reply_to, prefix) else None
+    if _instance_reply_topic(req.reply_to, prefix) and _own_instance_id(req):
+        return req.reply_to
+    return None
+
+
+def _own_instance_id(req: InferenceRequest) -> bool:
+    """Whether ``req``'s id may be answered on an ingest instance's reply topic, where HTTP
+    calls wait by request id alone: an id ingest.http gives (``cmpl-<uuid>``, unguessable)
+    or one scoped to the request's own tenant (``<tenant>:<id>``). Another tenant's scoped
+    id there would hand that tenant's waiting call this request's answer."""
+    return req.request_id.startswith((f"{req.tenant}:", "cmpl-"))
 
 
 def _instance_reply_topic(name: str, prefix: str) -> bool:

@@ -111,9 +111,11 @@ class Tenancy:
         return tenant if tenant in self.config.tenants or tenant == DEFAULT_TENANT else "other"
 
     def policy_for(self, tenant: str) -> TenantPolicy | None:
-        """The tenant's policy; None for a tenant the file does not list (keyed mode)."""
+        """The tenant's policy; None for a tenant the file does not list (keyed mode), and
+        in open mode for a reserved name (its reply topic would be an ingest instance's,
+        where HTTP calls wait: a refusal sent there would end one of them)."""
         policy = self.config.tenants.get(tenant)
-        if policy is not None or not self.open:
+        if policy is not None or not self.open or tenant.startswith(RESERVED_PREFIX):
             return policy
         return OPEN_POLICY if tenant == DEFAULT_TENANT else dataclasses.replace(
             OPEN_POLICY, tenant=tenant

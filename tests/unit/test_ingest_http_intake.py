@@ -102,15 +102,15 @@ def request(rid: str = "r1", tenant: str = "default", **changes: Any) -> Inferen
 
 async def test_admitted_request_is_stored_and_published() -> None:
     h = Harness(load_tenancy(None))
-    await h.submit(request(reply_to="llmq.replies.ingest-a"))
+    await h.submit(request("cmpl-r1", reply_to="llmq.replies.ingest-a"))
     [(topic, key, value)] = h.sent
-    assert (topic, key) == ("llmq.requests.normal.short", b"r1")
+    assert (topic, key) == ("llmq.requests.normal.short", b"cmpl-r1")
     admitted = decode(value, REQUEST_ADAPTER)
     assert admitted.reply_topic == "llmq.replies.ingest-a"
     assert admitted.prompt_tokens == 10 and admitted.admitted_at == NOW
     state = TenantState.from_dict(h.buckets["default"])
     assert state.in_flight == 1
-    assert h.reservations["r1"] == {"tenant": "default", "reserved": 20,
+    assert h.reservations["cmpl-r1"] == {"tenant": "default", "reserved": 20,
                                     "reply_topic": "llmq.replies.ingest-a",
                                     "deadline": NOW + 60.0 + 30.0}
 
@@ -175,19 +175,19 @@ async def test_the_id_of_a_request_in_flight_used_by_another_caller_is_refused(
     h = Harness(load_tenancy(None))
     other = dict(other)
     holder_reply_to = other.pop("holder_reply_to", None)
-    await h.submit(request("job-1", tenant="team-a", reply_to=holder_reply_to))
+    await h.submit(request("cmpl-job-1", tenant="team-a", reply_to=holder_reply_to))
     expect = other.pop("expect", other.get("reply_to", "llmq.replies.team-b"))
     tenant = other.get("tenant", "team-a")
-    await h.submit(request("job-1", **{"tenant": tenant, **other}))
+    await h.submit(request("cmpl-job-1", **{"tenant": tenant, **other}))
     # The first is admitted; the second gets one terminal answer, on its own reply topic.
     assert h.sent[0][0] == "llmq.requests.normal.short"
     [(topic, _, value)] = h.sent[1:]
     refusal = decode(value, REPLY_ADAPTER)
     assert isinstance(refusal, Error) and (refusal.request_id, refusal.code) == (
-        "job-1", "invalid")
+        "cmpl-job-1", "invalid")
     assert "request ids must be unique" in refusal.message
     assert topic == expect
-    assert h.reservations["job-1"]["tenant"] == "team-a"  # the first one's is untouched
+    assert h.reservations["cmpl-job-1"]["tenant"] == "team-a"  # the first one's is untouched
 
 
 async def test_a_created_at_far_ahead_of_ingests_clock_is_refused() -> None:
@@ -228,6 +228,42 @@ async def test_an_undecodable_record_never_answers_on_an_ingest_instances_topic(
         await h.handler.on_request(Record(bad, b"acme"))
     assert [t for t, _, _ in h.sent] == ["llmq.replies.acme"]
     assert [(e.request_id, e.code) for e in h.replies()] == [("job-1", "invalid")]
+
+
+async def test_a_broken_copy_of_a_request_in_flight_is_not_answered() -> None:
+    # Its holder's terminal is still to come: a refusal under its id would be a second.
+    h = Harness(load_tenancy(None))
+    await h.submit(request("r1", tenant="acme"))
+    bad = encode(request("r1", tenant="acme")).replace(b'"max_tokens":10', b'"max_tokens":0')
+    with pytest.raises(SchemaError):  # the guard dead-letters it
+        await h.handler.on_request(Record(bad, b"acme"))
+    assert h.replies() == [] and len(h.sent) == 1  # the admitted request only
+
+
+async def test_another_tenants_id_may_not_be_answered_on_an_ingest_instances_topic() -> None:
+    # HTTP calls wait there by id alone, and an x-request-id is scoped "<tenant>:<id>":
+    # acme naming "victim:42" there would have its answer stream into victim's call.
+    h = Harness(parse_tenants(Path("t.toml"), KEYED), existing={"llmq.replies.ingest-a"})
+    await h.submit(request("victim:42", "acme", reply_to="llmq.replies.ingest-a"))
+    [(topic, _, value)] = h.sent
+    refusal = decode(value, REPLY_ADAPTER)
+    assert topic == "llmq.replies.acme" and isinstance(refusal, Error)
+    assert refusal.code == "invalid" and "takes only ids 'acme:<id>'" in refusal.message
+    await h.submit(request("acme:42", "acme", reply_to="llmq.replies.ingest-a"))
+    assert h.sent[-1][0] == "llmq.requests.normal.short"  # its own id: admitted
+
+
+async def test_open_mode_refuses_the_reserved_tenant_names() -> None:
+    # A tenant "ingest-a" would have the ingest instance's topic as its own reply topic:
+    # its refusals would end HTTP calls waiting there.
+    h = Harness(load_tenancy(None))
+    with pytest.raises(SchemaError, match="unknown tenant"):
+        await h.submit(request("cmpl-victim", "ingest-a"))
+    bad = encode(request("cmpl-victim", "ingest-a")).replace(b'"max_tokens":10',
+                                                            b'"max_tokens":0')
+    with pytest.raises(SchemaError):
+        await h.handler.on_request(Record(bad, b"ingest-a"))
+    assert h.sent == [] and h.ensured == []
 
 
 async def test_unauthorized_reply_to_is_invalid_on_the_tenants_own_topic() -> None:
@@ -303,7 +339,7 @@ async def test_a_failed_table_write_answers_once_publishes_nothing_then_raises()
     h = Harness(load_tenancy(None))
     h.handler._reservations = RefusingTable()
     with pytest.raises(RuntimeError, match="PartitionsMismatch"):
-        await h.submit(request(reply_to="llmq.replies.ingest-a"))
+        await h.submit(request("cmpl-r1", reply_to="llmq.replies.ingest-a"))
     [(topic, _, _)] = h.sent  # no admitted request went to a request topic
     assert topic == "llmq.replies.ingest-a"
     [refusal] = h.replies()
@@ -402,18 +438,18 @@ async def test_a_reply_to_naming_no_running_ingest_instance_is_refused_not_creat
     # Any well-formed `<prefix>.replies.ingest-<id>` was accepted and its topic created
     # (here, by the scheduler and workers downstream): a tenant could make topics at will.
     h = Harness(load_tenancy(None), existing={"llmq.replies.ingest-b"})  # another instance
-    await h.submit(request("r1", reply_to="llmq.replies.ingest-b"))
-    await h.submit(request("r2", reply_to="llmq.replies.ingest-forged1"))
+    await h.submit(request("cmpl-r1", reply_to="llmq.replies.ingest-b"))
+    await h.submit(request("cmpl-r2", reply_to="llmq.replies.ingest-forged1"))
     [(_, _, admitted)] = [s for s in h.sent if s[0].startswith("llmq.requests.")]
-    assert decode(admitted, REQUEST_ADAPTER).request_id == "r1"
+    assert decode(admitted, REQUEST_ADAPTER).request_id == "cmpl-r1"
     [refusal] = h.replies()
-    assert (refusal.request_id, refusal.code) == ("r2", "invalid")
+    assert (refusal.request_id, refusal.code) == ("cmpl-r2", "invalid")
     assert "no running ingest instance" in refusal.message
     assert [t for t, _, _ in h.sent if t.endswith("forged1")] == []
     assert h.ensured == ["llmq.replies.default"]  # the tenant's own, for the refusal
-    await h.submit(request("r3", reply_to="llmq.replies.ingest-b"))
-    await h.submit(request("r4", reply_to="llmq.replies.ingest-forged1"))
+    await h.submit(request("cmpl-r3", reply_to="llmq.replies.ingest-b"))
+    await h.submit(request("cmpl-r4", reply_to="llmq.replies.ingest-forged1"))
     assert h.checked == ["llmq.replies.ingest-b", "llmq.replies.ingest-forged1"]  # once each
     h.now += 11.0  # a missing one is asked about again after a while (it may have started)
-    await h.submit(request("r5", reply_to="llmq.replies.ingest-forged1"))
+    await h.submit(request("cmpl-r5", reply_to="llmq.replies.ingest-forged1"))
     assert h.checked[-1] == "llmq.replies.ingest-forged1" and len(h.checked) == 3

@@ -28,9 +28,12 @@ down: install  ## stop what `make up` started in the background
 test: install  ## start Kafka if needed, run the whole suite, stop what it started
 	@bash scripts/test.sh
 
-lint: install  ## ruff + mypy strict on schemas/ and services/
-	$(BIN)/ruff check schemas services tests
+lint: install  ## ruff + mypy strict on schemas/, services/ and the llmq/ SDK
+	$(BIN)/ruff check schemas services llmq tests
 	$(BIN)/mypy
+
+bench: install  ## the policy matrix on the Azure traces, seed 1 (docs/benchmarks.md; ~25 s)
+	$(BIN)/llmq bench policies --matrix
 
 clean:  ## remove the venv and caches (keeps .llmq/, the broker cache and data)
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis

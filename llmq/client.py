@@ -153,21 +153,25 @@ class LlmqClient:
             self.bootstrap,
             [TopicRequest(self._spec.name, self._spec.partitions, self._spec.config)],
         )
-        self._producer = make_producer(self.bootstrap)
-        await self._producer.start()
+        producer = make_producer(self.bootstrap)
+        await producer.start()
         try:
             await self._router.start()
         except BaseException:
-            await self._producer.stop()
+            await producer.stop()
             raise
+        self._producer = producer  # only now: submit() says "not running" until here
 
     async def stop(self) -> None:
-        """Stop reading replies and producing; open handles end with ``StreamClosed``."""
-        await self._router.stop()
-        self._router.close_all("LlmqClient was stopped: no more replies will come")
-        if self._producer is not None:
-            await self._producer.stop()
-            self._producer = None
+        """Stop reading replies and producing; open handles end with ``StreamClosed``
+        (all of it even when one part fails to stop: that error is raised after)."""
+        try:
+            await self._router.stop()
+        finally:
+            self._router.close_all("LlmqClient was stopped: no more replies will come")
+            producer, self._producer = self._producer, None
+            if producer is not None:
+                await producer.stop()
 
     async def __aenter__(self) -> LlmqClient:
         await self.start()

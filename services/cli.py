@@ -255,7 +255,9 @@ _register_commands()
 @click.option("--model", default="llama-3.1-8b", show_default=True)
 @click.option("--chat", is_flag=True, help="Send PROMPT as one user chat message.")
 @click.option("--timeout", "timeout_s", default=120.0, show_default=True,
-              type=seconds(_MAX_WAIT_S), help="Seconds to wait for the end of the reply.")
+              type=seconds(_MAX_WAIT_S),
+              help="The request's timeout in seconds: llmq ends it (queue_timeout, or timeout "
+                   "once running) past this; the command waits 10 s more for that answer.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object at the end.")
 @click.pass_obj
 def submit(settings: Settings, prompt: str, max_tokens: int, priority: str, lane: str | None,

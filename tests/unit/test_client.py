@@ -29,6 +29,8 @@ class _Producer:
                             headers: Any = None) -> None:
         self.sent.append((topic, value))
 
+    async def start(self) -> None: ...
+
     async def stop(self) -> None: ...
 
 
@@ -127,6 +129,47 @@ async def test_stop_ends_open_handles_at_once() -> None:
     with pytest.raises(RuntimeError, match="not running: cannot cancel r2"):
         await later.cancel()
     assert not [t for t, _ in producer.sent if t.endswith("control")]
+
+
+async def test_stop_ends_handles_and_stops_the_producer_even_if_the_router_fails() -> None:
+    client, _ = _client()
+    stopped: list[str] = []
+
+    class _Stopping(_Producer):
+        async def stop(self) -> None:
+            stopped.append("producer")
+
+    async def failing_stop() -> None:
+        raise OSError("the broker went away")
+
+    client._producer = _Stopping()
+    client._router.stop = failing_stop  # type: ignore[method-assign]  # a failing router
+    waiting = await client.submit(prompt="hi", max_tokens=4, timeout_s=30, request_id="r1")
+    with pytest.raises(OSError, match="went away"):
+        await client.stop()
+    assert stopped == ["producer"] and client._producer is None
+    with pytest.raises(RuntimeError, match="LlmqClient was stopped"):
+        await asyncio.wait_for(waiting.wait(), 1)
+
+
+async def test_a_failed_start_leaves_the_client_not_running(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import llmq.client as sdk
+
+    async def no_topics(*_: Any, **__: Any) -> None: ...
+
+    async def no_router() -> None:
+        raise OSError("no broker")
+
+    monkeypatch.setattr(sdk, "ensure_topics", no_topics)
+    monkeypatch.setattr(sdk, "make_producer", lambda _: _Producer())
+    client = LlmqClient("127.0.0.1:9", tenant="default")
+    client._router.start = no_router  # type: ignore[method-assign]  # a failing router
+    with pytest.raises(OSError, match="no broker"):
+        await client.start()
+    with pytest.raises(RuntimeError, match="not running"):
+        await client.submit(prompt="hi", max_tokens=4)
 
 
 def _submit_cli(monkeypatch: pytest.MonkeyPatch, args: list[str],

@@ -42,16 +42,18 @@ _SERVICES: Final = {
     "scheduler": "Pending queue, placement, KV reservations, deadlines (services/scheduler).",
     "worker": "One engine, its assignments partition, streaming (services/worker).",
     "health": "Consul registration, drain, cluster status (services/health).",
-    "cli": "The llmq command line (drain, cancel, dead-letter inspection).",
+    "cli": "The llmq command line (drain, status, submit).",
 }
 
 #: Producers that send only some of a channel's messages: (channel id, service) -> messages.
 _SENDS_ONLY: Final[dict[tuple[str, str], tuple[str, ...]]] = {
     ("replies", "scheduler"): ("Error",),  # queue_timeout, worker_lost
     ("replies", "ingest"): ("Error",),  # rejections
-    ("control", "health"): ("DrainWorker",),
+    ("control", "cli"): ("DrainWorker",),
+    ("control", "client"): ("CancelRequest",),
     ("control", "ingest"): ("CancelRequest",),  # client disconnects
     ("control", "scheduler"): ("LeaseAnswer",),
+    ("events", "scheduler"): ("EventFailed", "EventAborted"),  # its own endings
 }
 
 _TRACE_HEADERS: Final = {

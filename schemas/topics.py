@@ -137,7 +137,8 @@ def reply_spec(prefix: str, tenant: str) -> TopicSpec:
             "A request may name another authorized topic in reply_to; it carries the same."
         ),
         producers=("worker", "scheduler", "ingest"),
-        consumers=("client", "ingest"),
+        # The scheduler reads them to tell answered attempts from lost ones.
+        consumers=("client", "ingest", "scheduler"),
         # Replies matter only while someone waits for them.
         configs=(("retention.ms", _DAY_MS),),
     )
@@ -239,8 +240,10 @@ def catalog(
                     EventAborted),
             adapter=EVENT_ADAPTER,
             description="Lifecycle of each (request_id, attempt) on its worker.",
-            producers=("worker",),
-            consumers=("scheduler", "ingest"),
+            # The scheduler ends what never reached a worker, or a lost worker's work;
+            # workers follow it for the decode stages of the prompts they handed on.
+            producers=("worker", "scheduler"),
+            consumers=("scheduler", "ingest", "worker"),
         ),
         TopicSpec(
             name=f"{prefix}.control",
@@ -253,8 +256,8 @@ def catalog(
                 "Commands: drain (keyed by worker_id), cancel (keyed by request_id), the "
                 "scheduler's answer to a lease renewal (keyed by worker_id)."
             ),
-            producers=("cli", "health", "ingest", "scheduler"),
-            consumers=("scheduler", "worker"),
+            producers=("cli", "client", "ingest", "scheduler"),
+            consumers=("scheduler", "worker", "health"),
         ),
         TopicSpec(
             name=f"{prefix}.deadletter",
@@ -269,7 +272,7 @@ def catalog(
                 f"{DEADLETTER_SOURCE_HEADER}."
             ),
             producers=("ingest", "scheduler", "worker"),
-            consumers=("cli",),
+            consumers=(),  # an operator's, with any Kafka consumer
             configs=(*big, ("retention.ms", 7 * _DAY_MS)),
         ),
     ]

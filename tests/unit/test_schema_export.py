@@ -210,6 +210,19 @@ def test_asyncapi_operations_name_their_service(doc: dict[str, Any]) -> None:
         assert op["tags"][0]["name"] in {t["name"] for t in doc["info"]["tags"]}
 
 
+def test_asyncapi_operations_are_who_sends_and_reads_what_in_the_code(
+    doc: dict[str, Any]
+) -> None:
+    ops = doc["operations"]
+    # The scheduler's own endings; a prefill worker follows the events of its hand-offs.
+    assert [m["$ref"].rsplit("/", 1)[1] for m in ops["scheduler.send.events"]["messages"]] \
+        == ["EventFailed", "EventAborted"]
+    assert {"worker.receive.events", "scheduler.receive.replies", "health.receive.control",
+            "client.send.control", "cli.send.control"} <= ops.keys()
+    # Drains come from the CLI; nothing in llmq reads the dead letter but an operator.
+    assert not {"health.send.control", "cli.receive.deadletter"} & ops.keys()
+
+
 @pytest.mark.parametrize("model", MESSAGE_MODELS, ids=lambda m: str(m.__name__))
 def test_asyncapi_examples_match_payload_schemas(doc: dict[str, Any], model: Any) -> None:
     message = doc["components"]["messages"][model.__name__]

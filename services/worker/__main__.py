@@ -26,6 +26,7 @@ from pydantic import ValidationError
 from services.common import tracing
 from services.common.settings import Settings, warn_unknown_env
 from services.worker.app import Worker, WorkerIdentity
+from services.worker.engines.base import EngineMisconfigured
 from services.worker.engines.registry import EngineConfig, build_engine, check_role
 from services.worker.engines.sim.profiles import get_profile
 from services.worker.settings import WorkerSettings
@@ -142,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tracing.setup("llmq-worker", settings.otlp_endpoint, settings.trace_sample_ratio)
     try:
         return asyncio.run(_serve(worker))
-    except SlotRefused as exc:
+    except (SlotRefused, EngineMisconfigured) as exc:
         print(f"worker: refusing to start: {exc}", file=sys.stderr, flush=True)
         return 2
     except (KafkaError, OSError) as exc:

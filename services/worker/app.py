@@ -230,7 +230,8 @@ class Worker:
 
     # ---- lifecycle ---------------------------------------------------------------------
     async def run(self) -> int:
-        """Start, serve until drained (0) or stopped hard (1). SlotRefused propagates."""
+        """Start, serve until drained (0) or stopped hard (1). SlotRefused and
+        EngineMisconfigured propagate."""
         try:
             await self._start()
             await self._done.wait()
@@ -554,8 +555,8 @@ class Worker:
             self.tracker.finish(offset)
             self._commit_wake.set()
         else:
-            # The run sends its terminal until it is acknowledged or the run is fenced
-            # (then it is acked: the scheduler takes over); only a bug ends up here.
+            # Runs end acked once answered, given up for good (their event.failed sent as
+            # far as it could be) or fenced; an Outcome that is not is a bug in the run.
             _log.error("request %s: its answer was not acknowledged; offset %d stays "
                        "uncommitted and the request open until this worker is declared "
                        "lost", run.engine_id, offset)

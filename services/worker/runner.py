@@ -28,12 +28,15 @@ run sends again, from the first record not acknowledged on (the chunks, every on
 acknowledged before the reply goes: clients stop at the first terminal; then the reply;
 clients drop duplicates), with a growing wait between tries, until the broker
 acknowledges, the run may no longer send (fenced), a newer attempt or slot holder took the
-request over, or the worker stops hard (the run is cancelled). It gives up (the offset
-stays uncommitted, as before) only on an error no retry mends (a topic the broker
-refuses, a record too large) or ``give_up_after_s`` past the request's deadline.
+request over, or the worker stops hard (the run is cancelled). It gives up only on an
+error no retry mends (a topic the broker refuses, a record too large) or
+``give_up_after_s`` past the request's deadline; then it sends ``event.failed(worker_lost)``
+(its own time to go out) and the assignment is over:
+its offset may be committed (a restarted process would not run it again, and an offset
+held open would stop the slot's commit point for the rest of the process).
 :meth:`run` returns an :class:`Outcome` whose ``acked`` tells the app whether the
-assignment's offset may be committed. Any unexpected error still ends the request with
-``Error(worker_lost)``.
+assignment's offset may be committed. Any unexpected error, a final delta the wire refuses
+included, still ends the request with ``Error(worker_lost)`` + ``event.failed``.
 
 Prefill and decode apart (``Assignment.phase``): a **prefill** stage (its engine request
 has ``max_tokens`` 1 and the phase's engine priority, ``schemas.common.engine_rank``) sends
@@ -78,7 +81,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, TypeGuard, get_args
 
 from aiokafka.errors import KafkaError, KafkaTimeoutError
 from opentelemetry import trace
@@ -86,8 +89,8 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from pydantic import ValidationError
 
 from schemas.codec import encode
-from schemas.common import ErrorCode, engine_rank, priority_rank
-from schemas.replies import Done, Error, Timings, TokenChunk, Usage
+from schemas.common import MAX_TOKENS, ErrorCode, engine_rank, priority_rank
+from schemas.replies import Done, Error, FinishReason, Timings, TokenChunk, Usage
 from schemas.requests import Assignment
 from schemas.workers import (
     EventAborted,
@@ -140,7 +143,9 @@ class RunConfig:
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
-    """How a run ended, tokens streamed, and whether everything it sent was acknowledged.
+    """How a run ended, tokens streamed, and whether its offset may be committed
+    (``acked``: everything it sent was acknowledged, or it was given up for good and its
+    ``event.failed`` sent as far as it could be).
 
     ``terminal`` is the terminal reply it sent, as ``llmq_requests_total`` labels it
     (``done`` or the error code; None when it sent none: superseded, a prefill stage's
@@ -200,6 +205,15 @@ def _permanent(exc: BaseException | None) -> bool:
     timeout, which it does not, is transient too)."""
     return isinstance(exc, KafkaError) and not exc.retriable \
         and not isinstance(exc, KafkaTimeoutError)
+
+
+#: The finish reasons a ``Done`` may carry (``schemas.replies.FinishReason``).
+_FINISH_REASONS: Final = frozenset(get_args(FinishReason))
+
+
+def _token_count(value: object) -> TypeGuard[int]:
+    """Is ``value`` a token count the wire takes (an int in ``[0, MAX_TOKENS]``)?"""
+    return type(value) is int and 0 <= value <= MAX_TOKENS
 
 
 @dataclass(frozen=True, slots=True)
@@ -381,6 +395,10 @@ class RequestRun:
         try:
             async for delta in self.engine.generate(engine_request(self.assignment,
                                                                    self.engine_id)):
+                if not isinstance(delta, TokenDelta):  # an engine bug: fail, answered
+                    self._inbox.put_nowait(_Failed(
+                        "worker_lost", f"engine yielded {type(delta).__name__}, not a delta"))
+                    return
                 last = delta
                 self._inbox.put_nowait(delta)
         except EngineError as exc:
@@ -432,7 +450,8 @@ class RequestRun:
         self._tokens += delta.tokens
         if self._on_tokens is not None and delta.tokens:
             self._on_tokens(delta.tokens)
-        await self._send_chunk(self._batcher.add(delta.text, delta.tokens, now))
+        for chunk in self._batcher.add_all(delta.text, delta.tokens, now):
+            await self._send_chunk(chunk)
 
     # ---- sending -----------------------------------------------------------------------
     async def _check_fence(self) -> None:
@@ -463,10 +482,18 @@ class RequestRun:
                          self.engine_id)
             self._span.set_attribute(tracing.LLMQ_OUTCOME, "fenced")
             return Outcome("superseded", self._tokens, acked=True)
-        except Exception:
+        except Exception as exc:  # a bug: still tell the scheduler the attempt is over
             _log.exception("request %s: could not send its terminal", self.engine_id)
             self._span.set_attribute(tracing.LLMQ_OUTCOME, "unsent")
-            return Outcome("failed", self._tokens, acked=False)
+            with contextlib.suppress(Exception):
+                unsent = self._event(EventFailed, code="worker_lost",
+                                     message=f"its terminal could not be sent: "
+                                             f"{type(exc).__name__}")
+                await self._until_acked(
+                    [_Sent(self.cfg.events_topic, unsent)], ask_first=False,
+                    give_up_at=self.assignment.deadline + 2 * self.cfg.give_up_after_s)
+            # As after a given-up reply: an offset held open would stop the commit point.
+            return Outcome("failed", self._tokens, acked=True)
 
     async def _send_terminal(self, ending: _Stop | _Failed | _Ended) -> Outcome:
         await self._check_fence()
@@ -476,7 +503,7 @@ class RequestRun:
             # and nothing it sent is needed any more: its offset may be committed.
             self._span.set_attribute(tracing.LLMQ_OUTCOME, "superseded")
             return Outcome("superseded", self._tokens, acked=True)
-        end = self._ending(ending)
+        end = self._answer(ending)
         self._annotate(end.outcome, end.usage)
         if isinstance(end.first.msg, Done):
             self._span.set_attribute(tracing.GEN_AI_RESPONSE_FINISH,
@@ -520,7 +547,10 @@ class RequestRun:
                 await self._until_acked(
                     [_Sent(self.cfg.events_topic, unsent)], ask_first=False,
                     give_up_at=self.assignment.deadline + 2 * self.cfg.give_up_after_s)
-            return Outcome(end.kind, self._tokens, acked=False, terminal=None, e2e_s=e2e)
+            # Nothing is left to do for this assignment: a restarted process would not run
+            # it again (it drops work placed on an earlier process), and holding its offset
+            # open would stop the slot's commit point for good. So it counts as finished.
+            return Outcome(end.kind, self._tokens, acked=True, terminal=None, e2e_s=e2e)
         if end.event is not None:
             try:
                 await self._until_acked([_Sent(self.cfg.events_topic, end.event)],
@@ -601,6 +631,19 @@ class RequestRun:
         if outcome not in ("done", "prefilled", "cancelled"):
             span.set_status(Status(StatusCode.ERROR, outcome))
 
+    def _answer(self, ending: _Stop | _Failed | _Ended) -> _Answer:
+        """:meth:`_ending`, or ``worker_lost`` when the engine's final output cannot go on
+        the wire (a finish reason or count the schemas refuse): the client still gets its
+        one terminal reply and the scheduler its event (module docstring)."""
+        try:
+            return self._ending(ending)
+        except Exception as exc:  # ValidationError, or an engine's value of a wrong type
+            _log.exception("request %s: its ending cannot go on the wire", self.engine_id)
+            usage = Usage(prompt_tokens=self.assignment.admitted.prompt_tokens,
+                          completion_tokens=min(self._tokens, MAX_TOKENS))
+            return self._ending(_Failed("worker_lost", "the engine's final output cannot go "
+                                        f"on the wire: {type(exc).__name__}"), usage)
+
     def _ending(self, ending: _Stop | _Failed | _Ended, usage: Usage | None = None) -> _Answer:
         """What the run sends for how it ended (``usage``: as counted already, if it was)."""
         now = self._clock()
@@ -611,6 +654,10 @@ class RequestRun:
             last = ending.last
             if last is None or last.finish_reason is None:
                 ending = _Failed("worker_lost", "engine stream ended without finishing")
+            elif last.finish_reason not in _FINISH_REASONS:
+                ending = _Failed("worker_lost", "engine ended with finish reason "
+                                 f"{str(last.finish_reason)[:64]!r}, not one of "
+                                 f"{sorted(_FINISH_REASONS)}")
             elif self._prefill:
                 prefilled = self._prefilled(last, usage)
                 if isinstance(prefilled, _Failed):
@@ -656,11 +703,14 @@ class RequestRun:
         return event
 
     def _usage(self, last: TokenDelta | None) -> Usage:
+        """The engine's counts where they are wire values, else the run's own (admitted
+        prompt, tokens streamed)."""
         prompt = self.assignment.admitted.prompt_tokens
-        completion = self._tokens
+        completion = min(self._tokens, MAX_TOKENS)
         if last is not None:
-            prompt = last.prompt_tokens if last.prompt_tokens is not None else prompt
-            if last.completion_tokens is not None:
+            if _token_count(last.prompt_tokens):
+                prompt = last.prompt_tokens
+            if _token_count(last.completion_tokens):
                 completion = last.completion_tokens
         return Usage(prompt_tokens=prompt, completion_tokens=completion)
 

@@ -232,7 +232,7 @@ async def test_an_event_prefilled_given_up_past_the_deadline_only_ends_the_attem
     outcome = await _run_stage(_stage("prefill", timeout_s=0.2),
                                _StageEngine([_prefilled_delta()]), producer,
                                cfg=replace(_CFG, give_up_after_s=0.1))
-    assert (outcome.kind, outcome.terminal, outcome.acked) == ("prefilled", None, False)
+    assert (outcome.kind, outcome.terminal, outcome.acked) == ("prefilled", None, True)
     assert producer.terminals() == [("event.failed", "worker_lost")]
     assert _kinds(producer, REPLIES) == []
     failed = producer.records[-1][1]

@@ -7,11 +7,20 @@ load, and an idle stream still shows text within 50 ms. The caller asks :meth:`d
 when it must wake up to flush a chunk whose time ran out without a new token.
 
 ``seq`` numbers chunks of one attempt from 0 (clients drop duplicate ``(attempt, seq)``).
+
+No chunk passes the wire's limits (``max_chars`` characters, ``max_chunk_tokens`` tokens,
+both ``schemas.base.MAX_CHUNK_CHARS`` by default): :meth:`ChunkBatcher.add_all` splits a
+delta past either into consecutive pieces (an engine may count tens of thousands of
+reasoning tokens on one short text delta). Each piece carries at least one token (a chunk
+must), so a delta of more characters per token than a chunk holds is counted a few tokens
+high in its chunks; the ``Done``'s usage is the engine's own count.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from schemas.base import MAX_CHUNK_CHARS
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,12 +36,15 @@ class ChunkBatcher:
     """Accumulates deltas of one request; ``add`` / ``flush`` return a chunk when one is due."""
 
     def __init__(self, max_tokens: int = 16, max_delay_s: float = 0.05,
-                 max_chars: int = 1 << 16) -> None:
-        if max_tokens < 1 or max_delay_s < 0 or max_chars < 1:
-            raise ValueError("max_tokens and max_chars must be >= 1, max_delay_s >= 0")
+                 max_chars: int = MAX_CHUNK_CHARS,
+                 max_chunk_tokens: int = MAX_CHUNK_CHARS) -> None:
+        if max_tokens < 1 or max_delay_s < 0 or max_chars < 1 or max_chunk_tokens < 1:
+            raise ValueError("max_tokens, max_chars and max_chunk_tokens must be >= 1, "
+                             "max_delay_s >= 0")
         self.max_tokens = max_tokens
         self.max_delay_s = max_delay_s
         self.max_chars = max_chars
+        self.max_chunk_tokens = max_chunk_tokens
         self._parts: list[str] = []
         self._chars = 0
         self._tokens = 0
@@ -61,7 +73,8 @@ class ChunkBatcher:
         if tokens == 0 and not text:
             return None
         out: Chunk | None = None
-        if self._tokens and self._chars + len(text) > self.max_chars:
+        if self._tokens and (self._chars + len(text) > self.max_chars
+                             or self._tokens + tokens > self.max_chunk_tokens):
             out = self._take()
         self._parts.append(text)
         self._chars += len(text)
@@ -70,6 +83,27 @@ class ChunkBatcher:
             self._since = now
         if out is None and (self._tokens >= self.max_tokens or self._expired(now)):
             out = self._take()
+        return out
+
+    def add_all(self, text: str, tokens: int, now: float) -> list[Chunk]:
+        """Take a delta of any size: the chunks now due, none past the wire's limits (the
+        module docstring says how a delta past them is split)."""
+        if tokens < 0:
+            raise ValueError("tokens must be >= 0")
+        pieces = max(-(-tokens // self.max_chunk_tokens), -(-len(text) // self.max_chars))
+        if pieces <= 1:
+            chunk = self.add(text, tokens, now)
+            return [] if chunk is None else [chunk]
+        width = -(-len(text) // pieces)
+        out: list[Chunk] = []
+        for i in range(pieces):
+            # Tokens spread evenly (each piece <= the limit), at least one per piece.
+            share = max(1, tokens // pieces + (1 if i < tokens % pieces else 0))
+            chunk = self.add(text[i * width:(i + 1) * width], share, now)
+            if chunk is not None:
+                out.append(chunk)
+            if self._tokens >= self.max_tokens:
+                out.append(self._take())
         return out
 
     def flush(self, now: float, force: bool = False) -> Chunk | None:

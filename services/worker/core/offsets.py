@@ -12,6 +12,11 @@ Requests finished *above* the commit point would be run again after a restart. T
 worker puts them into the commit's metadata string (``encode_done``) and a restarted worker
 skips them (``decode_done``): at-least-once, with as few repeats as the metadata bound
 allows (Kafka's ``offset.metadata.max.bytes`` defaults to 4096).
+
+Memory is bounded: at most ``max_finished`` finished offsets above the commit point are
+kept (the lowest ones go first once there are more: the metadata lists a few hundred at
+most anyway). One forgotten is merely not skipped if it is delivered again, which the
+at-least-once contract allows (the worker's dedupe ledger still drops a repeat it knows).
 """
 
 from __future__ import annotations
@@ -25,7 +30,11 @@ _DONE_PREFIX: Final = "llmq-done:"
 class OffsetTracker:
     """Open and finished offsets of one partition; :meth:`commit_point` is safe to commit."""
 
-    def __init__(self, committed: int | None = None, done: set[int] | None = None) -> None:
+    def __init__(self, committed: int | None = None, done: set[int] | None = None,
+                 max_finished: int = 1 << 14) -> None:
+        if max_finished < 1:
+            raise ValueError("max_finished must be >= 1")
+        self._max_finished = max_finished
         #: Offsets below this are finished (the last committed point).
         self._floor = committed if committed is not None else -1
         self._open: set[int] = set()
@@ -53,6 +62,10 @@ class OffsetTracker:
         if offset in self._open:
             self._open.remove(offset)
             self._finished.add(offset)
+            if len(self._finished) > self._max_finished:
+                # Forget the lowest quarter at once: amortised O(1) per finish.
+                keep = self._max_finished - self._max_finished // 4
+                self._finished = set(sorted(self._finished)[-keep:])
 
     def commit_point(self) -> int | None:
         """Offset to commit (the next record to read after a restart); None before any."""

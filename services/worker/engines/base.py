@@ -142,6 +142,11 @@ class EngineError(Exception):
         self.message = message
 
 
+class EngineMisconfigured(Exception):
+    """The engine's server is not the one the worker was configured for (a wrong URL or
+    model): ``start`` refuses, with a one-line message saying what to fix."""
+
+
 class EngineAborted(Exception):
     """The request's stream ended because ``abort(request_id)`` was called."""
 

@@ -99,12 +99,13 @@ from typing import Any, Final
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from schemas.common import ErrorCode, Phase
+from schemas.common import MAX_TOKENS, ErrorCode, Phase
 from services.worker.core.rate import RateMeter
 from services.worker.engines.base import (
     EngineAborted,
     EngineCapacity,
     EngineError,
+    EngineMisconfigured,
     FinishReason,
     GenerateRequest,
     SchedulingPolicy,
@@ -178,32 +179,65 @@ class ServerLoad:
     block_size: int | None = None
 
 
+#: Largest value of a count read from /metrics (running, waiting: per sample) and of the
+#: KV pool (blocks, over all engines): past these a value is not a real server's, and the
+#: heartbeat could not carry the sizes made from it (``Count``, ``kv_total_bytes``).
+_MAX_SEQS: Final = 1 << 31
+_MAX_GPU_BLOCKS: Final = 1 << 24
+#: The wire's largest block size (``WorkerHeartbeat.block_size``).
+_MAX_BLOCK_SIZE: Final = 1 << 16
+
+
 def parse_vllm_metrics(text: str) -> ServerLoad:
     """Parse a Prometheus text exposition of a vLLM server (see the module docstring).
 
-    Raises ``ValueError`` for text that is not an exposition, and for a NaN or infinite
-    value of a metric read here: the load is then unknown (fail closed), not "all free".
+    A data-parallel server labels each engine's samples ``engine``: the pool is the sum of
+    the engines' ``num_gpu_blocks``, and the usage their mean weighted by those blocks
+    (unweighted when an engine's pool is not published).
+
+    Raises ``ValueError`` for text that is not an exposition, and for a value of a metric
+    read here that no real server reports (NaN, infinite, negative, or past
+    :data:`_MAX_SEQS`, :data:`_MAX_GPU_BLOCKS`, :data:`_MAX_BLOCK_SIZE`): the load is then
+    unknown (fail closed), not "all free" nor a heartbeat the wire refuses.
     """
-    usage: list[float] = []
+    usage: dict[str, float] = {}
+    blocks: dict[str, int] = {}
     running = waiting = 0
-    blocks: int | None = None
     block_size: int | None = None
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name in (*_KV_USAGE, _RUNNING, _WAITING) and \
-                    not math.isfinite(sample.value):
-                raise ValueError(f"{sample.name} is {sample.value}")
-            if sample.name in _KV_USAGE:
-                usage.append(float(sample.value))
-            elif sample.name == _RUNNING:
-                running += int(sample.value)
-            elif sample.name == _WAITING:
-                waiting += int(sample.value)
-            elif sample.name == _CACHE_INFO:
-                blocks = _int_label(sample.labels, "num_gpu_blocks") or blocks
-                block_size = _int_label(sample.labels, "block_size") or block_size
-    kv = min(1.0, max(0.0, sum(usage) / len(usage))) if usage else None
-    return ServerLoad(kv, running, waiting, blocks, block_size)
+            name, value = sample.name, sample.value
+            engine = sample.labels.get("engine", "")
+            if name in (*_KV_USAGE, _RUNNING, _WAITING) and not math.isfinite(value):
+                raise ValueError(f"{name} is {value}")
+            if name in _KV_USAGE:
+                usage[engine] = min(1.0, max(0.0, float(value)))
+            elif name in (_RUNNING, _WAITING):
+                if not 0 <= value <= _MAX_SEQS:
+                    raise ValueError(f"{name} is {value}, not a count of requests")
+                if name == _RUNNING:
+                    running += int(value)
+                else:
+                    waiting += int(value)
+            elif name == _CACHE_INFO:
+                n = _int_label(sample.labels, "num_gpu_blocks")
+                if n is not None:
+                    blocks[engine] = n
+                size = _int_label(sample.labels, "block_size")
+                if size is not None and size > _MAX_BLOCK_SIZE:
+                    raise ValueError(f"{name} block_size is {size}, over {_MAX_BLOCK_SIZE}")
+                block_size = size or block_size
+    pool = sum(blocks.values()) or None
+    if pool is not None and pool > _MAX_GPU_BLOCKS:
+        raise ValueError(f"{_CACHE_INFO} num_gpu_blocks sum to {pool}, over {_MAX_GPU_BLOCKS}")
+    kv: float | None = None
+    if usage and all(blocks.get(e) for e in usage):
+        weight = sum(blocks[e] for e in usage)
+        kv = sum(u * blocks[e] for e, u in usage.items()) / weight
+    elif usage:
+        kv = sum(usage.values()) / len(usage)
+    return ServerLoad(None if kv is None else min(1.0, max(0.0, kv)), running, waiting,
+                      pool, block_size)
 
 
 def _int_label(labels: dict[str, str], name: str) -> int | None:
@@ -353,7 +387,11 @@ class _Tally:
 
 
 def _opt_int(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    """A token count the server reported, or None when it is not one the wire takes (not
+    an int, negative, past ``MAX_TOKENS``): the run then counts for itself."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKENS:
+        return value
+    return None
 
 
 class NoKvConnector(EngineError):
@@ -442,8 +480,48 @@ class OpenAIEngine:
         self._metrics_client = httpx.AsyncClient(
             base_url=self.base_url, headers=self._headers, timeout=5.0,
             limits=httpx.Limits(max_connections=1, max_keepalive_connections=1))
+        try:
+            await self._check_served_model()
+        except EngineMisconfigured:
+            await self.close()
+            raise
         await self.refresh_metrics()
         self._poller = asyncio.create_task(self._poll(), name="openai-engine-metrics")
+
+    async def _check_served_model(self) -> None:
+        """Refuse a server that certainly does not serve ``served_model`` at this URL (one
+        ``GET /v1/models``): a 404 to a URL ending in ``/v1`` (every request would go to
+        ``/v1/v1/...``), or a model list without it (every request answered
+        ``unknown_model``). Raises :class:`EngineMisconfigured`. A server that cannot be
+        asked (down, still loading, no such endpoint, an answer not a model list) is let
+        be: its requests fail or the scrape fails closed, as before."""
+        assert self._metrics_client is not None
+        try:
+            response = await self._metrics_client.get("/v1/models")
+        except httpx.HTTPError as exc:
+            _log.warning("openai engine: cannot list the server's models: %s", exc)
+            return
+        if response.status_code == 404 and self.base_url.endswith("/v1"):
+            raise EngineMisconfigured(
+                f"{self.base_url}/v1/models is not found: the engine adds /v1 itself, "
+                f"drop /v1 from --openai-url ({self.base_url.removesuffix('/v1')})")
+        if response.status_code != 200:
+            _log.warning("openai engine: /v1/models answered %s; model %r not checked",
+                         response.status_code, self.served_model)
+            return
+        try:
+            data = response.json()["data"]
+            served = [m["id"] for m in data if isinstance(m, dict)]
+        except (ValueError, KeyError, TypeError) as exc:
+            _log.warning("openai engine: /v1/models is not a model list (%r); model %r "
+                         "not checked", exc, self.served_model)
+            return
+        if self.served_model not in served:
+            listed = ", ".join(repr(str(m)) for m in served[:10])
+            raise EngineMisconfigured(
+                f"the server at {self.base_url} serves [{listed}"
+                f"{', ...' if len(served) > 10 else ''}], not {self.served_model!r}: fix "
+                "--openai-model")
 
     async def close(self) -> None:
         if self._poller is not None:

@@ -524,7 +524,9 @@ class Scheduler:
         )
 
     def _on_event(self, record: Any) -> None:
-        self.state.observe_event(decode(record.value, EVENT_ADAPTER))
+        # Headers too: a scheduler's terminal event names the admission it ended there.
+        self.state.observe_event(decode(record.value, EVENT_ADAPTER),
+                                 tuple(tracing.headers_of(record)))
 
     # -- producing ----------------------------------------------------------------------
 

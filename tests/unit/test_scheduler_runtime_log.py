@@ -127,3 +127,43 @@ def test_finished_entries_drop_their_payload_and_are_pruned_after_memory() -> No
     assert log.status("done") == "unknown"
     assert log.status("running") == "active"  # an active entry is never pruned
     assert len(log) == 1
+
+
+REACHED: list[tuple[str, list[Record], dict[int, bool]]] = [
+    # name, records, attempt -> whether the log shows it (or a later one) placed or ended
+    ("never seen", [], {1: False}),
+    ("assigned", [assigned("r")], {1: True, 2: False}),
+    ("started before its assignment", [event("started", "r", 2)], {2: True, 3: False}),
+    ("first token only", [event("first_token", "r", 2)], {2: True, 3: False}),
+    ("ended only", [event("done", "r", 2)], {1: True, 2: True, 3: False}),
+    ("requeued: attempt 1 assigned", [assigned("r", 1), event("started", "r", 1)],
+     {1: True, 2: False}),
+]
+
+
+@pytest.mark.parametrize(("name", "records", "expected"), REACHED, ids=[c[0] for c in REACHED])
+def test_reached_tells_an_attempt_placed_elsewhere_from_any_of_its_records(
+    name: str, records: list[Record], expected: dict[int, bool]
+) -> None:
+    for order in itertools.permutations(records):
+        log = AssignmentLog()
+        feed(log, order)
+        assert {a: log.reached("r", a) for a in expected} == expected, order
+
+
+def test_a_reuse_is_told_from_a_redelivery_by_the_admissions_the_log_holds() -> None:
+    log = AssignmentLog()
+    first = assigned("r")
+    log.observe_event(event("done", "r"))
+    assert not log.is_reuse("r", first.admitted.admitted_at + 5)  # none known: can't tell
+    log.observe_assignment(first)
+    assert not log.is_reuse("r", first.admitted.admitted_at)  # a redelivery
+    assert log.is_reuse("r", first.admitted.admitted_at + 5)
+    log.mark_ended("r", 1, expires_at=T + 60.0, admitted_at=first.admitted.admitted_at + 5)
+    assert not log.is_reuse("r", first.admitted.admitted_at + 5)  # answered once already
+    # A scheduler's ending read from the topic names the admission (its headers).
+    other = AssignmentLog(memory_s=100.0)
+    other.observe_event(event("aborted", "r"), admitted_at=T - 1, deadline=T + 500.0)
+    assert not other.is_reuse("r", T - 1) and other.is_reuse("r", T + 30)
+    assert other.prune(T + 500.0 + 99.0) == 0  # kept until its deadline + memory_s
+    assert other.prune(T + 500.0 + 101.0) == 1

@@ -24,7 +24,16 @@ come in any order; the status is derived, not accumulated:
 An active entry keeps its :class:`Assignment` (the reservation is rebuilt from it; a requeue
 needs the admitted request; so does a hand-off). A finished entry drops it and is forgotten
 ``memory_s`` after its deadline (:meth:`AssignmentLog.prune`); an active, lost or handoff
-one is never pruned. Plain state, no I/O: one owner feeds it.
+one is never pruned. The deadline comes from the request's assignment, or, for a request
+the scheduler ended without one, from its terminal event's headers
+(:func:`~services.scheduler.runtime.messages.admission_of`): a cancel read long before a
+long deadline keeps the entry until then, so a redelivered record of it is still known.
+
+Per request the log also keeps the admissions (``admitted_at``) its records are of — the
+assignments' and those the scheduler's own terminal events name in their headers — so a
+new request reusing a finished one's id is told from a redelivery of it, after a restart
+too: the scheduler's refusal of a reuse names the reuse's admission.
+Plain state, no I/O: one owner feeds it.
 """
 
 from __future__ import annotations
@@ -61,11 +70,11 @@ class _Entry:
     #: Worker the entry is indexed under (its active attempt's worker), if any.
     indexed: str | None = None
     expires_at: float = 0.0
-    #: ``admitted_at`` of the admission these records are of (None: not known here), to
-    #: tell a redelivery from a new request that reuses the id.
-    admitted_at: float | None = None
-    #: ``admitted_at`` of later admissions reusing the id, already answered ``invalid``.
-    reuses: set[float] = field(default_factory=set)
+    #: ``admitted_at`` of every admission of this id the records are of (placed, or ended
+    #: by a scheduler: a reuse refused ``invalid`` included), to tell a redelivery from a
+    #: new request that reuses the id. Empty: none known (an ending from a scheduler that
+    #: did not name it).
+    admissions: set[float] = field(default_factory=set)
 
     def status(self) -> Status:
         top = max(self.assigned, default=0)
@@ -96,11 +105,10 @@ class AssignmentLog:
         """Record an assignment (own or read back); True if it became the active attempt."""
         entry = self._entry(assignment.request_id)
         attempt = assignment.attempt
+        entry.admissions.add(assignment.admitted.admitted_at)
         if attempt in entry.assigned:
             return False
         entry.assigned.add(attempt)
-        if entry.admitted_at is None:
-            entry.admitted_at = assignment.admitted.admitted_at
         request = assignment.request
         entry.model = request.model
         entry.expires_at = max(entry.expires_at, request.created_at + request.timeout_s)
@@ -117,11 +125,18 @@ class AssignmentLog:
         self._settle(assignment.request_id, entry)
         return self.active(assignment.request_id) is assignment
 
-    def observe_event(self, event: LifecycleEvent) -> bool:
-        """Record a lifecycle event; True if it is news (not a duplicate)."""
+    def observe_event(self, event: LifecycleEvent, admitted_at: float | None = None,
+                      deadline: float | None = None) -> bool:
+        """Record a lifecycle event; True if it is news (not a duplicate). ``admitted_at``
+        and ``deadline``: of the admission a scheduler's terminal event ended (its headers),
+        when it names them."""
         entry = self._entry(event.request_id)
         attempt = event.attempt
         entry.expires_at = max(entry.expires_at, event.ts)
+        if deadline is not None:
+            entry.expires_at = max(entry.expires_at, deadline)
+        if admitted_at is not None:
+            entry.admissions.add(admitted_at)
         if isinstance(event, EventPrefilled):
             if attempt in entry.prefilled:
                 return False
@@ -161,8 +176,8 @@ class AssignmentLog:
                    admitted_at: float | None = None) -> None:
         """The scheduler itself ended the request (its terminal event is on its way)."""
         entry = self._entry(request_id)
-        if entry.admitted_at is None:
-            entry.admitted_at = admitted_at
+        if admitted_at is not None:
+            entry.admissions.add(admitted_at)
         entry.ended.add(attempt)
         entry.expires_at = max(entry.expires_at, expires_at)
         self._settle(request_id, entry)
@@ -174,18 +189,28 @@ class AssignmentLog:
         return "unknown" if entry is None else entry.status()
 
     def admitted_at(self, request_id: str) -> float | None:
-        """``admitted_at`` of the admission the request's records are of, if known."""
+        """``admitted_at`` of the first admission the request's records are of, if known."""
         entry = self._entries.get(request_id)
-        return None if entry is None else entry.admitted_at
+        return None if entry is None else min(entry.admissions, default=None)
 
-    def first_reuse(self, request_id: str, admitted_at: float) -> bool:
-        """Whether a later admission reusing the id (``admitted_at``) is seen for the first
-        time here (then it is remembered: its redelivery is not answered again)."""
-        entry = self._entry(request_id)
-        if admitted_at in entry.reuses:
+    def is_reuse(self, request_id: str, admitted_at: float) -> bool:
+        """Whether an admission (``admitted_at``) of a finished request's id is a new
+        request reusing the id: the log knows the admissions of that id and this is none
+        of them. False when it knows none (it cannot tell: taken for a redelivery)."""
+        entry = self._entries.get(request_id)
+        return entry is not None and entry.status() == "finished" \
+            and bool(entry.admissions) and admitted_at not in entry.admissions
+
+    def reached(self, request_id: str, attempt: int) -> bool:
+        """Whether the log shows ``attempt``, or a later one, assigned, started, streamed,
+        prefilled, ended or lost: that attempt was placed (or ended) already, whichever
+        record of it was read first."""
+        entry = self._entries.get(request_id)
+        if entry is None:
             return False
-        entry.reuses.add(admitted_at)
-        return True
+        return any(seen and max(seen) >= attempt for seen in (
+            entry.assigned, entry.started, entry.streamed, entry.ended, entry.lost,
+            entry.prefilled))
 
     def active(self, request_id: str) -> Assignment | None:
         """The assignment of the active attempt, if the request has one."""

@@ -8,14 +8,18 @@
 - :func:`terminal`: a scheduler-side ending (``Reject`` code) as the terminal ``Error`` for
   the client and the matching terminal event for ingest (docs/live-system.md, "Who sends
   the terminal reply");
+- :func:`admission_of`: the admission a scheduler's terminal event ended, from the headers
+  :func:`terminal` gives it (:data:`ADMITTED_AT_HEADER`, :data:`DEADLINE_HEADER`);
 - :class:`Outgoing`: an encoded record to produce (topic, partition, key, value, headers:
   the request's trace context).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
+from typing import Final
 
 from pydantic import JsonValue
 
@@ -27,6 +31,15 @@ from schemas.requests import AdmittedRequest, Assignment
 from schemas.topics import message_key
 from schemas.workers import EventAborted, EventFailed
 from services.scheduler import Placement, QueuedRequest
+
+#: Headers of the scheduler's own terminal events: the ``admitted_at`` and the deadline of
+#: the admission they end (``repr`` of the float, exact). Lifecycle events carry neither
+#: (schema 5), and a request the scheduler ended without placing it has no assignment in
+#: the log, so without them a replica that reads only the event (a follower, a restarted
+#: scheduler) could not tell a redelivery of it from a new request reusing its id, nor
+#: keep its entry until its deadline. Other readers ignore them.
+ADMITTED_AT_HEADER: Final = "llmq-admitted-at"
+DEADLINE_HEADER: Final = "llmq-deadline"
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,5 +200,22 @@ def terminal(
             request_id=request.request_id, tenant=request.tenant, attempt=attempt,
             worker_id=worker_id, ts=now, code=code, message=text, usage=usage,
         )
+    admission = ((ADMITTED_AT_HEADER, repr(admitted.admitted_at).encode()),
+                 (DEADLINE_HEADER, repr(deadline_of(admitted)).encode()))
     return (Outgoing.of(admitted.reply_topic, reply, headers=headers),
-            Outgoing.of(events_topic, event, headers=headers))
+            Outgoing.of(events_topic, event, headers=(*headers, *admission)))
+
+
+def admission_of(headers: Iterable[tuple[str, bytes]]) -> tuple[float | None, float | None]:
+    """``(admitted_at, deadline)`` named by a terminal event's headers (:func:`terminal`);
+    None for what is missing or unreadable (a worker's event, an older scheduler's)."""
+    found: dict[str, float] = {}
+    for key, value in headers:
+        if key in (ADMITTED_AT_HEADER, DEADLINE_HEADER):
+            try:
+                number = float(value.decode("ascii"))
+            except (UnicodeDecodeError, ValueError):
+                continue
+            if math.isfinite(number):
+                found[key] = number
+    return found.get(ADMITTED_AT_HEADER), found.get(DEADLINE_HEADER)

@@ -17,7 +17,12 @@ Invariants kept here:
 - every active assignment in the log holds a reservation in the ledger (after
   :meth:`SchedulerState.restore`), placed by the core or restored from the log;
 - a request gets one terminal from the scheduler at most: each one is recorded in the
-  log before it is sent, and a redelivered copy of a finished request is acked unanswered.
+  log before it is sent, and a redelivered copy of a finished request is acked unanswered;
+- no attempt is placed twice: a queued request whose attempt the log shows assigned,
+  started, streamed, prefilled, ended or lost (placed by another replica, whichever of its
+  records was read first), or whose request finished, leaves the queue as soon as that
+  record is read (:meth:`SchedulerState._withdraw_decided`), and nothing that the log shows
+  decided enters it.
 
 Tracing without OTel: a request's W3C trace context travels as opaque Kafka headers
 (:data:`TraceHeaders`) — in with its record, out on every record produced for it. Spans
@@ -73,6 +78,7 @@ from services.scheduler.runtime.fleet import FleetView, worker_state
 from services.scheduler.runtime.log import AssignmentLog
 from services.scheduler.runtime.messages import (
     Outgoing,
+    admission_of,
     assignment,
     deadline_of,
     decode_stage,
@@ -136,7 +142,9 @@ class SchedulerState:
         self.spans: SpanRecorder = spans or NoSpans()
         #: Terminals the scheduler sent itself since start, by code (for metrics).
         self.ended: dict[ErrorCode, int] = {}
-        #: Requeues withdrawn because the lost attempt's terminal event came after all.
+        #: Requeues and hand-offs withdrawn from the queue because the log showed them
+        #: decided meanwhile: the lost attempt's terminal event came after all, or the
+        #: previous leader placed them (:meth:`_withdraw_decided`).
         self.requeues_withdrawn = 0
         # Trace context of each active assignment (what its assignment record carried),
         # for the records of a requeue or a worker_lost ending.
@@ -164,6 +172,9 @@ class SchedulerState:
         self._lost_incarnations: dict[str, set[float]] = {}
         self._pending_models: dict[str, list[int]] = {}  # model -> [requests, tokens]
         self._leading_since = 0.0  # when this replica last began to lead
+        # Tickets of queued records withdrawn on an event (placed or ended elsewhere): done,
+        # acked with the next cycle's effects (observe_event returns none).
+        self._settled: list[Ticket] = []
 
     # -- fleet ------------------------------------------------------------------------
 
@@ -206,32 +217,32 @@ class SchedulerState:
             if self.restored and self.log.status(record.request_id) == "handoff" \
                     and self.log.latest(record.request_id) is record:
                 self._book(record)  # read after its event.prefilled: its KV waits there
-            return []
+            # Not active (read after its attempt's ending or event.prefilled): placed all
+            # the same, so a copy of it queued here must go too.
+            withdrawn = self._withdraw_decided(record.request_id, record.assigned_at)
+            return [] if withdrawn is None else [withdrawn]
         hb = self.fleet.get(record.worker_id)
         if hb is not None and record.worker_started_at is not None \
                 and record.worker_started_at < hb.started_at:
             self._restarted.add(record.worker_id)  # placed on a process since replaced
         if trace:
             self._active_trace[record.request_id] = trace
-        effects: list[Effect] = []
-        tracked = self._tracked.get(record.request_id)
-        if tracked is not None and tracked.queued.attempt <= record.attempt:
-            # Placed elsewhere meanwhile: it leaves our queue, its records are done. A cancel
-            # of it waiting here for the next cycle is the worker's to answer now (workers
-            # remember cancels): answering here too would make two terminals.
-            self.pending.remove(record.request_id)
-            self.pending.withdraw_cancelled(record.request_id)
-            self._untrack(record.request_id)
-            effects.append(Effect(tickets=tuple(tracked.tickets)))
+        withdrawn = self._withdraw_decided(record.request_id, record.assigned_at)
         if self.restored:
             self._book(record)
-        return effects
+        return [] if withdrawn is None else [withdrawn]
 
-    def observe_event(self, event: LifecycleEvent) -> bool:
-        """A lifecycle event; True when it freed capacity (worth a dispatch cycle)."""
+    def observe_event(self, event: LifecycleEvent, headers: TraceHeaders = ()) -> bool:
+        """A lifecycle event, with the headers its record carried (a scheduler's terminal
+        event names the admission it ended: ``messages.admission_of``); True when it freed
+        capacity (worth a dispatch cycle)."""
         self._note_ending(event)
         ran = self.log.latest(event.request_id)  # before a terminal drops it from the log
-        news = self.log.observe_event(event)
+        admitted_at, deadline = admission_of(headers) if headers else (None, None)
+        news = self.log.observe_event(event, admitted_at, deadline)
+        withdrawn = self._withdraw_decided(event.request_id, event.ts)
+        if withdrawn is not None:
+            self._settled.extend(withdrawn.tickets)
         if isinstance(event, EventStarted):
             # ``at`` (the worker's clock, like its heartbeats) lets the ledger credit capacity
             # freed after the worker's last heartbeat instead of waiting for the next one.
@@ -262,7 +273,6 @@ class SchedulerState:
             freed = self.ledger.release(event.request_id, older) > 0 or freed
         if self.log.status(event.request_id) == "finished":
             self._active_trace.pop(event.request_id, None)
-            self._withdraw_answered_requeue(event)
         usage = event.usage
         if news and usage is not None and usage.total_tokens > 0 and ran is not None:
             # In the queue's own unit (prompt + max_tokens, as ingest and the pending
@@ -289,23 +299,44 @@ class SchedulerState:
             # its decode stage or what ended it between the stages, cost it nothing.)
             self._lost_incarnation(holder.worker_id, holder.worker_started_at)
 
-    def _withdraw_answered_requeue(self, event: LifecycleEvent) -> None:
-        """A lost attempt's terminal event came after all (the worker answered, and its
-        event was read after the loss was decided): the requeue waiting for a worker would
-        be a second terminal. It leaves the queue. So does a queued hand-off whose prefill
-        ended after all (its event.prefilled was delivered but never acknowledged, and the
-        worker, giving up, sent event.failed: the request is over)."""
-        tracked = self._tracked.get(event.request_id)
-        if tracked is None or tracked.origin == "record" \
-                or tracked.queued.attempt <= event.attempt:
-            return
-        _log.warning("scheduler: %s#%d was answered by its worker after all (its terminal "
-                     "event came after the loss); its requeue at attempt %d is withdrawn",
-                     event.request_id, event.attempt, tracked.queued.attempt)
-        self.pending.remove(event.request_id)
-        self.pending.withdraw_cancelled(event.request_id)
-        self._untrack(event.request_id)
-        self.requeues_withdrawn += 1
+    def _decided(self, request_id: str, attempt: int) -> bool:
+        """Whether the log shows ``attempt`` of the request placed or ended already (any
+        of its records, read in any order), or the request finished: placing that attempt
+        would run it twice, or answer a request that has its terminal."""
+        return self.log.reached(request_id, attempt) or self.log.status(request_id) == "finished"
+
+    def _withdraw_decided(self, request_id: str, now: float) -> Effect | None:
+        """A queued request whose attempt the log now shows decided (:meth:`_decided`)
+        leaves the queue; returns the acks of its records (None: nothing withdrawn).
+
+        - A record (read from its topic) that another replica placed: its assignment, or
+          an event of that attempt (events are keyed by request, assignments by worker
+          slot: either may be read first). Its records are done here.
+        - A requeue or a queued hand-off whose earlier attempt ended after all (the worker
+          answered, and its event was read after the loss was decided; a prefill worker
+          that, its event.prefilled never acknowledged, gave up with event.failed): the
+          request is over, placing it would be a second terminal.
+        - A requeue or hand-off that the leader before this one placed (its events read
+          before its assignment).
+
+        A cancel of it waiting here for the next cycle is the worker's to answer now
+        (workers remember cancels), or moot: answering here too would make two terminals.
+        It is remembered while the request runs, in case its worker is lost before the
+        worker aborts it (as :meth:`on_cancel` does for a running request)."""
+        tracked = self._tracked.get(request_id)
+        if tracked is None or not self._decided(request_id, tracked.queued.attempt):
+            return None
+        self.pending.remove(request_id)
+        if self.pending.withdraw_cancelled(request_id) \
+                and self.log.status(request_id) != "finished":
+            self.cancels.add(request_id, tracked.admitted.request.tenant, now, now)
+        self._untrack(request_id)
+        if tracked.origin != "record":
+            _log.warning("scheduler: the %s of %s at attempt %d is withdrawn: the log shows "
+                         "it placed or the request ended meanwhile", tracked.origin,
+                         request_id, tracked.queued.attempt)
+            self.requeues_withdrawn += 1
+        return Effect(tickets=tuple(tracked.tickets))
 
     def restore(self) -> int:
         """Rebuild the ledger from the log (after both topics were read to their end):
@@ -328,26 +359,37 @@ class SchedulerState:
         headers its record carried."""
         request_id = admitted.request_id
         status = self.log.status(request_id)
-        known_at = self.log.admitted_at(request_id)
-        if status == "finished" and known_at is not None and known_at != admitted.admitted_at \
-                and self.log.first_reuse(request_id, admitted.admitted_at):
+        if self.log.is_reuse(request_id, admitted.admitted_at):
             # Not a redelivery: a new request reusing the id of one that finished (ingest
             # admits it once the first one's reservation is settled). Acked unanswered, as
             # a redelivery is, its client would wait for ever and its tenant's slot stay
             # taken until the reservation expired. The reply is attempt 0 (a client of the
-            # first one keeps that one's answer); events start at attempt 1.
+            # first one keeps that one's answer); events start at attempt 1. The ending
+            # records this admission in the log (its event names it too, for a restarted
+            # scheduler): a redelivery of the reuse is acked, not answered again.
             return [self._end(admitted, 1, "invalid",
                               f"request_id {request_id!r} was used by a request that already "
                               "finished; request ids must be unique: send it with a new one",
                               now, (ticket,), reply_attempt=0, trace=trace)]
-        if status != "unknown":
+        if status != "unknown" or self.log.reached(request_id, 1):
             # Assigned and running (its reservation is booked), finished, or requeued
-            # after a worker loss (pending at its next attempt): nothing more to do.
+            # after a worker loss (pending at its next attempt), or placed by another
+            # replica whose assignment is not read yet (only its events are): nothing more
+            # to do.
             return [Effect(tickets=(ticket,))]
         tracked = self._tracked.get(request_id)
         if tracked is not None:
             tracked.tickets.append(ticket)  # a duplicate record of a pending request
             return []
+        if deadline_of(admitted) + self.log.memory_s < now:
+            # Unknown to the log, which keeps a finished request until memory_s past its
+            # deadline: it may have been answered and forgotten since, and answering it
+            # now (queue_timeout) could be its second terminal. Nobody waits for it any
+            # more (clients give up at the deadline plus a grace; ingest's reservation of
+            # it expired): acked unanswered.
+            _log.warning("scheduler: %s is past its deadline by more than %g s and unknown "
+                         "to the log: acked unanswered", request_id, self.log.memory_s)
+            return [Effect(tickets=(ticket,))]
         if self.cancels.matches(request_id, admitted.request.tenant, now):
             self.cancels.discard(request_id, admitted.request.tenant)
             return [self._end(admitted, 1, "cancelled", "cancelled before it was queued",
@@ -385,6 +427,7 @@ class SchedulerState:
         one owner. The cancel is remembered here (for when the partition comes back), and
         every worker remembers it too, so whoever places it next gets ``cancelled``."""
         dropped = 0
+        self._settled = [t for t in self._settled if t[0] not in revoked]
         for request_id, tracked in list(self._tracked.items()):
             kept = [t for t in tracked.tickets if t[0] not in revoked]
             if len(kept) == len(tracked.tickets):
@@ -409,6 +452,9 @@ class SchedulerState:
         attempt's assignment or the terminal event), which releases their bookings.
         """
         effects: list[Effect] = []
+        if self._settled:
+            effects.append(Effect(tickets=tuple(self._settled)))
+            self._settled = []
         if self.leading and not handle_losses:
             self._give_up_requeues(now)
         if handle_losses and not self.leading:
@@ -459,8 +505,11 @@ class SchedulerState:
                 _log.exception("scheduler: could not publish %r", decision)
                 if isinstance(decision, Placement):
                     self.ledger.release(decision.request.request_id, decision.attempt)
-                    if decision.request.request_id in self._tracked:
-                        self.pending.push(decision.request, force=True)
+                    tracked = self._tracked.get(decision.request.request_id)
+                    if tracked is not None:
+                        # What it was queued as, not the stage placed (a prefill stage, or
+                        # a decode stage run whole): staged afresh by the next placement.
+                        self.pending.push(tracked.queued, force=True)
         placed_n = len(placements)
         self.drain.waiting(now, [m for m, (n, _) in self._pending_models.items() if n > 0])
         more = self.config.max_placements is not None and placed_n >= self.config.max_placements
@@ -478,6 +527,8 @@ class SchedulerState:
         effects: list[Effect] = []
         for prefill in self.log.handoffs(skip=self._tracked):
             request_id, attempt = prefill.request_id, prefill.attempt + 1
+            if self.log.reached(request_id, attempt):
+                continue  # the leader before this one placed it: its events came first
             trace = self._active_trace.get(request_id, ())
             tenant = prefill.request.tenant
             if self.cancels.matches(request_id, tenant, now):
@@ -494,8 +545,9 @@ class SchedulerState:
             self._track(_Tracked(prefill.admitted, queued, "handoff", since=now, trace=trace,
                                  kv_transfer=kv_transfer, prefill=prefill))
         for tracked in list(self._tracked.values()):
-            if tracked.prefill is None or tracked.queued.phase != "decode":
-                continue
+            if tracked.prefill is None or tracked.queued.phase != "decode" \
+                    or tracked.queued.request_id not in self.pending:
+                continue  # (not in the queue: cancelled, this cycle reports it)
             if self._prefill_gone(tracked.prefill, now):
                 self._start_over(tracked, "whose worker is gone", now)
             elif self._handoff_expired(tracked.prefill, now):
@@ -644,14 +696,12 @@ class SchedulerState:
     def _placed(self, placement: Placement, now: float, schedule_s: float) -> tuple[Effect, Placed]:
         request = placement.request
         hb = self.fleet.get(placement.worker_id)
-        tracked_now = self._tracked[request.request_id]
-        record = assignment(tracked_now.admitted, placement, now,
+        tracked = self._tracked[request.request_id]
+        record = assignment(tracked.admitted, placement, now,
                             engine_priority=self.pending.engine_priority(request, now),
                             worker_started_at=None if hb is None else hb.started_at,
-                            kv_transfer=tracked_now.kv_transfer
+                            kv_transfer=tracked.kv_transfer
                             if placement.phase == "decode" else None)
-        tracked = self._untrack(request.request_id)  # only once the record could be built
-        self.log.observe_assignment(record)
         trace = tracked.trace
         if self.spans.active:
             attributes = _attributes(tracked, placement.attempt)
@@ -663,10 +713,14 @@ class SchedulerState:
                 {**attributes, "llmq.worker": placement.worker_id,
                  "llmq.kv_tokens": placement.kv_tokens},
             )
-        if trace:
-            self._active_trace[request.request_id] = trace
         out = Outgoing.of(self.config.assignments_topic, record, partition=placement.partition,
                           headers=trace)
+        # Only once the record could be built: until here a failure leaves the request
+        # queued and tracked (tick pushes it back), and the log without its placement.
+        self._untrack(request.request_id)
+        self.log.observe_assignment(record)
+        if trace:
+            self._active_trace[request.request_id] = trace
         placed = Placed(placement.worker_id, request.priority, request.lane,
                         max(0.0, now - tracked.since), placement.phase)
         return Effect(first=(out,), tickets=tuple(tracked.tickets)), placed
@@ -767,6 +821,8 @@ class SchedulerState:
                       request_id, tracked.queued.attempt)
 
     def _undo_loss(self, record: Assignment) -> None:
+        if self.log.reached(record.request_id, record.attempt + 1):
+            return  # the leader requeued it meanwhile (a record of the next attempt is read)
         self.log.unmark_lost(record.request_id, record.attempt)
         if self.ledger.worker_of(record.request_id, record.attempt) is None:
             self._book(record)  # every active assignment is booked
@@ -777,10 +833,10 @@ class SchedulerState:
 
     def _requeue(self, record: Assignment, fate: Requeue, now: float) -> list[Effect]:
         request = fate.request
-        newest = self.log.latest(request.request_id)
-        if newest is not None and newest.attempt >= request.attempt:
-            _log.warning("scheduler: %s#%d was placed again meanwhile (attempt %d); no "
-                         "requeue", request.request_id, record.attempt, newest.attempt)
+        if self.log.reached(request.request_id, request.attempt):
+            _log.warning("scheduler: %s#%d was placed again meanwhile (attempt %d is in the "
+                         "log); no requeue", request.request_id, record.attempt,
+                         request.attempt)
             return []
         # The lost attempt's placement is the parent of what happens to the request next.
         trace = self._active_trace.pop(request.request_id, ())

@@ -84,6 +84,7 @@ class FakeServer:
     answer: dict[str, Any] = field(default_factory=prefill_answer)  # for stream: false
     metrics_hold: asyncio.Event | None = None  # when set, /metrics waits for it
     metrics_status: int = 200  # 404: a server without /metrics
+    headers_hold: asyncio.Event | None = None  # when set, a stream's headers wait for it
 
     def app(self) -> Starlette:
         async def completions(request: Request) -> Response:
@@ -106,6 +107,8 @@ class FakeServer:
                 if self.hold is not None:
                     await self.hold.wait()
                 return JSONResponse(self.answer)
+            if self.headers_hold is not None:
+                await self.headers_hold.wait()
             return StreamingResponse(self._stream(), media_type="text/event-stream")
 
         async def metrics(_: Request) -> Response:
@@ -594,6 +597,28 @@ async def test_aborting_a_prefill_cancels_its_request(server: tuple[str, FakeSer
         with pytest.raises(EngineAborted):
             await asyncio.wait_for(prefill, 5.0)
         assert engine._prefills == {} and engine._in_flight == {}
+    finally:
+        await engine.close()
+
+
+async def test_aborting_a_stream_before_its_headers_came_ends_it_when_they_do(
+    server: tuple[str, FakeServer],
+) -> None:
+    # Its response was not open yet: the abort was lost and the stream ran on.
+    url, fake = server
+    fake.headers_hold = asyncio.Event()
+    engine = await started(url)
+    try:
+        gen = engine.generate(stage("whole"))
+        first = asyncio.create_task(anext(gen))
+        assert await eventually(lambda: len(fake.bodies) == 1)
+        await engine.abort("r1")
+        fake.headers_hold.set()
+        with pytest.raises(EngineAborted):
+            await asyncio.wait_for(first, 5.0)
+        assert engine._responses == {} and engine._in_flight == {} and engine._aborted == set()
+        await engine.abort("r1")  # no longer in flight: nothing is remembered for it
+        assert engine._aborted == set()
     finally:
         await engine.close()
 

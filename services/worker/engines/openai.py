@@ -561,6 +561,8 @@ class OpenAIEngine:
                 async with self._client.stream("POST", path, json=body,
                                                headers=headers) as response:
                     self._responses[rid] = response
+                    if rid in self._aborted:  # aborted while its headers were awaited
+                        raise EngineAborted(f"request {rid} aborted")
                     sent_it = "continuous_usage_stats" in body["stream_options"]
                     if sent_it and await _refuses_usage_stats(response):
                         # By what this request sent, not the flag: requests in flight at
@@ -659,6 +661,10 @@ class OpenAIEngine:
         if response is not None:
             self._aborted.add(request_id)
             await response.aclose()  # vLLM aborts a request whose client went away
+        elif request_id in self._in_flight:
+            # Sent, its response headers not read yet: the stream ends as soon as they
+            # come (closing it is what aborts the request in vLLM).
+            self._aborted.add(request_id)
 
     @staticmethod
     async def _check_status(response: httpx.Response, phase: Phase) -> None:

@@ -114,7 +114,7 @@ from services.worker.kafka_io import (
 )
 from services.worker.metrics import WorkerMetrics
 from services.worker.replay import already_ended, replayed_attempts
-from services.worker.runner import RequestRun, RunConfig
+from services.worker.runner import Refusal, RequestRun, RunConfig
 from services.worker.settings import WorkerSettings
 from services.worker.slot import (
     SlotAssignorBase,
@@ -478,8 +478,8 @@ class Worker:
             _log.info("slot %d: %s#%d already ended (worker_lost or requeued) while this slot "
                       "was down: dropped", self.id.slot, rid, attempt)
             return "finished"
-        verdict = self.ledger.admit(rid, attempt)
-        if verdict in ("duplicate", "stale"):
+        verdict = self.ledger.admit(rid, attempt, a.admitted.admitted_at)
+        if verdict in ("duplicate", "stale") or (verdict == "reused" and rid in self.runs):
             _log.info("slot %d: %s assignment %s#%d dropped", self.id.slot, verdict, rid,
                       attempt)
             return "finished"
@@ -491,26 +491,33 @@ class Worker:
         # run like any other (its terminal is sent until acknowledged, or fenced).
         cancelled = "cancelled before it started" \
             if self.cancels.matches(rid, a.request.tenant, self._clock()) else None
-        refused = self._cannot_serve(a)
+        refused = self._cannot_serve(a, reused=verdict == "reused")
         if refused is not None:
-            _log.warning("slot %d: %s#%d: %s; answered worker_lost without running it",
-                         self.id.slot, rid, attempt, refused)
+            _log.warning("slot %d: %s#%d: %s; answered %s without running it",
+                         self.id.slot, rid, attempt, refused[1], refused[0])
         self._start_run(a, record.offset, tracing.extract(headers), cancelled, refused)
         return "running"
 
-    def _cannot_serve(self, a: Assignment) -> str | None:
-        """Why this worker cannot run ``a`` (a model or pinned version it does not serve: a
-        misrouted or forged assignment); None when it can."""
+    def _cannot_serve(self, a: Assignment, *, reused: bool = False) -> Refusal | None:
+        """Why this worker cannot run ``a``, and the code it answers: a model or pinned
+        version it does not serve (a misrouted or forged assignment: ``worker_lost``, the
+        fleet's fault), or an id this worker ran for another admission (the scheduler forgot
+        that one, the worker has not: ``invalid``, ids are single-use); None when it can."""
         request, me = a.request, self.id
         if request.model != me.model:
-            return f"assigned model {request.model!r} to a worker serving {me.model!r}"
+            return ("worker_lost",
+                    f"assigned model {request.model!r} to a worker serving {me.model!r}")
         if request.model_version is not None and request.model_version != me.model_version:
-            return (f"assigned {request.model!r} version {request.model_version!r} to a worker "
-                    f"serving version {me.model_version!r}")
+            return ("worker_lost", f"assigned {request.model!r} version "
+                    f"{request.model_version!r} to a worker serving version "
+                    f"{me.model_version!r}")
+        if reused:
+            return ("invalid", f"request_id {a.request_id!r} was used by an earlier request "
+                    "this worker ran; request ids must be unique: send it with a new one")
         return None
 
     def _start_run(self, a: Assignment, offset: int, parent: tracing.Context,
-                   cancelled: str | None = None, refused: str | None = None) -> None:
+                   cancelled: str | None = None, refused: Refusal | None = None) -> None:
         assert self._publisher is not None
         priority, lane = a.admitted.priority, a.admitted.lane
 

@@ -207,6 +207,9 @@ def _permanent(exc: BaseException | None) -> bool:
         and not isinstance(exc, KafkaTimeoutError)
 
 
+#: Why an assignment is answered without running it: the terminal's code and message.
+Refusal = tuple[ErrorCode, str]
+
 #: The finish reasons a ``Done`` may carry (``schemas.replies.FinishReason``).
 _FINISH_REASONS: Final = frozenset(get_args(FinishReason))
 
@@ -283,7 +286,7 @@ class RequestRun:
                  on_first_token: Callable[[float], None] | None = None,
                  trace_parent: tracing.Context | None = None,
                  may_send: Callable[[], Awaitable[bool]] | None = None,
-                 cancelled: str | None = None, refused: str | None = None) -> None:
+                 cancelled: str | None = None, refused: Refusal | None = None) -> None:
         self.assignment = assignment
         self.engine = engine
         self.publisher = publisher
@@ -296,8 +299,8 @@ class RequestRun:
         # Cancelled before its assignment came (the worker remembered the cancel): it ends
         # at once, through the same terminal path as any run (resent until acknowledged).
         self._cancelled_before = cancelled
-        # An assignment this worker cannot run (another model or version): it ends at once
-        # with worker_lost (503, retryable: the fleet's fault), through the same path.
+        # An assignment this worker cannot run (another model or version: worker_lost, the
+        # fleet's fault; an id reused: invalid): it ends at once, through the same path.
         self._refused = refused
         self._span: Span = trace.INVALID_SPAN
         self._headers: tracing.Headers = []
@@ -367,7 +370,7 @@ class RequestRun:
         if self._cancelled_before is not None:
             return await self._terminal(_Stop("cancelled", self._cancelled_before))
         if self._refused is not None:
-            return await self._terminal(_Failed("worker_lost", self._refused))
+            return await self._terminal(_Failed(*self._refused))
         if self._clock() >= self.deadline:
             return await self._terminal(_Stop("timeout", "deadline passed before it started"))
         self._started_at = self._clock()

@@ -260,3 +260,32 @@ async def test_an_assignment_for_another_model_is_answered_worker_lost_unrun() -
         assert worker.engine.capacity().running == 0
     finally:
         await _stop(worker)
+
+
+async def test_an_id_this_worker_ran_for_another_admission_is_answered_invalid_unrun() -> None:
+    # The scheduler forgot the first use (past its deadline plus its log's memory) and
+    # placed the reuse; dropped as a duplicate, it got no answer and its booking stayed.
+    worker = _worker()
+    await worker.engine.start()
+    producer = _Producer()
+    worker._publisher = Publisher(producer, 5.0)
+    worker._serving = True
+    worker.lease.restart(time.monotonic())
+    now = time.time()
+    worker.ledger.record("r1", 1, now - 7_200)  # ran two hours ago
+    request = make_request(request_id="r1", model=worker.id.model, max_tokens=40,
+                           timeout_s=600, created_at=now)
+    admitted = make_admitted(request=request, reply_topic="p.replies.acme", admitted_at=now)
+    try:
+        record = SimpleNamespace(offset=0, headers=[], value=encode(make_assignment(
+            admitted=admitted, worker_id="w0", partition=0, deadline=now + 600,
+            assigned_at=now, worker_started_at=worker.started_at)))
+        assert await worker._admit(record) == "running"
+        (task,) = worker._run_tasks
+        await asyncio.wait_for(task, 5.0)
+        kinds = [(topic, r["kind"], r.get("code")) for topic, r in producer.records]
+        assert ("p.replies.acme", "error", "invalid") in kinds
+        assert (worker.topics.events, "event.failed", "invalid") in kinds
+        assert not any(kind == "event.started" for _, kind, _ in kinds)
+    finally:
+        await _stop(worker)

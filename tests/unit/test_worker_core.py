@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -105,14 +106,21 @@ LEDGER_CASES = {
     "higher attempt supersedes": ([("r", 1)], ("r", 2), "newer"),
     "other requests do not matter": ([("q", 5)], ("r", 1), "new"),
     "the highest attempt is kept": ([("r", 1), ("r", 3), ("r", 2)], ("r", 2), "stale"),
+    # admitted_at tells another admission of the id from a redelivery or a requeue.
+    "another admission is a reuse": ([("r", 1, 100.0)], ("r", 1, 200.0), "reused"),
+    "a requeue of the same admission": ([("r", 1, 100.0)], ("r", 2, 100.0), "newer"),
+    "a redelivery of the same admission": ([("r", 1, 100.0)], ("r", 1, 100.0), "duplicate"),
+    "the first admission is kept": ([("r", 1, 100.0), ("r", 2, 300.0)], ("r", 3, 300.0),
+                                    "reused"),
+    "unknown admissions compare by attempt": ([("r", 1)], ("r", 1, 200.0), "duplicate"),
 }
 
 
 @pytest.mark.parametrize("seen, arrival, want", LEDGER_CASES.values(), ids=LEDGER_CASES.keys())
-def test_ledger(seen: list[tuple[str, int]], arrival: tuple[str, int], want: str) -> None:
+def test_ledger(seen: list[tuple[Any, ...]], arrival: tuple[Any, ...], want: str) -> None:
     ledger = AttemptLedger()
-    for rid, attempt in seen:
-        ledger.record(rid, attempt)
+    for record in seen:
+        ledger.record(*record)
     assert ledger.admit(*arrival) == want
 
 

@@ -3,12 +3,16 @@
 Delivery is at-least-once, so the same assignment can arrive twice (a redelivery after a
 rebalance or restart, a scheduler retry) and a requeued request arrives again with a higher
 attempt. :class:`AttemptLedger` remembers the highest attempt seen per request, in bounded
-memory (least recently seen forgotten first), and classifies each arrival:
+memory (least recently seen forgotten first), with the ``admitted_at`` of the admission it
+ran, and classifies each arrival:
 
 ==========  =====================================  ===================================
 verdict     when                                   the worker
 ==========  =====================================  ===================================
 new         request never seen (or forgotten)      runs it
+reused      another admission of the id (its       answers it ``invalid`` unrun: the
+            ``admitted_at`` differs)               scheduler forgot the first use, the
+                                                   worker has not (ids are single-use)
 duplicate   same attempt as the highest seen       drops it (no second terminal)
 stale       lower attempt than the highest seen    drops it (clients keep the newest)
 newer       higher attempt than the highest seen   runs it; stops the older attempt
@@ -24,42 +28,54 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Literal
 
-Verdict = Literal["new", "duplicate", "stale", "newer"]
+Verdict = Literal["new", "reused", "duplicate", "stale", "newer"]
 
 
 class AttemptLedger:
-    """Highest attempt seen per request_id, for the last ``capacity`` requests."""
+    """Highest attempt seen per request_id, and the admission it was of, for the last
+    ``capacity`` requests."""
 
     def __init__(self, capacity: int = 100_000) -> None:
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
         self.capacity = capacity
-        self._seen: OrderedDict[str, int] = OrderedDict()
+        self._seen: OrderedDict[str, tuple[int, float | None]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._seen)
 
-    def classify(self, request_id: str, attempt: int) -> Verdict:
-        """What to do with an arrival; does not record it (see :meth:`record`)."""
+    def classify(self, request_id: str, attempt: int,
+                 admitted_at: float | None = None) -> Verdict:
+        """What to do with an arrival of the admission ``admitted_at`` (None: unknown);
+        does not record it (see :meth:`record`)."""
         seen = self._seen.get(request_id)
         if seen is None:
             return "new"
-        if attempt == seen:
+        top, first_at = seen
+        if admitted_at is not None and first_at is not None and admitted_at != first_at:
+            return "reused"
+        if attempt == top:
             return "duplicate"
-        return "stale" if attempt < seen else "newer"
+        return "stale" if attempt < top else "newer"
 
-    def record(self, request_id: str, attempt: int) -> None:
-        """Remember ``attempt`` (never lowers what is remembered)."""
+    def record(self, request_id: str, attempt: int, admitted_at: float | None = None) -> None:
+        """Remember ``attempt`` (never lowers what is remembered) and, the first time, the
+        admission it is of."""
         seen = self._seen.pop(request_id, None)
-        self._seen[request_id] = attempt if seen is None else max(seen, attempt)
+        if seen is None:
+            self._seen[request_id] = (attempt, admitted_at)
+        else:
+            self._seen[request_id] = (max(seen[0], attempt),
+                                      seen[1] if seen[1] is not None else admitted_at)
         while len(self._seen) > self.capacity:
             self._seen.popitem(last=False)
 
-    def admit(self, request_id: str, attempt: int) -> Verdict:
+    def admit(self, request_id: str, attempt: int,
+              admitted_at: float | None = None) -> Verdict:
         """:meth:`classify`, then :meth:`record` when the arrival is to be run."""
-        verdict = self.classify(request_id, attempt)
+        verdict = self.classify(request_id, attempt, admitted_at)
         if verdict in ("new", "newer"):
-            self.record(request_id, attempt)
+            self.record(request_id, attempt, admitted_at)
         return verdict
 
 

@@ -284,6 +284,17 @@ HB_CASES = {
         replace(CAP, block_size=0, max_num_seqs=0, running=-1), None, 0, None,
         dict(block_size=1, max_num_seqs=1, running=0),
     ),
+    # Figures the wire cannot carry: the KV is unknown (no new work), the rest capped.
+    "a block size the wire cannot carry makes the KV unknown": (
+        replace(CAP, block_size=1 << 17), None, 0, None,
+        dict(kv_total_tokens=0, kv_free_tokens=0, kv_total_bytes=0, block_size=1 << 16),
+    ),
+    "absurd counts are capped, not a number is none": (
+        replace(CAP, running=10**19, waiting=10**19, max_num_seqs=10**9),
+        GpuSample(10**20, 5, float("nan")), 0, float("nan"),
+        dict(running=(1 << 63) - 1, waiting=(1 << 63) - 1, max_num_seqs=1 << 20,
+             vram_total_bytes=(1 << 63) - 1, gpu_util=None, tokens_per_s=0.0),
+    ),
 }
 
 
@@ -303,6 +314,16 @@ def test_heartbeat_fields_make_a_valid_wire_heartbeat() -> None:
     fields = heartbeat_fields(replace(CAP, kv_free_tokens=10**9), GpuSample(1, 5, 2.0))
     hb = make_heartbeat(**asdict(fields))
     assert hb.kv_free_tokens == hb.kv_total_tokens and hb.gpu_util == 1.0
+    # A heartbeat that cannot be built stops the worker: none of these may stop it.
+    for cap, gpu in HB_CASES_ABSURD:
+        make_heartbeat(**asdict(heartbeat_fields(cap, gpu, tokens_per_s=float("inf"))))
+
+
+HB_CASES_ABSURD = [
+    (replace(CAP, block_size=1 << 20, kv_total_tokens=1 << 70, kv_free_tokens=1 << 70), None),
+    (replace(CAP, running=1 << 64, max_num_seqs=1 << 30, kv_total_bytes=1 << 64),
+     GpuSample(1 << 64, 1 << 64, float("inf"))),
+]
 
 
 # ---- throughput ----------------------------------------------------------------------------

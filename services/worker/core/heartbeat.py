@@ -10,10 +10,16 @@ consistent, never a delta):
 - ``waiting`` adds the assignments the worker holds back (received, not yet handed to the
   engine) to the engine's own waiting queue.
 - ``max_num_seqs`` is at least 1.
+- Every figure stays within what the wire takes, so a heartbeat can always be built (a
+  heartbeat that cannot be built stops the worker). A KV figure the wire cannot carry (a
+  block size over 65,536, a pool over 2^63) makes the KV unknown: 0 total, so no new work
+  comes (fail closed) while the worker keeps beating; counts are capped, a rate or
+  utilisation that is not a number reads 0 / None.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from services.worker.engines.base import EngineCapacity
@@ -46,8 +52,17 @@ class HeartbeatFields:
     tokens_per_s: float
 
 
+_MAX_COUNT = (1 << 63) - 1  # schemas.base.Count
+_MAX_BLOCK = 1 << 16  # WorkerHeartbeat.block_size
+_MAX_SEQS = 1 << 20  # WorkerHeartbeat.max_num_seqs
+
+
 def _within(value: int, total: int) -> int:
     return min(max(0, value), total)
+
+
+def _count(value: int) -> int:
+    return min(max(0, value), _MAX_COUNT)
 
 
 def heartbeat_fields(cap: EngineCapacity, gpu: GpuSample | None = None,
@@ -58,23 +73,27 @@ def heartbeat_fields(cap: EngineCapacity, gpu: GpuSample | None = None,
     """
     kv_total = max(0, cap.kv_total_tokens)
     kv_total_bytes = max(0, cap.kv_total_bytes)
+    block_size = max(1, cap.block_size)
+    if block_size > _MAX_BLOCK or kv_total > _MAX_COUNT or kv_total_bytes > _MAX_COUNT:
+        kv_total = kv_total_bytes = 0  # unknown: fail closed (module docstring)
+        block_size = min(block_size, _MAX_BLOCK)
     if gpu is not None:
         vram_total, vram_used, util = gpu.vram_total_bytes, gpu.vram_used_bytes, gpu.gpu_util
     else:
         vram_total, vram_used, util = cap.vram_total_bytes, cap.vram_used_bytes, cap.gpu_util
-    vram_total = max(0, vram_total)
+    vram_total = _count(vram_total)
     rate = cap.tokens_per_s if tokens_per_s is None else tokens_per_s
     return HeartbeatFields(
         kv_total_tokens=kv_total,
         kv_free_tokens=_within(cap.kv_free_tokens, kv_total),
         kv_total_bytes=kv_total_bytes,
         kv_free_bytes=_within(cap.kv_free_bytes, kv_total_bytes),
-        block_size=max(1, cap.block_size),
+        block_size=block_size,
         vram_total_bytes=vram_total,
         vram_used_bytes=_within(vram_used, vram_total),
-        gpu_util=None if util is None else min(1.0, max(0.0, util)),
-        running=max(0, cap.running),
-        waiting=max(0, cap.waiting) + max(0, held_back),
-        max_num_seqs=max(1, cap.max_num_seqs),
-        tokens_per_s=max(0.0, rate),
+        gpu_util=None if util is None or math.isnan(util) else min(1.0, max(0.0, util)),
+        running=_count(cap.running),
+        waiting=_count(max(0, cap.waiting) + max(0, held_back)),
+        max_num_seqs=min(max(1, cap.max_num_seqs), _MAX_SEQS),
+        tokens_per_s=rate if math.isfinite(rate) and rate > 0.0 else 0.0,
     )

@@ -22,6 +22,11 @@ that terminal ``reply_grace_s`` longer (like ingest.http); only when that passes
 send a cancel and raise ``TimeoutError``. Leaving the ``async for`` early does not cancel —
 call ``handle.cancel()`` for that.
 
+With a tenants file (keyed mode), a tenant the file does not list gets no reply at all:
+ingest dead-letters its requests (a reply topic per unknown name would let any client make
+topics), so its handles end with ``TimeoutError`` after ``timeout_s`` + ``reply_grace_s``.
+Check the tenant's name when every request of a client times out.
+
 ``stop()`` ends the streams of open handles: once the replies already received are read,
 iterating raises :class:`~services.common.replies.StreamClosed` (a ``RuntimeError``) at
 once; ``cancel()`` and ``submit()`` on a stopped client raise ``RuntimeError``.

@@ -10,6 +10,7 @@ import difflib
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from pydantic import AliasChoices, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -62,6 +63,22 @@ class Settings(BaseSettings):
         description="Share of new traces sampled at their root (ingest); every later hop "
         "follows the root's decision.",
     )
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _traces_url(cls, value: str | None) -> str | None:
+        """An http(s) URL; a bare ``scheme://host:port`` gets OTLP's ``/v1/traces`` (as
+        OpenTelemetry's OTEL_EXPORTER_OTLP_ENDPOINT does: posted to ``/``, every span was
+        dropped)."""
+        if value is None or not value.strip():
+            return None
+        url = urlsplit(value.strip())
+        if url.scheme not in ("http", "https") or not url.netloc:
+            raise ValueError(f"{value!r} is not an http(s) URL (e.g. "
+                             "http://127.0.0.1:4318/v1/traces)")
+        if url.path in ("", "/"):
+            return f"{url.scheme}://{url.netloc}/v1/traces"
+        return value.strip()
 
     @field_validator("kafka_bootstrap")
     @classmethod

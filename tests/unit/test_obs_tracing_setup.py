@@ -90,6 +90,26 @@ def test_settings_read_the_tracing_variables(monkeypatch: pytest.MonkeyPatch) ->
         Settings()
 
 
+@pytest.mark.parametrize(("given", "used"), [
+    # OpenTelemetry's base-endpoint habit: posted to "/", every span was dropped.
+    ("http://127.0.0.1:4318", "http://127.0.0.1:4318/v1/traces"),
+    ("http://127.0.0.1:4318/", "http://127.0.0.1:4318/v1/traces"),
+    ("https://otel.example:4318/custom/traces", "https://otel.example:4318/custom/traces"),
+    ("", None),
+])
+def test_an_otlp_endpoint_without_a_path_posts_to_v1_traces(
+    monkeypatch: pytest.MonkeyPatch, given: str, used: str | None
+) -> None:
+    monkeypatch.setenv("LLMQ_OTLP_ENDPOINT", given)
+    assert Settings().otlp_endpoint == used
+
+
+def test_an_otlp_endpoint_that_is_not_a_url_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLMQ_OTLP_ENDPOINT", "127.0.0.1:4318")
+    with pytest.raises(ValueError, match="not an http"):
+        Settings()
+
+
 # -- deferral labels pinned against the core's wording -------------------------------
 @pytest.mark.parametrize(("reason", "label"), [
     ("no fresh worker in the fleet: saturated", "saturated"),

@@ -354,6 +354,7 @@ class Scheduler:
                              "terminal event is missing): no worker_lost reply",
                              *e.unless_answered[:2])
                 e = Effect(then=e.then, tickets=e.tickets)  # the event only
+                self.state.answered_after_all("worker_lost")
             out.append(e)
         now = self.clock()
         for h in held:

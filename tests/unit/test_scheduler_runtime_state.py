@@ -223,6 +223,12 @@ def test_worker_loss_requeues_unstreamed_work_and_fails_streamed() -> None:
     assert event.usage is None  # it ran: what it generated is unknown (charged in full)
     assert state.reserved_kv("w0") == 0
     assert state.tick(T + 5.1).lost_workers == []  # declared once
+    # Its reply then found on the reply topic (the worker answered before it died): only
+    # the event goes, and the ending leaves the scheduler's count of terminals it sent.
+    assert state.ended == {"worker_lost": 1}
+    state.answered_after_all("worker_lost")
+    state.answered_after_all("worker_lost")  # never below none
+    assert state.ended == {"worker_lost": 0}
 
 
 def test_only_the_replica_that_handles_losses_acts_on_one() -> None:

@@ -851,6 +851,14 @@ class SchedulerState:
         self._track(_Tracked(record.admitted, request, "requeue", since=now, trace=trace))
         return []
 
+    def answered_after_all(self, code: ErrorCode) -> None:
+        """An ending of ``code`` decided here whose reply was then found on its reply topic
+        (the worker had answered): only its event goes, so it is not this scheduler's
+        terminal and leaves the count (``llmq_requests_total`` counts a request once; the
+        exporter adds only increases, so later endings make up for it)."""
+        if self.ended.get(code, 0) > 0:
+            self.ended[code] -= 1
+
     def _end(
         self,
         admitted: AdmittedRequest,

@@ -192,7 +192,10 @@ async def test_short_request_not_stuck_behind_long_ones(live: LiveStack) -> None
         results = [await h.wait() for h in longs]
         long_s = time.monotonic() - t0
     assert all(isinstance(r[1], Done) for r in results)
-    # The short request finished while the long ones were still generating.
+    # The short request finished while the long ones were still generating. A timing
+    # ratio, not an order of ends: RequestHandle.result is set only as its stream is
+    # read, so the longs' ends cannot be checked without waiting for them; stuck behind
+    # them, the short one would take about as long as they do (ratio near 1).
     assert short_s < long_s / 2, (short_s, long_s)
 
 

@@ -232,8 +232,10 @@ def test_loop_invariants(
     while loop.now <= horizon:
         due = [a for a in pending_arrivals if a.at <= loop.now]
         pending_arrivals = pending_arrivals[len(due) :]
+        placed_before = len(loop.placed)
         snapshot = loop.step(due, ends)
-        for _, placement in loop.placed[-5:]:
+        # Every placement this step made, against the snapshot it was made from.
+        for _, placement in loop.placed[placed_before:]:
             assert may_place(snapshot.workers[placement.worker_id], placement.request, snapshot)
         check_capacity(loop, snapshot)
         check_work_conserving(loop, snapshot)

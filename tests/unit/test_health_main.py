@@ -48,7 +48,8 @@ def test_a_malformed_flag_is_one_line_too(capsys: pytest.CaptureFixture[str]) ->
     assert "argument --port: invalid int value: 'abc'" in line
 
 
-def test_help_describes_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
+def test_help_names_the_log_level_setting_the_port_range_and_the_exit_status(
+        capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["--help"])
     out = " ".join(capsys.readouterr().out.split())  # as wrapped for any terminal width

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import AsyncIterator, Iterator
 from typing import get_args
 
 import pytest
@@ -72,13 +74,29 @@ def test_unauthorized_shape() -> None:
     assert isinstance(api, Exception) and "invalid API key" in str(api)
 
 
+@contextlib.contextmanager
+def _passing_through() -> Iterator[None]:
+    yield
+
+
+@contextlib.asynccontextmanager
+async def _passing_through_async() -> AsyncIterator[None]:
+    yield
+
+
 def test_api_error_can_be_raised_through_context_managers() -> None:
-    # Exceptions get __traceback__ assigned as they propagate; ApiError must allow it.
-    with pytest.raises(ApiError):
-        try:
-            raise ApiError(400, "x")
-        finally:
-            pass
+    # contextlib's __exit__ assigns exc.__traceback__ in Python; a frozen ApiError would turn
+    # every refusal raised inside a `with` into FrozenInstanceError.
+    with pytest.raises(ApiError) as raised, _passing_through():
+        raise ApiError(400, "x")
+    assert raised.value.status == 400 and raised.value.message == "x"
+
+
+async def test_api_error_can_be_raised_through_async_context_managers() -> None:
+    with pytest.raises(ApiError) as raised:
+        async with _passing_through_async():
+            raise ApiError(429, "slow down", code="rate_limited")
+    assert raised.value.code == "rate_limited"
 
 
 @pytest.mark.parametrize(("code", "status"),

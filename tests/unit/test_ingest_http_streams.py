@@ -30,8 +30,8 @@ from services.ingest.topics import IngestTopics
 from tests.builders_schemas import make_chunk, make_done, make_error, make_heartbeat
 
 TOPICS = IngestTopics.of("llmq", "llmq-ingest", "a")
-#: (delay in seconds, reply for a request id)
-Script = list[tuple[float, Callable[[str], Reply]]]
+#: (delay in seconds, or an event to wait for; reply for a request id)
+Script = list[tuple[float | asyncio.Event, Callable[[str], Reply]]]
 
 
 def chunk(rid: str) -> Reply:
@@ -44,21 +44,33 @@ class _Producer:
     def __init__(self, router: ReplyRouter, script: Script) -> None:
         self.router, self.script = router, script
         self.cancels: list[CancelRequest] = []
+        self._gated: set[asyncio.Task[None]] = set()
 
     async def send_and_wait(self, topic: str, value: bytes, key: bytes | None = None,
                             headers: Any = None) -> None:
         if topic == TOPICS.intake:
             rid = decode(value, InferenceRequest).request_id
             for delay, reply in self.script:
-                asyncio.get_running_loop().call_later(delay, self.router.route, reply(rid))
+                if isinstance(delay, asyncio.Event):
+                    task = asyncio.create_task(self._route_after(delay, reply(rid)))
+                    self._gated.add(task)
+                    task.add_done_callback(self._gated.discard)
+                else:
+                    asyncio.get_running_loop().call_later(delay, self.router.route, reply(rid))
         elif topic == TOPICS.control:
             self.cancels.append(decode(value, CancelRequest))
+
+    async def _route_after(self, gate: asyncio.Event, reply: Reply) -> None:
+        await gate.wait()
+        self.router.route(reply)
 
     async def stop(self) -> None: ...
 
 
 class Api:
-    def __init__(self, script: Script, reply_grace_s: float = 1.0) -> None:
+    def __init__(self, script: Script, reply_grace_s: float = 1.0,
+                 text_sent: asyncio.Event | None = None) -> None:
+        self.text_sent = text_sent  # set once the client was sent some of the body
         tenancy = load_tenancy(None)
         tracker = ClusterTracker(tenancy.config.admission.registry, Freshness())
         tracker.observe_heartbeat(make_heartbeat(worker_id="w", model="m"))
@@ -98,6 +110,8 @@ class Api:
                 out.status = message["status"]
             elif message["type"] == "http.response.body":
                 out.body += message.get("body", b"")
+                if self.text_sent is not None and message.get("body"):
+                    self.text_sent.set()
 
         scope = {
             "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
@@ -188,8 +202,10 @@ def attempt_done(attempt: int) -> Callable[[str], Reply]:
 async def test_a_started_stream_that_llmq_restarts_ends_with_worker_lost() -> None:
     # "old" was sent to the client: attempt 2's text cannot replace it, so the stream ends
     # as a lost worker's does, the client retries, and attempt 2 is cancelled.
-    api = Api([(0.01, attempt_chunk(1, "old")), (0.05, attempt_chunk(2, "new")),
-               (0.06, attempt_done(2))])
+    # Attempt 2 replies only once "old" went out, not some milliseconds later.
+    old_sent = asyncio.Event()
+    api = Api([(0.01, attempt_chunk(1, "old")), (old_sent, attempt_chunk(2, "new")),
+               (old_sent, attempt_done(2))], text_sent=old_sent)
     out = await api.post({"model": "m", "prompt": "x", "stream": True})
     assert out.status == 200
     sent = events(out.body)

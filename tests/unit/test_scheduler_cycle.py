@@ -109,8 +109,13 @@ def test_an_idle_worker_beats_its_lightly_loaded_twin() -> None:
     ],
 )
 def test_ineligible_workers_never_get_work(worker: WorkerState, why: str) -> None:
-    fine = make_worker("fine")
-    assert placed(run([worker, fine], make_request("a"))) == [("a", "fine")], why
+    # Alone, the ineligible worker gets nothing (STRICT: a short request may not spill to
+    # the long pool); beside a busier eligible one, so that it would win on room were it a
+    # candidate, the eligible one still gets the request.
+    assert placed(run([worker], make_request("a"), pipeline=STRICT)) == [], why
+    ledger, fine = Ledger(), make_worker("fine")
+    ledger.reserve(fine, make_request("x", kv_tokens=60_000))
+    assert placed(run([worker, fine], make_request("a"), ledger=ledger)) == [("a", "fine")], why
 
 
 @pytest.mark.parametrize(

@@ -341,13 +341,28 @@ def staged_decode(rid: str, priority: str, enqueued_at: float) -> QueuedRequest:
 def test_hand_offs_go_first_oldest_first_whatever_their_class() -> None:
     # Decode stages rank as high: a low one that waited longer is placed before a normal
     # one, and both before a new high request that could take the same decode worker.
+    # Room for one stage: the oldest hand-off takes it; the new high request, which the
+    # overflow rule would put whole on d0, waits.
+    def new_high() -> QueuedRequest:
+        return make_request("high", priority="high", prompt_tokens=100, max_tokens=1400,
+                            kv_tokens=1504, enqueued_at=NOW)
+
     workers = [make_worker("d0", role="decode", kv_total_tokens=2000)]
     ledger = Ledger(kv_safety_margin=0.0)
     queue = make_queue(staged_decode("normal", "normal", NOW - 10),
-                       staged_decode("low", "low", NOW - 20))
+                       staged_decode("low", "low", NOW - 20), new_high())
     decisions = schedule(make_snapshot(workers), queue, ledger, PIPELINE, NOW, seeded())
     assert [d.request.request_id for d in decisions if isinstance(d, Placement)] == ["low"]
     assert queue.engine_priority(queue.get("normal"), NOW) == 0  # type: ignore[arg-type]
+    # Room for all three: placed in that order, the new high request last.
+    roomy = [make_worker("d0", role="decode", kv_total_tokens=5000)]
+    queue = make_queue(staged_decode("normal", "normal", NOW - 10),
+                       staged_decode("low", "low", NOW - 20), new_high())
+    decisions = schedule(make_snapshot(roomy), queue, Ledger(kv_safety_margin=0.0), PIPELINE,
+                         NOW, seeded())
+    assert [(d.request.request_id, d.worker_id, d.phase) for d in decisions
+            if isinstance(d, Placement)] == [
+        ("low", "d0", "decode"), ("normal", "d0", "decode"), ("high", "d0", "whole")]
 
 
 def test_a_hold_for_a_hand_off_passes_to_an_older_one_of_another_class() -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -22,7 +22,7 @@ from schemas.workers import EventFirstToken, WorkerHeartbeat
 from services.ops.drain_progress import DrainProgress
 from services.worker.__main__ import build
 from services.worker.app import Worker
-from services.worker.engines.base import EngineError, GenerateRequest
+from services.worker.engines.base import EngineError, GenerateRequest, TokenDelta
 from services.worker.engines.sim.engine import SimEngine
 from services.worker.kafka_io import Publisher
 from tests.builders_schemas import make_admitted, make_assignment, make_request
@@ -233,10 +233,25 @@ async def test_a_prefill_stage_that_handed_its_kv_on_is_held(fenced: bool) -> No
         await _stop(worker)
 
 
-async def test_an_assignment_for_another_model_is_answered_worker_lost_unrun() -> None:
+def _record_generate(worker: Worker, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The request ids the worker's engine is asked to generate from then on."""
+    asked: list[str] = []
+    generate = worker.engine.generate
+
+    def recording(request: GenerateRequest) -> AsyncIterator[TokenDelta]:
+        asked.append(request.request_id)
+        return generate(request)
+
+    monkeypatch.setattr(worker.engine, "generate", recording)
+    return asked
+
+
+async def test_an_assignment_for_another_model_is_answered_worker_lost_unrun(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     # Misrouted or forged: running it would answer with the wrong model. Its one terminal
     # is worker_lost (the fleet's fault, retryable), and the engine never sees it.
     worker = _worker()
+    asked = _record_generate(worker, monkeypatch)
     await worker.engine.start()
     producer = _Producer()
     worker._publisher = Publisher(producer, 5.0)
@@ -257,15 +272,17 @@ async def test_an_assignment_for_another_model_is_answered_worker_lost_unrun() -
         assert ("p.replies.acme", "error", "worker_lost") in kinds
         assert (worker.topics.events, "event.failed", "worker_lost") in kinds
         assert not any(kind == "event.started" for _, kind, _ in kinds)
-        assert worker.engine.capacity().running == 0
+        assert asked == []
     finally:
         await _stop(worker)
 
 
-async def test_an_id_this_worker_ran_for_another_admission_is_answered_invalid_unrun() -> None:
+async def test_an_id_this_worker_ran_for_another_admission_is_answered_invalid_unrun(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     # The scheduler forgot the first use (past its deadline plus its log's memory) and
     # placed the reuse; dropped as a duplicate, it got no answer and its booking stayed.
     worker = _worker()
+    asked = _record_generate(worker, monkeypatch)
     await worker.engine.start()
     producer = _Producer()
     worker._publisher = Publisher(producer, 5.0)
@@ -287,5 +304,6 @@ async def test_an_id_this_worker_ran_for_another_admission_is_answered_invalid_u
         assert ("p.replies.acme", "error", "invalid") in kinds
         assert (worker.topics.events, "event.failed", "invalid") in kinds
         assert not any(kind == "event.started" for _, kind, _ in kinds)
+        assert asked == []
     finally:
         await _stop(worker)

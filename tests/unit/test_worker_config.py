@@ -7,8 +7,8 @@ import subprocess
 import sys
 
 import pytest
-from pydantic import ValidationError
-from pydantic_settings import BaseSettings
+from pydantic import AliasChoices, Field, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.common.settings import unknown_env
 from services.health.settings import HealthSettings
@@ -188,7 +188,25 @@ def test_a_misspelt_setting_is_named_with_the_closest_one() -> None:
                                  HealthSettings])
 def test_every_setting_and_alias_is_known(cls: type[BaseSettings]) -> None:
     prefix = str(cls.model_config["env_prefix"])
-    assert unknown_env(cls, {f"{prefix}{name}".upper(): "x" for name in cls.model_fields}) == []
+    environ = {f"{prefix}{name}".upper(): "x" for name in cls.model_fields}
+    for field in cls.model_fields.values():
+        if isinstance(field.validation_alias, AliasChoices):
+            environ.update({str(choice): "x" for choice in field.validation_alias.choices})
+    assert unknown_env(cls, environ) == []
+
+
+class _Aliased(BaseSettings):
+    """A setting whose alias carries the prefix but is not prefix + field name: llmq's own
+    aliases all happen to equal that, so only this shows the aliases are read."""
+
+    model_config = SettingsConfigDict(env_prefix="LLMQ_TEST_")
+    port: int = Field(0, validation_alias=AliasChoices("LLMQ_TEST_LISTEN_PORT", "port"))
+
+
+def test_an_alias_with_the_prefix_is_known() -> None:
+    environ = {"LLMQ_TEST_LISTEN_PORT": "1", "LLMQ_TEST_PORT": "1", "LLMQ_TEST_PROT": "1"}
+    assert unknown_env(_Aliased, environ) == [
+        "LLMQ_TEST_PROT is not a setting and is ignored (did you mean LLMQ_TEST_PORT?)"]
 
 
 def test_the_worker_warns_of_unknown_settings_on_stderr(

@@ -36,15 +36,21 @@ async def _run(items: list[Any], producer: _Producer | None = None) -> tuple[Any
     return await asyncio.wait_for(run.run(), 10.0), producer
 
 
-@pytest.mark.parametrize("items", [
-    [TokenDelta("a", 1), None],
-    [TokenDelta("a", 1, finish_reason="abort")],
-    [TokenDelta("a", 1, finish_reason="stop", kv_transfer={"x": 1}), "junk"],
+@pytest.mark.parametrize(("items", "message"), [
+    ([TokenDelta("a", 1), None], "engine yielded NoneType, not a delta"),
+    ([TokenDelta("a", 1, finish_reason="abort")],
+     "engine ended with finish reason 'abort', not one of ['length', 'stop']"),
+    ([TokenDelta("a", 1, finish_reason="stop", kv_transfer={"x": 1}), "junk"],
+     "engine yielded str, not a delta"),
 ], ids=["yields None", "unknown finish reason", "yields a string"])
-async def test_a_final_delta_the_wire_refuses_ends_worker_lost(items: list[Any]) -> None:
+async def test_a_final_delta_the_wire_refuses_ends_worker_lost(
+        items: list[Any], message: str) -> None:
     outcome, producer = await _run(items)
     assert (outcome.kind, outcome.terminal, outcome.acked) == ("failed", "worker_lost", True)
     assert producer.terminals() == [("error", "worker_lost"), ("event.failed", "worker_lost")]
+    # Said by the guard that caught it, not by whatever a non-delta broke further on.
+    assert [r["message"] for _, r in producer.records
+            if r["kind"] in ("error", "event.failed")] == [message, message]
 
 
 @pytest.mark.parametrize(("prompt", "completion", "usage"), [

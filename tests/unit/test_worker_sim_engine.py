@@ -130,19 +130,20 @@ async def test_closing_the_iterator_aborts_the_request() -> None:
         await engine.close()
 
 
-async def test_time_scale_sets_the_pace() -> None:
+@pytest.mark.parametrize("scale", [0.01, 0.2])
+async def test_time_scale_sets_the_pace(scale: float) -> None:
     """200 tokens alone take ≈ 200 × 5.76 ms = 1.15 s simulated: 11.5 ms at 0.01, and about
-    0.23 s at 0.2 (not faster than the model says)."""
-    for scale, low, high in ((0.01, 0.0, 0.5), (0.2, 0.2, 1.5)):
-        engine = await started(time_scale=scale)
-        try:
-            t0 = time.monotonic()
-            deltas = await collect(engine.generate(make_req(max_tokens=200)))
-            elapsed = time.monotonic() - t0
-        finally:
-            await engine.close()
-        assert sum(d.tokens for d in deltas) == 200
-        assert low <= elapsed <= high, (scale, elapsed)
+    0.23 s at 0.2. Only the lower bound is asserted (never faster than the model says, scaled);
+    how much slower a loaded machine makes it is for the benchmarks."""
+    engine = await started(time_scale=scale)
+    try:
+        t0 = time.monotonic()
+        deltas = await collect(engine.generate(make_req(max_tokens=200)))
+        elapsed = time.monotonic() - t0
+    finally:
+        await engine.close()
+    assert sum(d.tokens for d in deltas) == 200
+    assert elapsed >= 1.0 * scale, elapsed  # 1.0 s simulated: under the 1.15 s the model says
 
 
 async def test_too_large_and_duplicate_requests_are_engine_errors() -> None:

@@ -35,6 +35,13 @@ class TopicRequest:
     name: str
     partitions: int
     config: dict[str, str] = field(default_factory=dict)
+    #: The partition count must be exactly this (co-partitioned topics: a tenant's intake
+    #: and settle records, a table and its changelog); otherwise at least this.
+    exact: bool = False
+
+
+class TopicMismatchError(KafkaError):  # type: ignore[misc]  # aiokafka ships no types
+    """Topics that exist with a partition count llmq cannot work with."""
 
 
 class Producer(AIOKafkaProducer):  # type: ignore[misc]  # aiokafka ships no types
@@ -198,9 +205,34 @@ async def ensure_topics(
                 # Another process created some of them between list and create: fine.
                 log.debug("topics created concurrently: %s", [t.name for t in missing])
         await asyncio.wait_for(_until_led(admin, [t.name for t in wanted]), timeout_s)
+        found = [t for t in wanted if t not in missing]
+        if found:
+            described = await asyncio.wait_for(
+                admin.describe_topics([t.name for t in found]), timeout_s)
+            _check_partitions(found, described)
         return [t.name for t in missing]
     finally:
         await admin.close()
+
+
+def _check_partitions(wanted: Sequence[TopicRequest], described: Any) -> None:
+    """Raise :class:`TopicMismatchError` for topics made (by something else, or with other
+    settings) with fewer partitions than llmq needs, or another count where it must match:
+    an intake topic of 1 partition had ingest move each record to its tenant's partition
+    for ever."""
+    have = {d["topic"]: len(d["partitions"]) for d in described if not d["error_code"]}
+    wrong = [
+        f"{t.name} has {have[t.name]} partition(s), llmq needs "
+        f"{'' if t.exact else 'at least '}{t.partitions}"
+        for t in wanted
+        if t.name in have and (have[t.name] < t.partitions
+                               or (t.exact and have[t.name] != t.partitions))
+    ]
+    if wrong:
+        raise TopicMismatchError(
+            "; ".join(wrong) + ". They were made by something else (a broker that creates "
+            "topics on first use?) or with other settings (LLMQ_ASSIGNMENT_PARTITIONS): "
+            "delete them and let llmq create them, or set llmq's settings to match")
 
 
 async def topic_exists(bootstrap: str, name: str, timeout_s: float = 10.0) -> bool:

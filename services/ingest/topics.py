@@ -82,10 +82,14 @@ class IngestTopics:
             *catalog(self.prefix, self.assignment_partitions),
             find_topic(self.reply, self.prefix, self.assignment_partitions),
         ]
-        requests = [TopicRequest(s.name, s.partitions, s.config) for s in specs]
-        requests.append(TopicRequest(self.settle, self.partitions, {"cleanup.policy": "delete"}))
-        requests += [TopicRequest(name, self.partitions, {"cleanup.policy": "compact"})
-                     for name in self.changelogs]
+        # A tenant's intake and settle records, and its table rows, share one partition
+        # number: those topics' counts must be exactly ingest's.
+        requests = [TopicRequest(s.name, s.partitions, s.config, exact=s.name == self.intake)
+                    for s in specs]
+        requests.append(TopicRequest(self.settle, self.partitions, {"cleanup.policy": "delete"},
+                                     exact=True))
+        requests += [TopicRequest(name, self.partitions, {"cleanup.policy": "compact"},
+                                  exact=True) for name in self.changelogs]
         requests.append(self.leader)
         return requests
 

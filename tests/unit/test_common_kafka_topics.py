@@ -7,7 +7,12 @@ from types import SimpleNamespace
 import pytest
 from aiokafka.errors import TopicAuthorizationFailedError
 
-from services.common.kafka import _raise_topic_errors
+from services.common.kafka import (
+    TopicMismatchError,
+    TopicRequest,
+    _check_partitions,
+    _raise_topic_errors,
+)
 
 
 def test_create_topics_errors_are_raised_not_waited_out() -> None:
@@ -23,3 +28,24 @@ def test_a_retriable_create_error_is_left_to_the_wait_for_leaders() -> None:
     # REQUEST_TIMED_OUT (7) or NOT_CONTROLLER (41): the topic may well appear; startup
     # waits for its leaders as before instead of failing.
     _raise_topic_errors(SimpleNamespace(topic_errors=[("a", 7, "slow"), ("b", 41, "moved")]))
+
+
+def _described(**partitions: int) -> list[dict[str, object]]:
+    return [{"topic": name.replace("_", "."), "error_code": 0,
+             "partitions": [{"partition": p} for p in range(n)]}
+            for name, n in partitions.items()]
+
+
+def test_existing_topics_with_a_partition_count_llmq_cannot_use_are_refused() -> None:
+    # An intake topic a broker auto-created with 1 partition: every record sat on another
+    # partition than its tenant's, and ingest moved it there for ever.
+    wanted = [TopicRequest("llmq.intake", 6, exact=True),
+              TopicRequest("llmq.assignments", 16)]
+    _check_partitions(wanted, _described(llmq_intake=6, llmq_assignments=32))  # at least 16
+    with pytest.raises(TopicMismatchError, match=r"llmq\.intake has 1 partition\(s\), llmq "
+                       r"needs 6\..*delete them"):
+        _check_partitions(wanted, _described(llmq_intake=1, llmq_assignments=16))
+    with pytest.raises(TopicMismatchError, match="needs at least 16"):
+        _check_partitions(wanted, _described(llmq_intake=6, llmq_assignments=8))
+    with pytest.raises(TopicMismatchError, match="intake has 12"):  # exact: more is wrong too
+        _check_partitions(wanted, _described(llmq_intake=12, llmq_assignments=16))

@@ -234,9 +234,19 @@ class IntakeHandler:
         held = self._reservations.get(req.request_id)
         if held is not None:
             if _same_caller(held, req, self._topics.prefix):
-                _log.info("request %s is already admitted and in flight; duplicate ignored",
-                          req.request_id)
                 span.set_attribute(tracing.LLMQ_OUTCOME, "duplicate")
+                again = _admission_again(req, held, self._topics.prefix)
+                if again is None:  # a reservation written before it kept its admission
+                    _log.info("request %s is already admitted and in flight; duplicate "
+                              "ignored", req.request_id)
+                    return
+                # Its reservation is in the table, but the admitted request may not have
+                # landed (two partitions, no atomic write: ingest stopped in between, or
+                # the send failed after the table's changelog was written). Sent again, as
+                # it was: the scheduler takes a copy it has for a redelivery.
+                _log.info("request %s is already admitted; its admission is sent again",
+                          req.request_id)
+                await self._send(*again)
                 return
             # Another tenant's, or another caller's (another reply topic): everything
             # downstream is keyed by request_id, so this one cannot run. Its one answer:
@@ -322,6 +332,11 @@ class IntakeHandler:
             "reply_topic": target,
             "reserved": result.reserved_tokens,
             "deadline": max(now, req.created_at) + req.timeout_s + self._grace,
+            # The admission, to send it again for a redelivered record (_admission_again).
+            "admitted_at": now,
+            "priority": result.priority,
+            "lane": result.lane,
+            "prompt_tokens": result.prompt_tokens,
         }
         return _Decision(request_topic(self._topics.prefix, result.priority, result.lane),
                          message, result.new_state, reservation)
@@ -574,6 +589,22 @@ def _same_caller(held: Mapping[str, Any], req: InferenceRequest, prefix: str) ->
         return False
     topic = held.get("reply_topic")
     return topic is None or topic == _fallback_target(req, prefix)
+
+
+def _admission_again(
+    req: InferenceRequest, held: Mapping[str, Any], prefix: str
+) -> tuple[str, AdmittedRequest] | None:
+    """(topic, message) of the admission ``held`` records for ``req``, as it was first
+    sent; None for a reservation that does not keep it (written by an older ingest)."""
+    try:
+        message = AdmittedRequest(
+            request=req, priority=held["priority"], lane=held["lane"],
+            prompt_tokens=held["prompt_tokens"], reply_topic=held["reply_topic"],
+            admitted_at=held["admitted_at"],
+        )
+    except (KeyError, ValueError):
+        return None
+    return request_topic(prefix, message.priority, message.lane), message
 
 
 def _fallback_target(req: InferenceRequest, prefix: str) -> str:

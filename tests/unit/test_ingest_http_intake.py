@@ -111,8 +111,10 @@ async def test_admitted_request_is_stored_and_published() -> None:
     state = TenantState.from_dict(h.buckets["default"])
     assert state.in_flight == 1
     assert h.reservations["cmpl-r1"] == {"tenant": "default", "reserved": 20,
-                                    "reply_topic": "llmq.replies.ingest-a",
-                                    "deadline": NOW + 60.0 + 30.0}
+                                         "reply_topic": "llmq.replies.ingest-a",
+                                         "deadline": NOW + 60.0 + 30.0, "admitted_at": NOW,
+                                         "priority": "normal", "lane": "short",
+                                         "prompt_tokens": 10}
 
 
 async def test_kafka_clients_get_their_tenant_reply_topic() -> None:
@@ -152,11 +154,30 @@ async def test_record_on_another_partition_than_its_tenant_is_moved() -> None:
     assert [t for t, _, _ in h.sent][-1] == "llmq.requests.normal.short"
 
 
-async def test_duplicate_of_a_request_in_flight_is_ignored() -> None:
+async def test_a_redelivered_request_in_flight_is_not_admitted_twice_but_sent_again() -> None:
+    # Its reservation and its admitted request are two writes on two partitions: ingest
+    # stopping between them left a reservation whose request never reached the scheduler,
+    # and every redelivery was dropped as a duplicate: no terminal, ever. The admission is
+    # sent again as it was (the scheduler takes a copy it has for a redelivery), and the
+    # tenant is charged once.
     h = Harness(load_tenancy(None))
     await h.submit(request())
+    h.now += 5.0
     await h.submit(request())
-    assert len(h.sent) == 1
+    (t1, k1, first), (t2, k2, again) = h.sent
+    assert (t1, k1) == (t2, k2) == ("llmq.requests.normal.short", b"r1")
+    assert decode(again, REQUEST_ADAPTER) == decode(first, REQUEST_ADAPTER)  # admitted_at too
+    assert TenantState.from_dict(h.buckets["default"]).in_flight == 1
+
+
+async def test_a_reservation_whose_request_never_landed_is_completed_by_the_redelivery() -> None:
+    h = Harness(load_tenancy(None))
+    await h.submit(request())
+    h.sent.clear()  # the admitted request was lost; the table kept the reservation
+    await h.submit(request())
+    [(topic, _, value)] = h.sent
+    admitted = decode(value, REQUEST_ADAPTER)
+    assert topic == "llmq.requests.normal.short" and admitted.admitted_at == NOW
 
 
 @pytest.mark.parametrize("other", [

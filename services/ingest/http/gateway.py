@@ -123,7 +123,8 @@ class Gateway:
             _log.warning("could not queue %s: %r", request.request_id, exc)
             if client_id:
                 # The retry reuses the id: a cancel would hit it. If this copy landed, intake
-                # drops the retry as a redelivery and its replies reach the retry's stream.
+                # takes the retry for a redelivery (not admitted twice) and its replies reach
+                # the retry's stream.
                 self.close(request.request_id)
             else:
                 self._unsure(request, "ingest could not confirm it was queued; retried")

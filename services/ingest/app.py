@@ -149,8 +149,15 @@ def _add_agents(
     publish = _publisher(app)
 
     async def expire_reservations() -> None:
-        for record in handler.expired(rt.clock()):
-            await publish(topics.settle, record.tenant.encode(), encode(record), None)
+        try:
+            for record in handler.expired(rt.clock()):
+                await publish(topics.settle, record.tenant.encode(), encode(record), None)
+        except Exception:
+            # A failed send (the broker away) must not end the app: a timer that raises
+            # crashes it. The scan runs again next time, and expired reservations stay
+            # expired until settled.
+            _log.warning("ingest: expiring reservations failed; tried again in %.0f s",
+                         rt.ingest.expiry_scan_s, exc_info=True)
 
     app.timer(rt.ingest.expiry_scan_s, name="ingest-expire")(expire_reservations)
 

@@ -334,7 +334,9 @@ class Scheduler:
         """Lost attempts whose worker may have answered them and died before the terminal
         event (or a scheduler between its own reply and event), checked against their
         reply topics first (``runtime.answered``): a ``worker_lost`` ending of an answered
-        attempt keeps only its terminal event, and a held requeue of one is not requeued."""
+        attempt keeps only its terminal event, and a held requeue of one is not requeued.
+        A replica that stopped leading meanwhile sends neither: the leader decides them
+        (``SchedulerState.settle_endings``, ``SchedulerState.release``)."""
         checks = [c for c in (e.unless_answered for e in effects) if c is not None]
         checks += [h.check for h in held]
         wanted = {(c[0], c[1]): (c[2], c[3], c[4]) for c in checks}
@@ -347,15 +349,7 @@ class Scheduler:
                          "first, %d found answered: the rest are ended or requeued as if "
                          "unanswered", len(wanted), self.rt.scheduler.send_timeout_s,
                          check.records_read, len(found))
-        out = []
-        for e in effects:
-            if e.unless_answered is not None and e.unless_answered[:2] in found:
-                _log.warning("scheduler: %s#%d was answered before its worker was lost (its "
-                             "terminal event is missing): no worker_lost reply",
-                             *e.unless_answered[:2])
-                e = Effect(then=e.then, tickets=e.tickets)  # the event only
-                self.state.answered_after_all("worker_lost")
-            out.append(e)
+        out = self.state.settle_endings(effects, found)
         now = self.clock()
         for h in held:
             out.extend(self.state.release(h, h.check[:2] in found, now))
@@ -366,7 +360,10 @@ class Scheduler:
         statuses = self.state.statuses(now)
         if statuses:
             topic = self.rt.topics.status
-            self.outbox.submit([Effect(first=tuple(Outgoing.of(topic, s) for s in statuses))])
+            # Keyed: a newer snapshot replaces one a broker outage still holds back
+            # (the topic is compacted by model; only the newest counts).
+            self.outbox.submit([Effect(first=tuple(Outgoing.of(topic, s) for s in statuses))],
+                               key=topic)
         self.state.prune(now)
 
     async def _flush(self) -> None:

@@ -66,6 +66,17 @@ Everything the run waits on comes through one inbox (deltas, the end of the stre
 failure, a stop), so timeouts, cancels and tokens are handled in one loop without
 cancelling the engine's iterator mid-step.
 
+Terminal events: the event that follows a terminal reply (or a given-up or refused one:
+``event.failed(worker_lost)``) is what tells the scheduler the attempt is over and frees its
+KV booking; one never sent leaves that booking held until this worker restarts. So it is
+sent again much longer than a reply: until ``event_give_up_after_s`` (default 300 s, and
+never less than ``give_up_after_s``) after the reply was settled, and never before twice
+``give_up_after_s`` past the request's deadline, whichever is later. A broker stall of a
+few minutes is outlived; past that the event is given up and the offset counts as finished
+as before (a process stalled that long has bigger troubles: its heartbeats, on the same
+broker, stop too, and the scheduler declares it lost). Only fencing or a newer attempt stops
+it sooner. The run holds its offset open meanwhile.
+
 Tracing: the run is one span (GenAI naming: ``"<operation> <model>"``), the child of the
 context the assignment record carried (the scheduler's placement), with a
 ``gen_ai.first_token`` event and, at the end, the outcome and token usage. Every record the
@@ -139,6 +150,12 @@ class RunConfig:
     #: event that follows a given-up reply twice as long): under ingest's reservation grace
     #: (30 s), so the tenant's slot is not settled by expiry while it still may go.
     give_up_after_s: float = 12.0
+    #: A terminal *event* is sent again far longer: at least this long after the reply was
+    #: settled (acked, given up or refused), and never before the old bound of twice
+    #: ``give_up_after_s`` past the deadline. Events are small and the scheduler needs
+    #: them: without one its log keeps the attempt active and its KV booking here leaks
+    #: until this worker restarts (module docstring, "Terminal events").
+    event_give_up_after_s: float = 300.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -494,7 +511,7 @@ class RequestRun:
                                              f"{type(exc).__name__}")
                 await self._until_acked(
                     [_Sent(self.cfg.events_topic, unsent)], ask_first=False,
-                    give_up_at=self.assignment.deadline + 2 * self.cfg.give_up_after_s)
+                    give_up_at=self._event_give_up_at())
             # As after a given-up reply: an offset held open would stop the commit point.
             return Outcome("failed", self._tokens, acked=True)
 
@@ -545,11 +562,11 @@ class RequestRun:
             unsent = self._event(EventFailed, code="worker_lost", usage=end.usage,
                                  message=f"{what} could not be sent")
             with contextlib.suppress(Fenced):  # fenced: the scheduler ends it on its own
-                # Its own time to go out (the reply's was spent already), as long again,
-                # which still ends under ingest's 30 s reservation grace.
+                # Its own time to go out (the reply's was spent already): the terminal
+                # events' long bound (module docstring, "Terminal events").
                 await self._until_acked(
                     [_Sent(self.cfg.events_topic, unsent)], ask_first=False,
-                    give_up_at=self.assignment.deadline + 2 * self.cfg.give_up_after_s)
+                    give_up_at=self._event_give_up_at())
             # Nothing is left to do for this assignment: a restarted process would not run
             # it again (it drops work placed on an earlier process), and holding its offset
             # open would stop the slot's commit point for good. So it counts as finished.
@@ -557,12 +574,19 @@ class RequestRun:
         if end.event is not None:
             try:
                 await self._until_acked([_Sent(self.cfg.events_topic, end.event)],
-                                        ask_first=False)
+                                        ask_first=False, give_up_at=self._event_give_up_at())
             except Fenced:
                 # The reply is durable; the scheduler ends or requeues the request itself.
                 _log.warning("request %s: fenced before its terminal event was "
                              "acknowledged", self.engine_id)
         return Outcome(end.kind, self._tokens, acked=True, terminal=end.label, e2e_s=e2e)
+
+    def _event_give_up_at(self) -> float:
+        """When to stop sending a terminal event again, decided as its reply is settled
+        (module docstring, "Terminal events")."""
+        return max(self.assignment.deadline + 2 * self.cfg.give_up_after_s,
+                   self._clock() + max(self.cfg.give_up_after_s,
+                                       self.cfg.event_give_up_after_s))
 
     async def _until_acked(self, records: list[_Sent], *, ask_first: bool,
                            give_up_at: float | None = None) -> _Sending:
@@ -596,7 +620,7 @@ class RequestRun:
             if self._clock() >= give_up_at:
                 _log.error("request %s: %s still not acknowledged %.0f s past its deadline; "
                            "given up", self.engine_id, records[-1].msg.kind,
-                           self.cfg.give_up_after_s)
+                           self._clock() - self.assignment.deadline)
                 return "given_up"
             _log.warning("request %s: %s not acknowledged (try %d); sending again in %.2f s",
                          self.engine_id, records[-1].msg.kind, tries, wait)

@@ -80,3 +80,58 @@ async def test_topics_lists_what_is_due() -> None:
     outbox = Outbox(FakeBroker().send)
     outbox.submit([Effect(first=(rec("a"),), then=(rec("b"),)), Effect(then=(rec("c"),))])
     assert outbox.topics() == {"a", "c"}
+
+
+class ValueBroker(FakeBroker):
+    """A ``FakeBroker`` that also keeps the value of each record it acknowledged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.values: list[bytes] = []
+
+    async def send(self, out: Outgoing) -> Awaitable[object]:
+        if out.topic not in self.failing:
+            self.values.append(out.value)
+        return await super().send(out)
+
+
+async def test_a_newer_keyed_effect_replaces_the_one_still_waiting() -> None:
+    # A status snapshot each second through a broker outage: one waits, not one per second.
+    broker = ValueBroker()
+    outbox = Outbox(broker.send, timeout_s=0.05, backoff_s=0.0)
+    broker.failing.add("status")
+    outbox.submit([Effect(first=(rec("reply"),), tickets=(("tp", 0),))])
+    for n in range(50):
+        outbox.submit([Effect(first=(Outgoing("status", b"m", str(n).encode()),))],
+                      key="status")
+        await outbox.flush()
+    assert len(outbox) == 1  # the reply went; one status waits
+    broker.failing.clear()
+    await outbox.flush()
+    assert broker.values == [b"v", b"49"] and len(outbox) == 0  # the newest status only
+
+
+class StalledBroker:
+    """``send`` itself never returns (aiokafka waiting for metadata of an unreachable
+    cluster)."""
+
+    def __init__(self) -> None:
+        self.tries = 0
+
+    async def send(self, out: Outgoing) -> Awaitable[object]:
+        self.tries += 1
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+
+async def test_one_flush_round_is_bounded_by_one_timeout_however_many_records_wait() -> None:
+    broker = StalledBroker()
+    outbox = Outbox(broker.send, timeout_s=0.1, backoff_s=0.0)
+    outbox.submit([Effect(first=(rec(f"reply{i}"),), tickets=(("tp", i),))
+                   for i in range(20)])
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    assert await outbox.flush() == []
+    assert loop.time() - started < 0.5  # was 20 × 0.1 s
+    assert len(outbox) == 20  # every one waits for the next flush
+    assert broker.tries == 1 and outbox.failures == 1  # the rest had no time: untouched

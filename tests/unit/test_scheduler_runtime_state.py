@@ -865,3 +865,44 @@ def test_a_new_request_reusing_a_finished_ones_id_is_answered_invalid_once() -> 
     assert tickets(reuse) == [("tp", 1)]
     again = state.on_request(admitted("r1", at=T + 60), ("tp", 1), T + 61)  # redelivered
     assert replies(again) == [] and tickets(again) == [("tp", 1)]
+
+
+def _chatty_lost_on_w0() -> tuple[SchedulerState, list[Effect]]:
+    """w0 dies holding one request that streamed: the leader's cycle decides its
+    worker_lost ending, held for the reply-topic check (the app's background task)."""
+    state = ready_state(("w0", 0))
+    state.on_request(admitted("chatty"), ("tp", 1), T)
+    (placed,) = [a for _, a in assignments(state.tick(T).effects)]
+    state.observe_event(started(placed, "w0"))
+    state.observe_event(_first_token(placed, "w0"))
+    result = state.tick(T + 5)
+    checked = [e for e in result.effects if e.unless_answered is not None]
+    assert len(checked) == 1 and state.ended == {"worker_lost": 1}
+    return state, checked
+
+
+def test_a_worker_lost_ending_checked_while_leading_goes_out_as_decided() -> None:
+    state, checked = _chatty_lost_on_w0()
+    out = state.settle_endings(checked, frozenset())
+    assert [r.code for r in replies(out)] == ["worker_lost"] and len(events(out)) == 1
+    answered = state.settle_endings(checked, frozenset({("chatty", 1)}))
+    assert replies(answered) == [] and len(events(answered)) == 1  # the event only
+
+
+def test_a_replica_that_stops_leading_during_the_check_sends_no_worker_lost_ending() -> None:
+    """docs/live-system.md: a replica that stops leading gives up any reply-topic check
+    still out. The new leader decides the same loss and sends its own ending: one
+    terminal, not two. Nothing stays booked here, and the leader's event is news to no
+    one (the log holds the attempt ended already)."""
+    state, checked = _chatty_lost_on_w0()
+    state.tick(T + 6, handle_losses=False)  # leadership moved while the check ran
+    assert state.settle_endings(checked, frozenset()) == []
+    assert state.settle_endings(checked, frozenset({("chatty", 1)})) == []
+    assert state.ended == {"worker_lost": 0}  # not a terminal this replica sent
+    assert state.reserved_kv("w0") == 0
+    # The new leader's ending, read back, releases nothing more and changes nothing.
+    leader_event = EventFailed(request_id="chatty", tenant="acme", attempt=1,
+                               worker_id="sched-other", ts=T + 7, code="worker_lost",
+                               message="w0 lost mid-stream")
+    state.observe_event(leader_event)
+    assert state.log.status("chatty") == "finished" and state.reserved_kv("w0") == 0

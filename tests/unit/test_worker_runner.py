@@ -342,7 +342,8 @@ async def test_resending_stops_once_a_newer_attempt_took_the_request() -> None:
 async def test_resending_gives_up_past_the_requests_deadline() -> None:
     producer = _Producer(fail_from=3)
     run = RequestRun(_assignment(timeout_s=0.2), _FineEngine(tokens=0),
-                     Publisher(producer, 5.0), replace(_CFG, give_up_after_s=0.1))
+                     Publisher(producer, 5.0),
+                     replace(_CFG, give_up_after_s=0.1, event_give_up_after_s=0.1))
     outcome = await asyncio.wait_for(run.run(), 5.0)
     assert (outcome.terminal, outcome.acked) == (None, True)
     assert producer.terminals() == []  # the events topic fails too: nothing goes out
@@ -373,7 +374,8 @@ async def test_the_end_of_a_given_up_reply_has_its_own_time_to_go_out() -> None:
     # so the scheduler kept the KV booking on a live worker.
     producer = _ReplyDown(event_failures=2)
     run = RequestRun(_assignment(timeout_s=0.2), _FineEngine(tokens=0),
-                     Publisher(producer, 5.0), replace(_CFG, give_up_after_s=0.1))
+                     Publisher(producer, 5.0),
+                     replace(_CFG, give_up_after_s=0.1, event_give_up_after_s=0.1))
     outcome = await asyncio.wait_for(run.run(), 5.0)
     assert (outcome.terminal, outcome.acked) == (None, True)
     assert producer.terminals() == [("event.failed", "worker_lost")]
@@ -390,3 +392,41 @@ async def test_a_request_cancelled_before_its_assignment_ends_like_any_run() -> 
     assert (outcome.kind, outcome.terminal, outcome.acked) == ("cancelled", "cancelled", True)
     assert producer.terminals() == [("error", "cancelled"), ("event.aborted", "cancelled")]
     assert engine.aborted == []
+
+
+class _EventsStall(_Producer):
+    """The events topic times out every terminal event sent before ``until`` (wall time):
+    a broker stall that begins as the reply is acknowledged."""
+
+    def __init__(self, until: float) -> None:
+        super().__init__()
+        self.until = until
+
+    async def send(self, topic: str, value: bytes, *, key: bytes,
+                   headers: list[tuple[str, bytes]] | None = None) -> asyncio.Future[None]:
+        if json.loads(value)["kind"] == "event.done" and time.time() < self.until:
+            self.sends += 1
+            raise KafkaTimeoutError()
+        return await super().send(topic, value, key=key, headers=headers)
+
+
+async def test_a_terminal_event_outlives_a_stall_past_the_replys_time() -> None:
+    # The reply's time (give_up_after_s past the deadline) runs out while the events topic
+    # stalls: the event used to be given up with it, and the scheduler's booking leaked.
+    producer = _EventsStall(until=time.time() + 0.6)
+    run = RequestRun(_assignment(timeout_s=0.2), _FineEngine(tokens=0),
+                     Publisher(producer, 5.0),
+                     replace(_CFG, give_up_after_s=0.1, event_give_up_after_s=3.0))
+    outcome = await asyncio.wait_for(run.run(), 5.0)
+    assert (outcome.terminal, outcome.acked) == ("done", True)
+    assert producer.terminals() == [("done", None), ("event.done", None)]
+
+
+async def test_a_terminal_event_is_given_up_after_its_own_long_bound() -> None:
+    producer = _EventsStall(until=time.time() + 60.0)
+    run = RequestRun(_assignment(timeout_s=0.2), _FineEngine(tokens=0),
+                     Publisher(producer, 5.0),
+                     replace(_CFG, give_up_after_s=0.1, event_give_up_after_s=0.3))
+    outcome = await asyncio.wait_for(run.run(), 5.0)
+    assert (outcome.terminal, outcome.acked) == ("done", True)  # the offset is finished
+    assert producer.terminals() == [("done", None)]

@@ -10,6 +10,13 @@ stays unacknowledged meanwhile, so a crash redelivers rather than loses it. (A r
 duplicate a record the broker did take: workers and clients drop duplicates by
 ``(request_id, attempt)``.)
 
+Bounded through an outage: an effect submitted with a ``key`` (a periodic snapshot, such
+as the queue statuses) replaces any effect of that key still waiting, so the newest one
+alone goes out and the outbox does not grow by one per period while the broker is away.
+And one flush round has one deadline, ``timeout_s`` from its start, for every send and
+ack in it: records it had no time to hand over wait, untouched, for the next flush, so a
+round takes about ``timeout_s`` however many records wait (not records × ``timeout_s``).
+
 Knows nothing of Kafka: ``send`` enqueues one record and returns its delivery future (an
 aiokafka producer's ``send`` does exactly that).
 """
@@ -19,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Hashable, Iterable
 from dataclasses import dataclass
 
 from services.scheduler.runtime.messages import Outgoing
@@ -37,6 +44,7 @@ class _Pending:
     stage: int = 0  # 0: first, 1: then, 2: complete
     failures: int = 0
     not_before: float = 0.0  # monotonic time of the next try after a failure
+    key: Hashable | None = None  # a newer effect of the same key replaces this one
 
     def due(self) -> tuple[Outgoing, ...]:
         if self.stage == 0:
@@ -74,9 +82,14 @@ class Outbox:
     def __len__(self) -> int:
         return len(self._queue)
 
-    def submit(self, effects: Iterable[Effect]) -> None:
+    def submit(self, effects: Iterable[Effect], *, key: Hashable | None = None) -> None:
+        """Queue ``effects``. With a ``key``, they replace every effect of that key still
+        waiting (module docstring): only snapshots, which carry no tickets, should have one.
+        One still in flight in a running flush is dropped from the queue all the same."""
+        if key is not None:
+            self._queue = [p for p in self._queue if p.key != key]
         for effect in effects:
-            pending = _Pending(effect, -1)
+            pending = _Pending(effect, -1, key=key)
             pending.advance()
             self._queue.append(pending)
 
@@ -108,12 +121,20 @@ class Outbox:
         batch = [p for p in self._queue if p.stage < 2 and p.not_before <= now]
         if not batch:
             return False
+        deadline = now + self._timeout_s  # one for the whole round (module docstring)
         futures: dict[int, list[asyncio.Future[object]]] = {}
         failed: set[int] = set()
+        untried: set[int] = set()
         for i, pending in enumerate(batch):
+            if deadline - self._clock() <= 0:
+                untried.add(i)  # no time left this round: as it was, for the next flush
+                continue
             for out in pending.due():
+                left = deadline - self._clock()
                 try:
-                    delivery = await asyncio.wait_for(self._send(out), self._timeout_s)
+                    if left <= 0:
+                        raise TimeoutError("the flush round's time ran out")
+                    delivery = await asyncio.wait_for(self._send(out), left)
                 except Exception:  # timeout or producer error: retried next flush
                     _log.warning("outbox: could not send to %s", out.topic, exc_info=True)
                     failed.add(i)
@@ -122,9 +143,11 @@ class Outbox:
         every = [f for fs in futures.values() for f in fs]
         if every:
             # asyncio.wait, not wait_for: a timeout must not cancel deliveries in flight.
-            await asyncio.wait(every, timeout=self._timeout_s)
+            await asyncio.wait(every, timeout=max(0.0, deadline - self._clock()))
         more = False
         for i, pending in enumerate(batch):
+            if i in untried:
+                continue
             # Look at every future (retrieving each exception keeps asyncio quiet).
             acked = [_acknowledged(f) for f in futures.get(i, [])]
             ok = i not in failed and all(acked)

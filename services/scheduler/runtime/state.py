@@ -39,7 +39,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Hashable, Mapping
+from collections.abc import Collection, Hashable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Final, Literal
 
@@ -850,6 +850,41 @@ class SchedulerState:
         self.pending.push(request, force=True)  # already admitted work: past the bound
         self._track(_Tracked(record.admitted, request, "requeue", since=now, trace=trace))
         return []
+
+    def settle_endings(self, effects: list[Effect],
+                       answered: Collection[tuple[str, int]]) -> list[Effect]:
+        """The reply-topic check of ``worker_lost`` endings (:attr:`Effect.unless_answered`)
+        is back, ``answered`` holding the attempts found answered: what to send of them.
+
+        - This replica no longer leads (leadership moved during the check): none. The new
+          leader decides the same lost attempts and sends its own endings; sending these too
+          would give the request two terminals. They leave the count of terminals sent.
+          The log keeps them ended here and that is not undone: their bookings went when
+          the loss was decided (``requeue_lost`` drops the worker's), so nothing leaks, and
+          the new leader's terminal event, read later, only repeats what the log holds.
+          (Undoing would need the log to forget an ending, and the assignment it dropped;
+          the entry is active nowhere meanwhile, which is what the leader's event makes it.)
+        - An answered attempt (its worker answered and died before its event): its event
+          only, no second reply.
+        - Otherwise the ending as decided. Effects without a check pass through."""
+        out: list[Effect] = []
+        for effect in effects:
+            check = effect.unless_answered
+            if check is None:
+                out.append(effect)
+                continue
+            if not self.leading:
+                _log.info("scheduler: no longer leading; the worker_lost ending of %s#%d is "
+                          "left to the leader", *check[:2])
+                self.answered_after_all("worker_lost")
+                continue
+            if check[:2] in answered:
+                _log.warning("scheduler: %s#%d was answered before its worker was lost (its "
+                             "terminal event is missing): no worker_lost reply", *check[:2])
+                effect = Effect(then=effect.then, tickets=effect.tickets)  # the event only
+                self.answered_after_all("worker_lost")
+            out.append(effect)
+        return out
 
     def answered_after_all(self, code: ErrorCode) -> None:
         """An ending of ``code`` decided here whose reply was then found on its reply topic

@@ -22,8 +22,9 @@ What runs (one process, one event loop):
    until the reader has caught up with the assignments and events topics, so a request
    the previous owner assigned is recognised (a failing read is tried again; a record
    that waited through yet another rebalance is left to its partition's owner).
-3. **agent ``scheduler-control``** on ``llmq.control`` (a group: each command once):
-   cancels go to the state; drains need nothing here (the worker's heartbeat says
+3. **``llmq.control``**, read by the log reader too (every replica reads every command):
+   cancels go to the state, where the replica holding the request pending ends it and
+   the others remember it; drains need nothing here (the worker's heartbeat says
    ``draining`` and the core's not-draining filter does the rest).
 4. **dispatch loop**: every ``dispatch_interval_s`` and whenever woken (an arrival, a
    release, a cancel, a reader batch): worker loss (on faust's leader only: every replica
@@ -153,12 +154,6 @@ def build_app(rt: SchedulerRuntime) -> SchedulerApp:
         async for event in stream.noack().events():
             await sched.on_request_event(event)
 
-    @app.agent(app.topic(rt.topics.control, **_RAW), name="scheduler-control")
-    async def control(stream: Any) -> None:
-        await sched.ready.wait()
-        async for event in stream.events():
-            await sched.on_control_event(event)
-
     # cast: mode types receivers with mypy_extensions' VarArg/NamedArg, which mypy 2 no
     # longer matches against any function; the receivers have the documented signature.
     app.on_partitions_revoked.connect(cast(Any, sched.on_revoked))
@@ -207,6 +202,7 @@ class Scheduler:
                 topics.heartbeats: self._on_heartbeat,
                 topics.assignments: self._on_assignment,
                 topics.events: self._on_event,
+                topics.control: self._on_control,
             },
             self.guard,
             on_batch=self._wake,
@@ -473,14 +469,6 @@ class Scheduler:
         self.outbox.submit(self.state.on_request(admitted, ticket, self.clock(), trace))
         return True
 
-    async def on_control_event(self, event: Any) -> None:
-        await self.guard.run(event.message, partial(self._on_control, event.message))
-
-    async def _on_control(self, message: Any) -> None:
-        command = decode(message.value, CONTROL_ADAPTER)
-        if isinstance(command, CancelRequest) and self.state.on_cancel(command, self.clock()):
-            self.wake.set()
-
     async def on_revoked(self, sender: Any, *args: Any, signal: Any, **_: Any) -> None:
         """Pending requests of revoked partitions go to their new owner (never acked by us
         from now on); what is in flight is flushed so the new owner reads it back.
@@ -525,6 +513,16 @@ class Scheduler:
         # Headers too: a scheduler's terminal event names the admission it ended there.
         self.state.observe_event(decode(record.value, EVENT_ADAPTER),
                                  tuple(tracing.headers_of(record)))
+
+    def _on_control(self, record: Any) -> None:
+        # Every replica reads every cancel: the one holding the request pending ends it,
+        # the leader its requeues and hand-offs, the others remember it. (Read by a group,
+        # a cancel reached one replica, rarely the one holding the request, and a request
+        # that waited past the workers' cancel memory then ran to its end.) Replayed ones
+        # older than the cancel memory are dropped (RecentCancels.add).
+        command = decode(record.value, CONTROL_ADAPTER)
+        if isinstance(command, CancelRequest) and self.state.on_cancel(command, self.clock()):
+            self.wake.set()
 
     # -- producing ----------------------------------------------------------------------
 

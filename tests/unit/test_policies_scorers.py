@@ -53,6 +53,17 @@ def test_throughput_is_relative_to_the_fleet_best() -> None:
     assert scores(throughput.factory({}), stuck) == [0.0]
 
 
+def test_throughput_scores_are_numbers_in_0_1_at_the_float_edges() -> None:
+    # A fleet best of 5e-324 made 1/best infinite: 0 tokens/s scored 0·inf = NaN, and the
+    # picker dropped that worker. Infinite rates (never on the wire, but a core input).
+    tiny = [make_worker("a", running=3, tokens_per_s=5e-324),
+            make_worker("b", running=3, tokens_per_s=0.0)]
+    assert scores(throughput.factory({}), tiny) == [1.0, 0.0]
+    huge = [make_worker("a", running=3, tokens_per_s=float("inf")),
+            make_worker("b", running=3, tokens_per_s=1.0)]
+    assert scores(throughput.factory({}), huge) == [0.0, 0.0]  # inf / inf is unknown
+
+
 def test_throughput_of_an_idle_worker_is_unknown_not_zero() -> None:
     """Running nothing, it generates nothing: scoring that 0 made its busy twin win every
     tie and draw still more work."""

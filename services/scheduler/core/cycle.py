@@ -238,7 +238,10 @@ class _Cycle:
             if head is not None:
                 heads[klass] = head
         deferred: dict[ClassKey, Defer] = {}  # blocked for the rest of the cycle
-        behind_holds: set[ClassKey] = set()  # ... at least partly because of a hold
+        # ... at least partly because of a hold. A dict, in the order they were deferred:
+        # a set of string-keyed classes would come back in an order that changes with
+        # PYTHONHASHSEED, and with it which of two tied heads goes first.
+        behind_holds: dict[ClassKey, None] = {}
         placed = 0
         while heads and (max_placements is None or placed < max_placements):
             klass, request = self._next(heads)
@@ -249,7 +252,7 @@ class _Cycle:
                 del heads[klass]  # FCFS: the rest of the class waits behind its head
                 deferred[klass] = decision
                 if self.hold_refused:
-                    behind_holds.add(klass)
+                    behind_holds[klass] = None
                 continue
             self.decisions.append(decision)
             if isinstance(decision, Placement):

@@ -38,12 +38,18 @@ class Throughput:
         self, workers: Sequence[WorkerState], request: QueuedRequest, ctx: PlacementContext
     ) -> list[float]:
         best = ctx.max_tokens_per_s
-        scale = 1.0 / best if best > 0.0 else 0.0
-        return [1.0 if w.running <= 0 else _clip(w.tokens_per_s * scale) for w in workers]
+        if not best > 0.0:  # nothing measured (also NaN)
+            return [1.0 if w.running <= 0 else 0.0 for w in workers]
+        # Divided, not multiplied by 1/best: a best of 5e-324 made 1/best infinite and a
+        # busy worker at 0 tokens/s score 0·inf = NaN, which dropped it from the picker.
+        return [1.0 if w.running <= 0 else _clip(w.tokens_per_s / best) for w in workers]
 
 
 def _clip(x: float) -> float:
-    return 0.0 if x < 0.0 else (1.0 if x > 1.0 else x)
+    """Into [0, 1]; not a number (inf / inf) is 0."""
+    if not x >= 0.0:
+        return 0.0
+    return 1.0 if x > 1.0 else x
 
 
 def factory(params: Params) -> Throughput:

@@ -232,6 +232,31 @@ def test_an_overdue_blocked_head_holds_its_best_worker() -> None:
     assert dict(ledger.holds()) == {}
 
 
+@pytest.mark.parametrize("fleet", [
+    # No worker of its lane at all (the long pool gone), or none that could ever hold it.
+    [make_worker("s0", pool="short", kv_total_tokens=100_000)],
+    [make_worker("s0", pool="short", kv_total_tokens=100_000),
+     make_worker("l0", pool="long", kv_total_tokens=20_000, partition=1)],
+], ids=["stranded", "own pool too small"])
+def test_an_overdue_head_that_must_borrow_holds_a_worker_of_the_pool_it_borrows(
+    fleet: list[WorkerState],
+) -> None:
+    # Short traffic kept refilling the borrowed worker's KV, and no hold was taken there:
+    # the head waited without bound (400 s against a bound of aging + service, 62 s).
+    ledger, queue = Ledger(kv_safety_margin=0.0), make_queue()
+    ledger.reserve(fleet[0], make_request("busy", kv_tokens=64_000))  # 36,000 free
+    big = make_request("big", priority="low", lane="long", kv_tokens=50_000,
+                       enqueued_at=NOW - 61)  # low: overdue past 60 s
+    decisions = run(fleet, big, ledger=ledger, queue=queue)
+    assert ledger.hold_of("big") == "s0"
+    assert "holding s0" in next(d.reason for d in decisions if isinstance(d, Defer))
+    # Short traffic no longer refills the held worker ...
+    assert placed(run(fleet, make_request("s-new", kv_tokens=8_000), ledger=ledger,
+                      queue=queue)) == []
+    ledger.release("busy", 0)  # ... so once it drains, the head runs there
+    assert placed(run(fleet, ledger=ledger, queue=queue))[0] == ("big", "s0")
+
+
 def test_no_hold_before_the_aging_bound() -> None:
     ledger = Ledger()
     worker = make_worker(kv_total_tokens=10_000)

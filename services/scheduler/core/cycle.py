@@ -37,8 +37,9 @@ Order of work:
    its own route may be placed on a worker of the other lane's dedicated pool when no
    request of that other lane is pending for its model (so the borrowed worker's own lane
    loses nothing now; a head past its aging bound whose lane has no worker of its own
-   borrows regardless, or it would wait on the other lane's traffic without bound), the
-   head has waited ``spill[L].after_s``, and the worker holds
+   that could ever hold it borrows regardless, and holds a worker of the pool it borrows
+   from as step 4 holds its own, or it would wait on the other lane's traffic without
+   bound), the head has waited ``spill[L].after_s``, and the worker holds
    fewer than ``spill[L].max_per_worker`` reservations of lane L (0: no bound). Every
    filter and hold applies there as on the head's own route; the other lane's requests
    that arrive later take the borrowed worker back as the borrowed work finishes. Static
@@ -333,10 +334,20 @@ class _Cycle:
             if isinstance(placed, Placement):
                 return placed
             own_outcome = placed
+        # Whether a worker of its own (mixed, or its stage's) could ever hold it.
+        holds_own = self._max_usable(index) >= request.kv_tokens or (
+            own is not None and self._max_usable(own[1]) >= own[0].kv_tokens)
         if self.pipeline.spill:
-            spilled = self._spill(request, own_pool=bool(index.members) or own is not None)
+            spilled = self._spill(request, own_pool=holds_own)
             if spilled is not None:
                 return spilled
+            if not holds_own and request.lane in self.pipeline.spill:
+                borrowed = self._borrow_index(request)
+                if self._max_usable(borrowed) >= request.kv_tokens:
+                    # Stranded (step 5): once overdue it holds a worker of the pool it
+                    # borrows from, or the other lane's traffic would refill that worker's
+                    # KV without bound (no hold was taken: a head waited 400 s past 62).
+                    return self._blocked(request, route, borrowed, outcome)
         if own is not None and self._max_usable(index) < request.kv_tokens:
             # No mixed worker could ever run it: it waits (and holds) where it could run.
             return self._blocked(request, route, own[1], own_outcome, stage=own[0])
@@ -421,8 +432,8 @@ class _Cycle:
 
     def _spill(self, request: QueuedRequest, own_pool: bool) -> Placement | None:
         """Place ``request`` on the other lane's dedicated pool, if step 5 allows it.
-        ``own_pool``: its own route has workers (then an overdue head holds one of them,
-        step 4, instead of borrowing past the other lane's pending work)."""
+        ``own_pool``: a worker of its own route could hold it (then an overdue head holds
+        one of them, step 4, instead of borrowing past the other lane's pending work)."""
         lane, model = request.lane, request.model
         rule = self.pipeline.spill.get(lane)
         if rule is None or self.now - request.enqueued_at < rule.after_s:
@@ -434,9 +445,7 @@ class _Cycle:
         for klass in self.pending.class_keys():
             if klass[0] == other and klass[2] == model and not stranded:
                 return None  # the other lane has work of its own: lend nothing
-        route: Route = (model, request.model_version, other)
-        borrowed = _borrowed(other, self._route_admits(request, lane=other))
-        index = route_index(self.snapshot, route, self.ledger, borrowed, (self.pipeline, "spill"))
+        index = self._borrow_index(request)
         if not index.members:
             return None
         self.spill_bound = rule.max_per_worker
@@ -445,6 +454,15 @@ class _Cycle:
         finally:
             self.spill_bound = 0
         return outcome if isinstance(outcome, Placement) else None
+
+    def _borrow_index(self, request: QueuedRequest) -> RouteIndex:
+        """The candidate index of the other lane's dedicated pool, for ``request`` to
+        borrow (step 5)."""
+        other = _other(request.lane)
+        route: Route = (request.model, request.model_version, other)
+        borrowed = _borrowed(other, self._route_admits(request, lane=other))
+        return route_index(self.snapshot, route, self.ledger, borrowed,
+                           (self.pipeline, "spill"))
 
     def _place(self, request: QueuedRequest, index: RouteIndex) -> Placement | str:
         """Place ``request`` on the pipeline's pick, or say why nothing would take it."""

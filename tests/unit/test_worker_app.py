@@ -246,41 +246,18 @@ def _record_generate(worker: Worker, monkeypatch: pytest.MonkeyPatch) -> list[st
     return asked
 
 
-async def test_an_assignment_for_another_model_is_answered_worker_lost_unrun(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("model", "ran_before", "code"), [
     # Misrouted or forged: running it would answer with the wrong model. Its one terminal
-    # is worker_lost (the fleet's fault, retryable), and the engine never sees it.
-    worker = _worker()
-    asked = _record_generate(worker, monkeypatch)
-    await worker.engine.start()
-    producer = _Producer()
-    worker._publisher = Publisher(producer, 5.0)
-    worker._serving = True
-    worker.lease.restart(time.monotonic())
-    now = time.time()
-    request = make_request(request_id="r1", model="another-model", max_tokens=40,
-                           timeout_s=600, created_at=now)
-    admitted = make_admitted(request=request, reply_topic="p.replies.acme", admitted_at=now)
-    try:
-        record = SimpleNamespace(offset=0, headers=[], value=encode(make_assignment(
-            admitted=admitted, worker_id="w0", partition=0, deadline=now + 600,
-            assigned_at=now, worker_started_at=worker.started_at)))
-        assert await worker._admit(record) == "running"
-        (task,) = worker._run_tasks
-        await asyncio.wait_for(task, 5.0)
-        kinds = [(topic, r["kind"], r.get("code")) for topic, r in producer.records]
-        assert ("p.replies.acme", "error", "worker_lost") in kinds
-        assert (worker.topics.events, "event.failed", "worker_lost") in kinds
-        assert not any(kind == "event.started" for _, kind, _ in kinds)
-        assert asked == []
-    finally:
-        await _stop(worker)
-
-
-async def test_an_id_this_worker_ran_for_another_admission_is_answered_invalid_unrun(
+    # is worker_lost (the fleet's fault, retryable).
+    ("another-model", False, "worker_lost"),
+    # The scheduler forgot the first use of the id (past its deadline plus its log's
+    # memory) and placed the reuse; dropped as a duplicate, it got no answer and its
+    # booking stayed. Answered invalid: ids are single-use.
+    (None, True, "invalid"),
+], ids=["another model", "an id reused"])
+async def test_an_assignment_this_worker_must_not_run_is_answered_unrun(
+        model: str | None, ran_before: bool, code: str,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    # The scheduler forgot the first use (past its deadline plus its log's memory) and
-    # placed the reuse; dropped as a duplicate, it got no answer and its booking stayed.
     worker = _worker()
     asked = _record_generate(worker, monkeypatch)
     await worker.engine.start()
@@ -289,8 +266,9 @@ async def test_an_id_this_worker_ran_for_another_admission_is_answered_invalid_u
     worker._serving = True
     worker.lease.restart(time.monotonic())
     now = time.time()
-    worker.ledger.record("r1", 1, now - 7_200)  # ran two hours ago
-    request = make_request(request_id="r1", model=worker.id.model, max_tokens=40,
+    if ran_before:
+        worker.ledger.record("r1", 1, now - 7_200)  # another admission, two hours ago
+    request = make_request(request_id="r1", model=model or worker.id.model, max_tokens=40,
                            timeout_s=600, created_at=now)
     admitted = make_admitted(request=request, reply_topic="p.replies.acme", admitted_at=now)
     try:
@@ -301,9 +279,9 @@ async def test_an_id_this_worker_ran_for_another_admission_is_answered_invalid_u
         (task,) = worker._run_tasks
         await asyncio.wait_for(task, 5.0)
         kinds = [(topic, r["kind"], r.get("code")) for topic, r in producer.records]
-        assert ("p.replies.acme", "error", "invalid") in kinds
-        assert (worker.topics.events, "event.failed", "invalid") in kinds
+        assert ("p.replies.acme", "error", code) in kinds
+        assert (worker.topics.events, "event.failed", code) in kinds
         assert not any(kind == "event.started" for _, kind, _ in kinds)
-        assert asked == []
+        assert asked == []  # the engine never saw it
     finally:
         await _stop(worker)

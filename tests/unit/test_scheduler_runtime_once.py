@@ -35,6 +35,7 @@ from tests.unit.test_scheduler_runtime_disaggregation import (
 from tests.unit.test_scheduler_runtime_state import (
     T,
     admitted,
+    assignment_fails_once,
     assignments,
     beat,
     cancel,
@@ -268,18 +269,7 @@ def test_a_prefill_stage_that_cannot_be_sent_puts_the_request_back_whole(
 ) -> None:
     # The staged prefill (1,008 tokens, max_tokens 1) went back instead: a mixed worker
     # then ran the prefill stage as if it were the request.
-    import services.scheduler.runtime.state as module
-
-    real = module.assignment
-    calls = {"n": 0}
-
-    def fails_once(*args: Any, **kwargs: Any) -> Assignment:
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise ValueError("a bug building the record")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(module, "assignment", fails_once)
+    assignment_fails_once(monkeypatch)
     state = pd_state()
     state.on_request(admitted("r1"), ("tp", 0), T)
     first = state.tick(T)

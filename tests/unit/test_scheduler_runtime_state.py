@@ -740,9 +740,8 @@ def test_a_request_admitted_by_a_clock_ahead_of_the_schedulers_is_placed_at_its_
     assert record.engine_priority == 2 and tickets(result.effects) == [("tp", 0)]
 
 
-def test_a_placement_that_cannot_be_sent_goes_back_to_the_queue(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def assignment_fails_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Building the next assignment record raises once (a bug translating a placement)."""
     import services.scheduler.runtime.state as module
 
     real = module.assignment
@@ -755,6 +754,12 @@ def test_a_placement_that_cannot_be_sent_goes_back_to_the_queue(
         return real(*args, **kwargs)
 
     monkeypatch.setattr(module, "assignment", fails_once)
+
+
+def test_a_placement_that_cannot_be_sent_goes_back_to_the_queue(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assignment_fails_once(monkeypatch)
     state = ready_state(("w0", 0))
     state.on_request(admitted("r1"), ("tp", 0), T)
     first = state.tick(T)

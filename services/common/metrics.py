@@ -104,6 +104,13 @@ SEND_FAILURES: Final = Counter(
     "llmq_scheduler_send_failures_total", "Scheduler records resent after a failed send.",
     registry=REGISTRY,
 )
+REPLIES_GIVEN_UP: Final = Counter(
+    "llmq_scheduler_replies_given_up_total",
+    "Scheduler records to a client's reply topic given up (the topic could not be created, "
+    "refused them, or they did not get through in LLMQ_SCHEDULER_REPLY_GIVE_UP_S); the "
+    "terminal event that follows still goes.",
+    registry=REGISTRY,
+)
 
 # -- requests (ingest and workers) ----------------------------------------------------------
 REQUESTS: Final = Counter(
@@ -274,7 +281,7 @@ OWNED: Final[dict[str, tuple[MetricWrapperBase | Collector, ...]]] = {
         QUEUE_DEPTH, QUEUE_WAIT, SCHEDULE_DECISION, PLACEMENTS, DECODE_STAGES, HANDOFF_WAIT,
         PLACEMENT_FAILURES, REQUEUES,
         WORKER_LOSSES, WORKER_RESTARTS, LEASE_ANSWERS, RESERVED_KV, PAUSED_TOPICS,
-        OUTBOX_EFFECTS, SEND_FAILURES, REQUESTS, DEAD_LETTERS,
+        OUTBOX_EFFECTS, SEND_FAILURES, REPLIES_GIVEN_UP, REQUESTS, DEAD_LETTERS,
     ),
     "worker": (
         REQUESTS, TTFT, E2E, GENERATED_TOKENS, KV_UTILIZATION, KV_TOTAL_TOKENS, RUNNING,

@@ -51,10 +51,15 @@ moved past them (faust would later count them as a gap and commit past them). So
 partition is paused only once the agent has received a record from it, and resumed only
 after seeking it back to one past the last record received (copies that follow are
 ignored by offset). A rebalance resumes every partition and seeks to the committed
-offsets; the next cycle pauses again what the queue still wants paused.
+offsets; the next cycle pauses again what the queue still wants paused. A partition also
+pauses while it holds ``max_held_per_partition`` records not yet committed: a head that
+waits keeps every record done behind it in memory (``runtime.flow.OrderedAcks.over``).
 
 Producing: one idempotent aiokafka producer (``acks=all``) for everything the scheduler
-writes; sends are batched per cycle and bounded by ``send_timeout_s``.
+writes; sends are batched per cycle and bounded by ``send_timeout_s``. A client's reply
+topic is made on first use in the background (``runtime.topics.ReplyTopics``); records to
+it wait meanwhile, and are given up after ``reply_give_up_s`` or at once on an error no
+retry mends (``runtime.outbox``), so one tenant's topic never holds back the rest.
 
 Observability: each cycle's figures go to :class:`SchedulerMetrics` (queue depth, wait at
 placement, ``schedule()`` latency, deferrals by reason, requeues, worker losses, reserved
@@ -69,6 +74,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
 import time
 from collections.abc import Callable
@@ -77,6 +83,12 @@ from functools import partial
 from typing import Any, cast
 
 import faust
+from aiokafka.errors import (
+    InvalidTopicError,
+    MessageSizeTooLargeError,
+    RecordTooLargeError,
+    TopicAuthorizationFailedError,
+)
 from mode import Service
 
 from schemas.codec import decode
@@ -102,7 +114,7 @@ from services.scheduler.runtime.metrics import SchedulerMetrics
 from services.scheduler.runtime.outbox import Outbox
 from services.scheduler.runtime.results import Effect, HeldRequeue, RuntimeConfig, Ticket
 from services.scheduler.runtime.state import SchedulerState
-from services.scheduler.runtime.topics import SchedulerTopics
+from services.scheduler.runtime.topics import ReplyTopics, SchedulerTopics
 from services.scheduler.settings import SchedulerSettings
 
 _log = logging.getLogger("services.scheduler")
@@ -194,7 +206,13 @@ class Scheduler:
         self.metrics = SchedulerMetrics()
         self.acks: OrderedAcks[Any] = OrderedAcks()
         self.ladder = PauseLadder(cfg.max_pending, cfg.pause_band, cfg.resume_hysteresis)
-        self.outbox = Outbox(self._send, cfg.send_timeout_s)
+        own = topics.own()
+        self.outbox = Outbox(self._send, cfg.send_timeout_s,
+                             expendable=lambda topic: topic not in own,
+                             give_up_s=cfg.reply_give_up_s, refused=_refused_for_good)
+        self.reply_topics = ReplyTopics(
+            topics, lambda request: ensure_topics(rt.settings.bootstrap, [request]),
+            self._wake)
         self.guard = Guard(self._dead_letter, name="scheduler", logger=_log)
         self.reader = LogReader(
             rt.settings.bootstrap,
@@ -211,8 +229,8 @@ class Scheduler:
         self.ready = asyncio.Event()
         self.wake = asyncio.Event()
         self._topic_keys = dict((topic, key) for key, topic in topics.requests)
-        self._known_topics = {t.name for t in topics.to_create()}
         self._paused: set[Any] = set()
+        self._full: set[Any] = set()  # request partitions paused for the records they hold
         self._barrier_needed = False
         # Bumped by every rebalance: a record that waited through one (in the barrier) is
         # no longer ours to handle; its partition's owner reads it again.
@@ -252,6 +270,7 @@ class Scheduler:
         except Exception:
             _log.warning("scheduler: final flush incomplete; unacked requests are redelivered",
                          exc_info=True)
+        await self.reply_topics.stop()
         await self.reader.stop()
         if self._producer is not None:
             await self._producer.stop()
@@ -363,11 +382,15 @@ class Scheduler:
         self.state.prune(now)
 
     async def _flush(self) -> None:
-        await self._ensure_topics(self.outbox.topics())
-        failures = self.outbox.failures
-        tickets = await self.outbox.flush()
-        self.metrics.plumbing(len(self.ladder.paused), len(self.outbox),
-                              self.outbox.failures - failures)
+        outbox = self.outbox
+        # Records to a reply topic not made yet wait; the rest go (runtime.outbox).
+        held = self.reply_topics.held(outbox.topics())
+        failures, given_up = outbox.failures, outbox.given_up
+        tickets = await outbox.flush(held)
+        self.reply_topics.recheck(outbox.failed_topics)
+        outbox.failed_topics.clear()
+        self.metrics.plumbing(len(self.ladder.paused), len(outbox),
+                              outbox.failures - failures, outbox.given_up - given_up)
         self._ack(tickets)
 
     def _ack(self, tickets: list[Ticket]) -> None:
@@ -387,9 +410,17 @@ class Scheduler:
         # Only partitions that delivered a record since they were assigned are paused: for
         # them the agent knows where to resume (module docstring). One that delivered
         # nothing yet is paused right after its first record.
+        cfg = self.rt.scheduler
+        cap = cfg.max_held_per_partition
+        full = self.acks.over(cap, max(1, cap - math.ceil(cfg.resume_hysteresis * cap)))
+        for tp in full - self._full:
+            _log.warning("scheduler: %s holds %d records not yet committed (behind a request "
+                         "still waiting): paused until it holds fewer", tp,
+                         self.acks.outstanding(tp))
+        self._full = full
         wanted = {
             tp for tp in assigned
-            if self._topic_keys.get(tp.topic) in self.ladder.paused
+            if (self._topic_keys.get(tp.topic) in self.ladder.paused or tp in full)
             and self.acks.next_offset(tp) is not None
         }
         if wanted:
@@ -471,7 +502,12 @@ class Scheduler:
 
     async def on_revoked(self, sender: Any, *args: Any, signal: Any, **_: Any) -> None:
         """Pending requests of revoked partitions go to their new owner (never acked by us
-        from now on); what is in flight is flushed so the new owner reads it back.
+        from now on); what is in flight is flushed so the new owner reads it back. What of
+        theirs did not get through by then is taken back, not sent later: the new owner,
+        having read the log to its end without it, decides those requests again. Never
+        handed to the producer, it is forgotten here too (the log and ledger read as if it
+        had never been decided); handed over but not acknowledged, it may still land: a
+        request run twice at worst, as before, but no longer for every later flush.
         (A faust signal receiver: ``args[0]`` is the set of revoked partitions.)"""
         self._generation += 1
         revoked: set[Any] = set(args[0]) if args else set()
@@ -485,6 +521,14 @@ class Scheduler:
             await asyncio.wait_for(self._flush(), self.rt.scheduler.send_timeout_s)
         except Exception:
             _log.warning("scheduler: flush at rebalance incomplete", exc_info=True)
+        unsent, dropped = await self.outbox.withdraw(mine)
+        now = self.clock()
+        taken_back = sum(self.state.withdraw(effect, now) for effect in unsent)
+        if unsent or dropped:
+            _log.warning("scheduler: %d decision(s) for revoked partitions did not get through "
+                         "before the rebalance: %d never sent (%d taken back), %d sent but not "
+                         "acknowledged (may yet land); their requests go to the new owner",
+                         len(unsent) + dropped, len(unsent), taken_back, dropped)
 
     async def on_assigned(self, sender: Any, *args: Any, signal: Any, **_: Any) -> None:
         """Before the next request: read assignments and events up to their end now."""
@@ -540,13 +584,11 @@ class Scheduler:
             self.rt.scheduler.send_timeout_s,
         )
 
-    async def _ensure_topics(self, topics: set[str]) -> None:
-        """Create reply topics on first use (a tenant's default one may not exist yet)."""
-        for topic in topics - self._known_topics:
-            request = self.rt.topics.reply_request(topic)
-            if request is not None:
-                await ensure_topics(self.rt.settings.bootstrap, [request])
-            self._known_topics.add(topic)
+
+def _refused_for_good(exc: BaseException) -> bool:
+    """A send error no retry mends (a reply record to it is given up at once)."""
+    return isinstance(exc, (TopicAuthorizationFailedError, InvalidTopicError,
+                            MessageSizeTooLargeError, RecordTooLargeError))
 
 
 def _scheduler_service(sched: Scheduler) -> type[Any]:

@@ -54,6 +54,13 @@ class SchedulerSettings(BaseSettings):
         description="A paused topic resumes once the queue is this fraction of max_pending "
         "below its pause threshold.",
     )
+    max_held_per_partition: int = Field(
+        default=2_000, ge=1, le=1_000_000,
+        description="A request partition pauses while it holds this many records not yet "
+        "committed (waiting, or done behind an older one still waiting: a blocked head "
+        "keeps every record behind it in memory); it resumes resume_hysteresis of this "
+        "below.",
+    )
     aging_s_per_class: float = Field(
         default=30.0, gt=0.0, le=86_400.0,
         description="Seconds of waiting that raise a request by one priority class.",
@@ -113,6 +120,13 @@ class SchedulerSettings(BaseSettings):
         default=10.0, gt=0.0, le=300.0,
         description="Wait this long for the broker to acknowledge one batch of sends; what is "
         "not acknowledged is sent again (its request stays unacked meanwhile).",
+    )
+    reply_give_up_s: float = Field(
+        default=60.0, gt=0.0, le=3600.0,
+        description="A terminal reply the scheduler sends to a client's reply topic is given "
+        "up (logged, counted) after this long without getting through, or at once if the "
+        "broker refuses it for good (the topic cannot be made, a record too large); its "
+        "terminal event still goes. One tenant's reply topic never holds back the rest.",
     )
     catchup_timeout_s: float = Field(
         default=120.0, gt=0.0, le=3600.0,

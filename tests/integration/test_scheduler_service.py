@@ -59,7 +59,13 @@ from schemas.workers import (
     EventStarted,
     LifecycleEvent,
 )
-from services.common.kafka import TopicRequest, ensure_topics, make_consumer, make_producer
+from services.common.kafka import (
+    TopicRequest,
+    ensure_topics,
+    key_partition,
+    make_consumer,
+    make_producer,
+)
 from services.common.replies import topic_partitions
 from tests.builders_schemas import (
     make_admitted,
@@ -431,15 +437,18 @@ class Cluster:
         max_tokens: int = 12,
         timeout_s: float = 60.0,
         model: str = MODEL,
+        reply: str | None = None,
     ) -> AdmittedRequest:
-        """Play ingest: produce an admitted request on its topic."""
+        """Play ingest: produce an admitted request on its topic (answered on ``reply``,
+        the tenant's reply topic by default)."""
         now = time.time()
         request = make_request(request_id=request_id, tenant=TENANT, model=model,
                                max_tokens=max_tokens, timeout_s=timeout_s, created_at=now,
                                priority=priority, prefix_hash=None)
         admitted = make_admitted(request=request, priority=priority, lane=lane,
                                  prompt_tokens=prompt_tokens,
-                                 reply_topic=reply_topic(self.prefix, TENANT), admitted_at=now)
+                                 reply_topic=reply or reply_topic(self.prefix, TENANT),
+                                 admitted_at=now)
         await self.produce(request_topic(self.prefix, priority, lane), encode(admitted),
                            request_id.encode())
         return admitted
@@ -731,7 +740,57 @@ async def test_the_scheduler_renews_a_lapsed_lease_only_while_the_work_is_the_wo
     assert "r1" in b.holding() and len(obs.assigned("r1")) == 2
 
 
+async def test_a_reply_topic_the_broker_refuses_holds_back_nothing(cluster: Cluster) -> None:
+    # Kafka refuses a topic whose name collides with an existing one ('.' and '_' are the
+    # same to its metrics): the scheduler cannot make this request's reply topic. Before,
+    # every later cycle failed on it and nothing the scheduler produced went out any more.
+    await cluster.start(LLMQ_SCHEDULER_REPLY_GIVE_UP_S="2")
+    await ensure_topics(cluster.bootstrap, [TopicRequest(f"{cluster.prefix}.replies.bad.x", 1)])
+    refused = f"{cluster.prefix}.replies.bad_x"
+    await cluster.admit("unanswerable", model="no-such-model", reply=refused)
+    await cluster.worker("fake-a", 0)
+    await cluster.admit("fine")
+    obs = cluster.observer
+    await eventually(lambda: bool(obs.assigned("fine")), what="the other request placed")
+    # Its reply is given up after 2 s; its terminal event still goes (ingest settles on it).
+    await eventually(lambda: bool(obs.terminal_events("unanswerable")), what="terminal event")
+    (event,) = obs.terminal_events("unanswerable")
+    assert isinstance(event, EventFailed) and event.code == "unknown_model"
+    assert "gave up a record to " + refused in cluster.scheduler.tail(200)
+    assert cluster.scheduler.alive()
+
+
+async def test_a_partition_pauses_while_it_holds_too_many_records(cluster: Cluster) -> None:
+    # Records not yet committed stay in memory (a head that waits keeps every record done
+    # behind it): past max_held_per_partition its partition is paused, the rest stays in
+    # Kafka, and it resumes once they are done.
+    await cluster.start(LLMQ_SCHEDULER_MAX_HELD_PER_PARTITION="3")
+    worker = await cluster.worker("fake-a", 0, max_num_seqs=1)  # one request at a time
+    await cluster.admit("first", priority="low")
+    obs = cluster.observer
+    await eventually(lambda: bool(obs.assigned("first")), what="first assigned")
+    partitions = range(6)  # of each request topic
+    home = key_partition(b"held-0", partitions)
+    same = [rid for rid in (f"held-{i}" for i in range(200))
+            if key_partition(rid.encode(), partitions) == home][:6]
+    for request_id in same:  # all on one partition, all waiting for the worker
+        await cluster.admit(request_id)
+    await eventually(lambda: (s := obs.latest_status()) is not None and s.pending_requests == 3,
+                     what="three requests read")
+    await asyncio.sleep(2.5)  # two more status periods: the other three were not read
+    status = obs.latest_status()
+    assert status is not None and status.pending_requests == 3
+    await worker.finish("first")
+    for _ in same:  # as each one ends, the next is placed: the partition resumed
+        await eventually(lambda: bool(worker.holding()), what="the next one placed")
+        await worker.finish(worker.holding()[0])
+    assert all(obs.assigned(r) for r in same)
+    assert "paused until it holds fewer" in cluster.scheduler.tail(200)
+
+
 async def test_garbage_goes_to_the_dead_letter_and_scheduling_goes_on(cluster: Cluster) -> None:
+
+
     await cluster.start()
     await cluster.worker("fake-a", 0, hold=False)
     topic = request_topic(cluster.prefix, "normal", "short")

@@ -17,7 +17,7 @@ from services.common.settings import Settings
 from services.scheduler.app import Scheduler, SchedulerRuntime
 from services.scheduler.runtime.topics import SchedulerTopics
 from services.scheduler.settings import SchedulerSettings
-from tests.builders_schemas import make_admitted, make_request
+from tests.builders_schemas import make_admitted, make_heartbeat, make_request
 
 T = 1_700_000_000.0
 
@@ -85,3 +85,33 @@ async def test_a_record_that_waited_through_a_revocation_is_left_to_the_new_owne
     await waiting
     assert scheduler.state.tracked() == 0  # not queued here: its new owner reads it again
     assert scheduler.acks.next_offset(tp) is None
+
+
+async def test_a_placement_that_did_not_get_out_before_a_revoke_is_taken_back() -> None:
+    # A broker in trouble during a rebalance: the placement was decided, never sent. Sent
+    # later, it would land after the new owner read the log without it and placed the
+    # request too: the request run twice. Now it is taken back, and should the partition
+    # come back here, its redelivered record is placed afresh (not acked as done).
+    async def caught_up(topics: set[str], timeout_s: float) -> bool:
+        return True
+
+    scheduler = _scheduler(caught_up)  # its flush sends nothing: the broker is away
+    state = scheduler.state
+    state.observe_heartbeat(make_heartbeat(
+        worker_id="w0", partition=0, model="m", model_version=None, pool="any",
+        kv_total_tokens=10_000, kv_free_tokens=10_000, kv_total_bytes=10_000,
+        kv_free_bytes=10_000, block_size=16, running=0, waiting=0, max_num_seqs=8,
+        draining=False, interval_s=1.0, started_at=T - 100, seq=1, ts=T))
+    state.restore()
+    event, tp = _event(scheduler)
+    await scheduler.on_assigned(None, {tp}, signal=None)
+    await scheduler.on_request_event(event)
+    scheduler.outbox.submit(state.tick(T).effects)
+    assert state.log.status("r1") == "active" and state.reserved_kv("w0") > 0
+    await scheduler.on_revoked(None, {tp}, signal=None)
+    assert len(scheduler.outbox) == 0  # nothing of it goes out later
+    assert (state.log.status("r1"), state.reserved_kv("w0")) == ("unknown", 0)
+    await scheduler.on_assigned(None, {tp}, signal=None)  # the partition comes back
+    await scheduler.on_request_event(event)
+    assert state.tracked() == 1  # queued again, its record held: not acked and skipped
+    assert scheduler.acks.outstanding(tp) == 1

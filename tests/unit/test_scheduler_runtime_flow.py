@@ -88,3 +88,32 @@ def test_tiny_bounds_still_pause() -> None:
     assert ladder.paused == set(PAUSE_ORDER)
     ladder.update(0)
     assert ladder.paused == set()
+
+
+def test_a_partition_holding_too_many_records_behind_a_waiting_head_is_over_until_it_drains(
+) -> None:
+    acks: OrderedAcks[int] = OrderedAcks()
+    for offset in range(10):  # offset 0 waits; 1..9 are done behind it, held
+        acks.received("p0", offset, offset)
+        if offset:
+            assert acks.done("p0", offset) == []
+    acks.received("p1", 0, 0)
+    assert acks.over(limit=10, resume_below=5) == {"p0"}  # p1's one record is fine
+    assert acks.outstanding("p0") == 10
+    acks.received("p0", 10, 10)
+    assert acks.done("p0", 0) == list(range(10))  # the head is done: they all go
+    assert acks.over(limit=10, resume_below=5) == set()
+    for offset in range(11, 20):
+        acks.received("p0", offset, offset)
+    assert acks.over(limit=10, resume_below=5) == {"p0"}  # 10 held again
+    acks.done("p0", 10)
+    acks.done("p0", 11)
+    acks.done("p0", 12)
+    acks.done("p0", 13)
+    assert acks.outstanding("p0") == 6 and acks.over(limit=10, resume_below=5) == {"p0"}
+    acks.done("p0", 14)
+    assert acks.outstanding("p0") == 5 and acks.over(limit=10, resume_below=5) == {"p0"}
+    acks.done("p0", 15)
+    assert acks.over(limit=10, resume_below=5) == set()  # fewer than 5 at last
+    acks.forget(["p0"])
+    assert acks.over(limit=1, resume_below=1) == {"p1"}

@@ -8,6 +8,7 @@ status of each request must not depend on that order.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -167,3 +168,43 @@ def test_a_reuse_is_told_from_a_redelivery_by_the_admissions_the_log_holds() -> 
     assert not other.is_reuse("r", T - 1) and other.is_reuse("r", T + 30)
     assert other.prune(T + 500.0 + 99.0) == 0  # kept until its deadline + memory_s
     assert other.prune(T + 500.0 + 101.0) == 1
+
+
+def test_an_own_decision_never_produced_is_forgotten_while_nothing_came_after_it() -> None:
+    log = AssignmentLog()
+    a = assigned("r1")
+    at = a.admitted.admitted_at
+    log.observe_assignment(a, own=True)
+    assert log.forget("r1", 1, at)
+    assert (log.status("r1"), log.reached("r1", 1), len(log), log.workers()) == (
+        "unknown", False, 0, [])
+    assert not log.forget("r1", 1, at)  # once
+    log.mark_ended("r2", 1, T + 60, at)  # an ending of a request never placed
+    assert log.forget("r2", 1, at) and log.status("r2") == "unknown" and len(log) == 0
+
+
+@pytest.mark.parametrize("news", [
+    pytest.param(lambda log: log.observe_assignment(assigned("r1")), id="read back"),
+    pytest.param(lambda log: log.observe_event(event("started", "r1")), id="started"),
+    pytest.param(lambda log: log.mark_lost("r1", 1), id="lost"),
+])
+def test_an_own_placement_is_kept_once_anything_came_after_it(
+    news: Callable[[AssignmentLog], object],
+) -> None:
+    log = AssignmentLog()
+    a = assigned("r1")
+    log.observe_assignment(a, own=True)
+    news(log)
+    assert not log.forget("r1", 1, a.admitted.admitted_at)
+    assert log.latest("r1") is a
+
+
+def test_forgetting_a_refused_reuse_forgets_only_its_admission() -> None:
+    log = AssignmentLog()
+    first = assigned("r1")
+    feed(log, (first, event("done", "r1")))
+    log.mark_ended("r1", 1, T + 120, admitted_at=T + 60)  # a reuse of the id, refused
+    assert not log.is_reuse("r1", T + 60)
+    assert log.forget("r1", 1, T + 60)
+    assert log.status("r1") == "finished" and log.is_reuse("r1", T + 60)
+    assert not log.is_reuse("r1", first.admitted.admitted_at)

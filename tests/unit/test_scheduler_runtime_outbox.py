@@ -14,15 +14,27 @@ from services.scheduler.runtime.outbox import Outbox
 from services.scheduler.runtime.results import Effect
 
 
+class Refused(Exception):
+    """Stands for an error no retry mends (the app's: a topic the broker refuses)."""
+
+
 class FakeBroker:
-    """Acknowledges everything, except topics told to fail or to hang."""
+    """Acknowledges everything, except topics told to fail or to hang (the ack), to be
+    refused (``send`` raises :class:`Refused`) or to stall (``send`` never returns, as
+    aiokafka waiting for a deleted topic's metadata)."""
 
     def __init__(self) -> None:
         self.sent: list[str] = []
         self.failing: set[str] = set()
         self.hanging: set[str] = set()
+        self.refusing: set[str] = set()
+        self.stalling: set[str] = set()
 
     async def send(self, out: Outgoing) -> Awaitable[object]:
+        if out.topic in self.refusing:
+            raise Refused("the broker refuses this topic")
+        if out.topic in self.stalling:
+            await asyncio.Event().wait()
         self.sent.append(out.topic)
         future: asyncio.Future[object] = asyncio.get_running_loop().create_future()
         if out.topic in self.failing:
@@ -135,3 +147,100 @@ async def test_one_flush_round_is_bounded_by_one_timeout_however_many_records_wa
     assert loop.time() - started < 0.5  # was 20 × 0.1 s
     assert len(outbox) == 20  # every one waits for the next flush
     assert broker.tries == 1 and outbox.failures == 1  # the rest had no time: untouched
+
+
+# -- one tenant's reply topic never holds back the rest ----------------------------------
+
+
+def reply_outbox(broker: FakeBroker, now: list[float], **kw: object) -> Outbox:
+    """Records to topics named ``reply*`` are the expendable ones, as a client's are."""
+    return Outbox(broker.send, timeout_s=0.05, backoff_s=0.0, clock=lambda: now[0],
+                  expendable=lambda topic: topic.startswith("reply"), give_up_s=30.0,
+                  refused=lambda exc: isinstance(exc, Refused), **kw)  # type: ignore[arg-type]
+
+
+def ending(reply: str, offset: int) -> Effect:
+    """A scheduler-side terminal: the reply, then its event, then the source ack."""
+    return Effect(first=(rec(reply),), then=(rec("events"),), tickets=(("tp", offset),))
+
+
+async def test_a_held_reply_topic_waits_while_the_rest_go_and_is_given_up_in_time() -> None:
+    broker = FakeBroker()
+    now = [0.0]
+    outbox = reply_outbox(broker, now)
+    outbox.submit([ending("reply.new", 0), Effect(first=(rec("assignments"),),
+                                                   tickets=(("tp", 1),))])
+    assert await outbox.flush(held={"reply.new"}) == [("tp", 1)]
+    assert broker.sent == ["assignments"] and len(outbox) == 1  # the reply waits for its topic
+    now[0] = 29.0
+    assert await outbox.flush(held={"reply.new"}) == [] and outbox.given_up == 0
+    now[0] = 30.0  # still not made: the reply goes, its event still does, the source is acked
+    assert await outbox.flush(held={"reply.new"}) == [("tp", 0)]
+    assert broker.sent == ["assignments", "events"] and outbox.given_up == 1
+
+
+async def test_a_reply_refused_for_good_is_given_up_at_once_and_its_event_follows() -> None:
+    broker = FakeBroker()
+    broker.refusing.add("reply.bad")
+    outbox = reply_outbox(broker, [0.0])
+    outbox.submit([ending("reply.bad", 0)])
+    assert await outbox.flush() == [("tp", 0)]
+    assert broker.sent == ["events"] and outbox.given_up == 1
+    assert outbox.failed_topics == {"reply.bad"}
+
+
+async def test_llmq_s_own_records_are_never_given_up() -> None:
+    broker = FakeBroker()
+    now = [0.0]
+    outbox = reply_outbox(broker, now)
+    broker.failing.add("assignments")
+    outbox.submit([Effect(first=(rec("assignments"),), tickets=(("tp", 0),))])
+    for t in (0.0, 100.0, 1000.0):
+        now[0] = t
+        assert await outbox.flush() == []
+    assert outbox.given_up == 0 and len(outbox) == 1
+    broker.failing.clear()
+    assert await outbox.flush() == [("tp", 0)]
+
+
+async def test_a_record_that_keeps_failing_goes_last_and_holds_back_nothing() -> None:
+    broker = FakeBroker()
+    broker.stalling.add("reply.gone")
+    outbox = Outbox(broker.send, timeout_s=0.05, backoff_s=0.0)  # the real clock: it stalls
+    outbox.submit([ending("reply.gone", 0), Effect(first=(rec("assignments"),),
+                                                    tickets=(("tp", 1),))])
+    assert await outbox.flush() == []  # the stalled send took the round's whole time
+    assert broker.sent == []
+    # From now on it goes after the others: the assignment is not stuck behind it.
+    assert await outbox.flush() == [("tp", 1)]
+    assert broker.sent == ["assignments"] and outbox.failed_topics == {"reply.gone"}
+
+
+# -- a rebalance takes back what did not get through --------------------------------------
+
+
+async def test_withdraw_takes_back_first_stages_of_revoked_sources_only() -> None:
+    broker = FakeBroker()
+    outbox = Outbox(broker.send, timeout_s=0.05, backoff_s=0.0)
+    broker.hanging.add("assignments")  # handed over, never acknowledged
+    outbox.submit([Effect(first=(rec("assignments"),), tickets=(("gone", 0),))])
+    await outbox.flush()
+    broker.failing.add("events")
+    broker.hanging |= {"status", "reply.kept", "reply.both"}
+    outbox.submit([
+        Effect(first=(rec("reply"),), then=(rec("events"),), tickets=(("gone", 1),)),
+        Effect(first=(rec("status"),)),  # no source: never taken back
+        Effect(first=(rec("reply.kept"),), tickets=(("kept", 0),)),
+        Effect(first=(rec("reply.both"),), tickets=(("gone", 2), ("kept", 1))),
+    ])
+    await outbox.flush()  # the reply went; its event failed: past its first stage
+    never_sent = Effect(first=(rec("reply.late"),), tickets=(("gone", 3),))
+    outbox.submit([never_sent])
+    unsent, dropped = await outbox.withdraw({"gone"})
+    assert unsent == [never_sent] and dropped == 1  # the hanging assignment: maybe written
+    assert len(outbox) == 4  # the event after its durable reply, and the rest, go on
+    broker.failing.clear()
+    broker.hanging.clear()
+    before = len(broker.sent)
+    assert sorted(await outbox.flush()) == [("gone", 1), ("gone", 2), ("kept", 0), ("kept", 1)]
+    assert sorted(broker.sent[before:]) == ["events", "reply.both", "reply.kept", "status"]

@@ -13,6 +13,10 @@ skipped (the assignment log knows them).
 
 It also drops duplicates (an offset at or below the highest one received: redelivery
 after a seek) and tells where a partition must resume (:meth:`OrderedAcks.next_offset`).
+And it bounds what a blocked head keeps in memory: every record done behind it stays
+(its handle holds the record) until the head is done, and the pending queue's ladder
+below does not count them, so a partition holding ``limit`` records is paused whatever the
+ladder says, until it holds fewer than ``resume_below`` (:meth:`OrderedAcks.over`).
 
 :class:`PauseLadder` — backpressure goes to Kafka, not to memory (DESIGN.md). As the pending
 queue fills, request topics are paused lowest priority first: topic i of
@@ -61,6 +65,7 @@ class OrderedAcks(Generic[H]):
 
     def __init__(self) -> None:
         self._parts: dict[Hashable, _Partition[H]] = {}
+        self._over: set[Hashable] = set()
 
     def received(self, tp: Hashable, offset: int, handle: H) -> bool:
         """Track a record; False for a duplicate (already received), which must be ignored."""
@@ -91,11 +96,21 @@ class OrderedAcks(Generic[H]):
         """Drop partitions (revoked): their records will be redelivered to their new owner."""
         for tp in tps:
             self._parts.pop(tp, None)
+            self._over.discard(tp)
 
     def next_offset(self, tp: Hashable) -> int | None:
         """One past the highest offset received on ``tp``; None if nothing was."""
         part = self._parts.get(tp)
         return None if part is None or part.highest < 0 else part.highest + 1
+
+    def over(self, limit: int, resume_below: int) -> set[Hashable]:
+        """Partitions holding too many records (module docstring): ``limit`` or more, or,
+        once over, still ``resume_below`` or more."""
+        self._over = {
+            tp for tp, part in self._parts.items()
+            if len(part.order) >= (resume_below if tp in self._over else limit)
+        }
+        return set(self._over)
 
     def outstanding(self, tp: Hashable | None = None) -> int:
         """Records received and not yet released (on ``tp``, or everywhere)."""

@@ -33,6 +33,10 @@ Per request the log also keeps the admissions (``admitted_at``) its records are 
 assignments' and those the scheduler's own terminal events name in their headers — so a
 new request reusing a finished one's id is told from a redelivery of it, after a restart
 too: the scheduler's refusal of a reuse names the reuse's admission.
+
+The scheduler's own decision about a request can be taken back while nothing else was
+recorded for it since (:meth:`AssignmentLog.forget`): one whose records were never
+produced, so that a redelivered record of the request is decided afresh, not skipped.
 Plain state, no I/O: one owner feeds it.
 """
 
@@ -48,6 +52,16 @@ from schemas.requests import Assignment
 from schemas.workers import EventFirstToken, EventPrefilled, EventStarted, LifecycleEvent
 
 Status = Literal["unknown", "active", "finished", "lost", "handoff"]
+
+
+@dataclass(frozen=True, slots=True)
+class _Own:
+    """The scheduler's own placement or ending of ``attempt``, recorded last."""
+
+    attempt: int
+    admitted_at: float | None
+    #: It made the entry; else it only added its admission (a reuse of the id refused).
+    made: bool
 
 
 @dataclass(slots=True)
@@ -75,6 +89,8 @@ class _Entry:
     #: new request that reuses the id. Empty: none known (an ending from a scheduler that
     #: did not name it).
     admissions: set[float] = field(default_factory=set)
+    #: What :meth:`AssignmentLog.forget` may take back; anything recorded after clears it.
+    own: _Own | None = None
 
     def status(self) -> Status:
         top = max(self.assigned, default=0)
@@ -101,13 +117,17 @@ class AssignmentLog:
 
     # -- feeding ----------------------------------------------------------------------
 
-    def observe_assignment(self, assignment: Assignment) -> bool:
-        """Record an assignment (own or read back); True if it became the active attempt."""
+    def observe_assignment(self, assignment: Assignment, *, own: bool = False) -> bool:
+        """Record an assignment (``own``: this scheduler's placement, not read back);
+        True if it became the active attempt."""
+        made = assignment.request_id not in self._entries
         entry = self._entry(assignment.request_id)
         attempt = assignment.attempt
         entry.admissions.add(assignment.admitted.admitted_at)
         if attempt in entry.assigned:
             return False
+        if own and made:
+            entry.own = _Own(attempt, assignment.admitted.admitted_at, made=True)
         entry.assigned.add(attempt)
         request = assignment.request
         entry.model = request.model
@@ -175,12 +195,41 @@ class AssignmentLog:
     def mark_ended(self, request_id: str, attempt: int, expires_at: float,
                    admitted_at: float | None = None) -> None:
         """The scheduler itself ended the request (its terminal event is on its way)."""
+        made = request_id not in self._entries
         entry = self._entry(request_id)
+        if made or (admitted_at is not None and admitted_at not in entry.admissions):
+            entry.own = _Own(attempt, admitted_at, made)
         if admitted_at is not None:
             entry.admissions.add(admitted_at)
         entry.ended.add(attempt)
         entry.expires_at = max(entry.expires_at, expires_at)
         self._settle(request_id, entry)
+
+    def forget(self, request_id: str, attempt: int, admitted_at: float) -> bool:
+        """Take back this scheduler's placement or ending of ``attempt`` of the admission
+        ``admitted_at``, whose records were never produced: ``status`` and the rest read
+        as before it. True if taken back.
+
+        Only while nothing else was recorded for the request since (:class:`_Own`), and
+        only what it recorded: the whole entry when it made it, or the admission it added
+        (the refusal of a reuse of a finished id; the ending it marked is left, the entry
+        being finished either way). A record read since (another replica placed or ended
+        the request too) or a later decision (its worker was lost) is kept, and with it
+        the decision: forgetting it would forget what came after."""
+        entry = self._entries.get(request_id)
+        own = None if entry is None else entry.own
+        if entry is None or own is None or (own.attempt, own.admitted_at) != (
+                attempt, admitted_at):
+            return False
+        entry.own = None
+        if not own.made:
+            entry.admissions.discard(admitted_at)
+            return True
+        entry.assigned.clear()  # all it holds: the decision made it, nothing came since
+        entry.ended.clear()
+        self._settle(request_id, entry)  # unindexed
+        del self._entries[request_id]
+        return True
 
     # -- reading ----------------------------------------------------------------------
 
@@ -296,9 +345,12 @@ class AssignmentLog:
     # -- internals --------------------------------------------------------------------
 
     def _entry(self, request_id: str) -> _Entry:
+        """The entry to record news in: the news ends what :meth:`forget` may take back
+        (the feeding method that records an own decision sets it again)."""
         entry = self._entries.get(request_id)
         if entry is None:
             entry = self._entries[request_id] = _Entry()
+        entry.own = None
         return entry
 
     def _settle(self, request_id: str, entry: _Entry) -> None:

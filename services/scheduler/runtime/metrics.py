@@ -79,8 +79,11 @@ class SchedulerMetrics:
         self._reserved_workers = set(reserved)
 
     @staticmethod
-    def plumbing(paused_topics: int, outbox: int, send_failures: int) -> None:
+    def plumbing(paused_topics: int, outbox: int, send_failures: int,
+                 given_up: int = 0) -> None:
         m.PAUSED_TOPICS.set(paused_topics)
         m.OUTBOX_EFFECTS.set(outbox)
         if send_failures:
             m.SEND_FAILURES.inc(send_failures)
+        if given_up:
+            m.REPLIES_GIVEN_UP.inc(given_up)

@@ -16,8 +16,27 @@ alone goes out and the outbox does not grow by one per period while the broker i
 And one flush round has one deadline, ``timeout_s`` from its start, for every send and
 ack in it: records it had no time to hand over wait, untouched, for the next flush, so a
 round takes about ``timeout_s`` however many records wait (not records × ``timeout_s``).
+Records that failed before go last in a round, so one that keeps failing (a send that
+waits for a topic's metadata until the deadline) does not hold back the others.
+
+One tenant's reply topic cannot stop the rest. ``flush(held=...)`` names topics whose
+records must wait (the app's: reply topics not created yet); the others go on. Records to
+an *expendable* topic (the app's: reply topics, which a client named) are given up after
+``give_up_s`` without getting through (held, failing or unacknowledged), or at once when
+the producer refused them with an error no retry mends (``refused``). A given-up record is
+dropped, logged and counted (``given_up``); the rest of its effect goes on, so a terminal
+event still follows a reply nobody could receive, and the source record is acked. Records
+to other topics (assignments, events, status: llmq's own) are never given up: without
+them work would run twice or bookings leak, and only a broker outage stops them.
+
+A rebalance takes effects back (:meth:`Outbox.withdraw`): those whose source records were
+on revoked partitions and that did not get through before the revoke completed. Sent
+later, they would land after the partition's new owner read the log to its end and
+decided the same requests again: a request run twice.
 
 Knows nothing of Kafka: ``send`` enqueues one record and returns its delivery future (an
+
+
 aiokafka producer's ``send`` does exactly that).
 """
 
@@ -26,8 +45,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Hashable, Iterable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Collection, Container, Hashable, Iterable
+from dataclasses import dataclass, field
 
 from services.scheduler.runtime.messages import Outgoing
 from services.scheduler.runtime.results import Effect, Ticket
@@ -38,6 +57,10 @@ Send = Callable[[Outgoing], Awaitable[Awaitable[object]]]
 _log = logging.getLogger(__name__)
 
 
+def _never(_: object) -> bool:
+    return False
+
+
 @dataclass(slots=True)
 class _Pending:
     effect: Effect
@@ -45,16 +68,33 @@ class _Pending:
     failures: int = 0
     not_before: float = 0.0  # monotonic time of the next try after a failure
     key: Hashable | None = None  # a newer effect of the same key replaces this one
+    #: When the current stage first failed or was held back (None: it has not).
+    stuck_since: float | None = None
+    #: Records of the current stage given up (module docstring).
+    dropped: set[Outgoing] = field(default_factory=set)
+    #: A record of its first stage was handed to the producer (it may be written).
+    handed: bool = False
 
     def due(self) -> tuple[Outgoing, ...]:
         if self.stage == 0:
-            return self.effect.first
-        return self.effect.then if self.stage == 1 else ()
+            records = self.effect.first
+        else:
+            records = self.effect.then if self.stage == 1 else ()
+        if self.dropped:
+            return tuple(out for out in records if out not in self.dropped)
+        return records
 
     def advance(self) -> None:
         self.stage += 1
+        self.failures = 0
+        self.stuck_since = None
+        self.dropped = set()
         while self.stage < 2 and not self.due():
             self.stage += 1
+
+    def stuck(self, now: float) -> None:
+        if self.stuck_since is None:
+            self.stuck_since = now
 
 
 class Outbox:
@@ -68,16 +108,27 @@ class Outbox:
         backoff_s: float = 0.1,
         max_backoff_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
+        expendable: Callable[[str], bool] = _never,
+        give_up_s: float = 60.0,
+        refused: Callable[[BaseException], bool] = _never,
     ) -> None:
         self._send = send
         self._timeout_s = timeout_s
         self._backoff_s = backoff_s
         self._max_backoff_s = max_backoff_s
         self._clock = clock
+        self._expendable = expendable
+        self._give_up_s = give_up_s
+        self._refused = refused
         self._queue: list[_Pending] = []
         self._lock = asyncio.Lock()
         #: Records that failed or timed out since start (for metrics and tests).
         self.failures = 0
+        #: Records given up since start (module docstring).
+        self.given_up = 0
+        #: Topics of records that failed since the caller last cleared it (a reply topic
+        #: deleted after it was created: the app checks it exists again).
+        self.failed_topics: set[str] = set()
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -93,16 +144,41 @@ class Outbox:
             pending.advance()
             self._queue.append(pending)
 
+    async def withdraw(self, sources: Container[Hashable]) -> tuple[list[Effect], int]:
+        """Take out the effects still at their first stage whose every ticket is on
+        ``sources`` (partitions revoked: their records go to a new owner, who must not find
+        these written later). Returns those never handed to the producer, certainly not
+        written (the caller takes back what it recorded of them), and how many others were
+        dropped: handed over, not acknowledged, so perhaps written; the producer may still
+        deliver them, but they are not sent again. An effect past its first stage goes on:
+        its terminal event must follow its durable reply."""
+        async with self._lock:
+            unsent: list[Effect] = []
+            dropped = 0
+            kept: list[_Pending] = []
+            for pending in self._queue:
+                tickets = pending.effect.tickets
+                if pending.stage != 0 or not tickets or \
+                        not all(tp in sources for tp, _ in tickets):
+                    kept.append(pending)
+                elif pending.handed:
+                    dropped += 1
+                else:
+                    unsent.append(pending.effect)
+            self._queue = kept
+            return unsent, dropped
+
     def topics(self) -> set[str]:
         """Topics of every record still due (to create missing reply topics first)."""
         return {out.topic for p in self._queue for out in p.due()}
 
-    async def flush(self) -> list[Ticket]:
-        """Send what is due, wait for the broker, return tickets of completed effects."""
+    async def flush(self, held: Collection[str] = ()) -> list[Ticket]:
+        """Send what is due, except to the ``held`` topics (module docstring), wait for
+        the broker, return tickets of completed effects."""
         async with self._lock:
             done: list[Ticket] = []
             for _ in range(2):  # at most two stages per effect
-                progressed = await self._round()
+                progressed = await self._round(held)
                 kept: list[_Pending] = []
                 for pending in self._queue:
                     if pending.stage >= 2:
@@ -114,16 +190,24 @@ class Outbox:
                     break
             return done
 
-    async def _round(self) -> bool:
+    async def _round(self, held: Collection[str]) -> bool:
         """One send-and-wait over every due stage; True if a stage completed and the
         effect still has another to send."""
         now = self._clock()
-        batch = [p for p in self._queue if p.stage < 2 and p.not_before <= now]
-        if not batch:
-            return False
+        batch: list[_Pending] = []
+        for pending in self._queue:
+            if pending.stage >= 2 or pending.not_before > now:
+                continue
+            if any(out.topic in held for out in pending.due()):
+                pending.stuck(now)
+                self._give_up_stuck(pending, now, "its topic could not be created")
+                if pending.stage >= 2 or any(out.topic in held for out in pending.due()):
+                    continue
+            batch.append(pending)
+        batch.sort(key=lambda p: p.failures)  # stable: the healthy ones first
         deadline = now + self._timeout_s  # one for the whole round (module docstring)
-        futures: dict[int, list[asyncio.Future[object]]] = {}
-        failed: set[int] = set()
+        futures: dict[int, list[tuple[Outgoing, asyncio.Future[object]]]] = {}
+        errors: dict[int, list[tuple[Outgoing, BaseException]]] = {}
         untried: set[int] = set()
         for i, pending in enumerate(batch):
             if deadline - self._clock() <= 0:
@@ -135,12 +219,13 @@ class Outbox:
                     if left <= 0:
                         raise TimeoutError("the flush round's time ran out")
                     delivery = await asyncio.wait_for(self._send(out), left)
-                except Exception:  # timeout or producer error: retried next flush
+                except Exception as exc:  # timeout or producer error: retried next flush
                     _log.warning("outbox: could not send to %s", out.topic, exc_info=True)
-                    failed.add(i)
+                    errors[i] = [(out, exc)]
                     break
-                futures.setdefault(i, []).append(asyncio.ensure_future(delivery))
-        every = [f for fs in futures.values() for f in fs]
+                pending.handed = pending.handed or pending.stage == 0
+                futures.setdefault(i, []).append((out, asyncio.ensure_future(delivery)))
+        every = [f for fs in futures.values() for _, f in fs]
         if every:
             # asyncio.wait, not wait_for: a timeout must not cancel deliveries in flight.
             await asyncio.wait(every, timeout=max(0.0, deadline - self._clock()))
@@ -148,24 +233,63 @@ class Outbox:
         for i, pending in enumerate(batch):
             if i in untried:
                 continue
+            sent = i not in errors
             # Look at every future (retrieving each exception keeps asyncio quiet).
-            acked = [_acknowledged(f) for f in futures.get(i, [])]
-            ok = i not in failed and all(acked)
-            if not ok:
-                # Resend later, backing off while the broker keeps refusing.
-                self.failures += 1
-                pending.failures += 1
-                delay = self._backoff_s * 2 ** min(pending.failures - 1, 16)
-                pending.not_before = now + min(self._max_backoff_s, delay)
-                if i not in failed:
-                    _log.warning("outbox: %d record(s) not acknowledged, will resend",
-                                 len(pending.due()))
+            for out, future in futures.get(i, []):
+                error = _error(future)
+                if error is not None:
+                    errors.setdefault(i, []).append((out, error))
+            if i not in errors:
+                pending.advance()
+                more = more or pending.stage < 2
                 continue
-            pending.failures = 0
-            pending.advance()
-            more = more or pending.stage < 2
+            # Resend later, backing off while the broker keeps refusing.
+            self.failures += 1
+            pending.failures += 1
+            pending.stuck(now)
+            delay = self._backoff_s * 2 ** min(pending.failures - 1, 16)
+            pending.not_before = now + min(self._max_backoff_s, delay)
+            if sent:
+                _log.warning("outbox: %d record(s) not acknowledged, will resend",
+                             len(errors[i]))
+            for out, error in errors[i]:
+                self.failed_topics.add(out.topic)
+                if self._expendable(out.topic) and self._refused(error):
+                    self._drop(pending, out, f"refused for good: {error!r}")
+            self._give_up_stuck(pending, self._clock(), "not acknowledged")
+            more = more or self._advance_if_dropped(pending)
         return more
 
+    def _give_up_stuck(self, pending: _Pending, now: float, why: str) -> None:
+        """Give up the expendable records of a stage stuck for ``give_up_s``."""
+        if pending.stuck_since is None or now - pending.stuck_since < self._give_up_s:
+            return
+        for out in pending.due():
+            if self._expendable(out.topic):
+                self._drop(pending, out, f"{why} for {now - pending.stuck_since:.0f} s")
+        self._advance_if_dropped(pending)
 
-def _acknowledged(future: asyncio.Future[object]) -> bool:
-    return future.done() and not future.cancelled() and future.exception() is None
+    def _drop(self, pending: _Pending, out: Outgoing, why: str) -> None:
+        pending.dropped.add(out)
+        self.given_up += 1
+        _log.error("outbox: gave up a record to %s (key %r): %s; the rest of its effect "
+                   "goes on", out.topic, out.key, why)
+
+    @staticmethod
+    def _advance_if_dropped(pending: _Pending) -> bool:
+        """A stage whose every record is given up is complete: the next one goes now.
+        True if there is one."""
+        if pending.stage >= 2 or pending.due():
+            return False
+        pending.advance()
+        pending.not_before = 0.0
+        return pending.stage < 2
+
+
+def _error(future: asyncio.Future[object]) -> BaseException | None:
+    """The future's failure (a timeout if it is still pending), None if acknowledged."""
+    if not future.done():
+        return TimeoutError("not acknowledged in time")
+    if future.cancelled():
+        return asyncio.CancelledError()
+    return future.exception()

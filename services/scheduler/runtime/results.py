@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Final, Protocol
 
 from schemas.common import ErrorCode, Lane, Phase, Priority
-from schemas.requests import Assignment
+from schemas.requests import AdmittedRequest, Assignment
 from services.scheduler import Requeue
 from services.scheduler.runtime.messages import Outgoing
 
@@ -90,6 +90,26 @@ class Effect:
     #: A worker_lost ending: its reply is dropped if the attempt's terminal is on the reply
     #: topic already (``services.scheduler.runtime.answered``).
     unless_answered: ReplyCheck | None = None
+    #: Set on every effect that acks request records (``tickets``): a placement or an
+    #: ending of a request read from a request topic. What the state recorded when it made
+    #: it, for :meth:`SchedulerState.withdraw` to take back should these records never be
+    #: produced.
+    decision: Decision | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """A placement or scheduler-side ending of a request read from its topic (attempt 1).
+
+    Only those: requeues and hand-offs ack no record, so no revoked partition takes them
+    elsewhere, and taking one back would need the lost or prefilled attempt it replaced
+    in the log (gone from the log's entry once the new attempt was recorded).
+    """
+
+    admitted: AdmittedRequest
+    attempt: int
+    #: The ending's code; None: a placement.
+    code: ErrorCode | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -88,6 +88,7 @@ from services.scheduler.runtime.messages import (
 )
 from services.scheduler.runtime.meters import RecentCancels
 from services.scheduler.runtime.results import (
+    Decision,
     Effect,
     HeldRequeue,
     NoSpans,
@@ -441,6 +442,41 @@ class SchedulerState:
                 dropped += 1
         return dropped
 
+    def withdraw(self, effect: Effect, now: float) -> bool:
+        """Take back what was recorded when ``effect`` was made (its
+        :attr:`~Effect.decision`), its records never produced: the app withdrew them from
+        the outbox, their source partition revoked. The log, the ledger and the count of
+        terminals read as if it had never been decided, so a redelivered record of the
+        request is decided afresh if the partition comes back here; a cancel it answered
+        is remembered again, as :meth:`drop_sources` does. The request is not queued again:
+        its record goes to the partition's new owner. True if something was taken back.
+
+        Nothing is taken back once something else was recorded for the request since
+        (:meth:`AssignmentLog.forget`): a record of it read (another replica placed or ended
+        it too), or a later decision here (its worker declared lost). Then the decision
+        stands and its books with it (at worst, a reservation on a worker it was never
+        sent to, until the attempt's terminal event releases it), rather than forgetting
+        what came after. Left as they are: spans written, the cycle's placement and
+        rejection figures already reported, the lanes' virtual time and the affinity
+        memory (policy hints)."""
+        decision = effect.decision
+        if decision is None:
+            return False
+        admitted = decision.admitted
+        request_id = admitted.request_id
+        if not self.log.forget(request_id, decision.attempt, admitted.admitted_at):
+            _log.warning("scheduler: %s#%d was not produced but cannot be taken back: the "
+                         "log recorded more of it since", request_id, decision.attempt)
+            return False
+        if decision.code is None:
+            self.ledger.release(request_id, decision.attempt)
+            self._active_trace.pop(request_id, None)
+            return True
+        self.ended[decision.code] -= 1  # not sent: not this scheduler's terminal
+        if decision.code == "cancelled":
+            self.cancels.add(request_id, admitted.request.tenant, now, now)
+        return True
+
     # -- the dispatch cycle -----------------------------------------------------------
 
     def tick(self, now: float, *, handle_losses: bool = True) -> TickResult:
@@ -718,12 +754,13 @@ class SchedulerState:
         # Only once the record could be built: until here a failure leaves the request
         # queued and tracked (tick pushes it back), and the log without its placement.
         self._untrack(request.request_id)
-        self.log.observe_assignment(record)
+        self.log.observe_assignment(record, own=True)
         if trace:
             self._active_trace[request.request_id] = trace
         placed = Placed(placement.worker_id, request.priority, request.lane,
                         max(0.0, now - tracked.since), placement.phase)
-        return Effect(first=(out,), tickets=tuple(tracked.tickets)), placed
+        decision = Decision(tracked.admitted, placement.attempt) if tracked.tickets else None
+        return Effect(first=(out,), tickets=tuple(tracked.tickets), decision=decision), placed
 
     def _rejected(self, reject: Reject, now: float) -> Effect:
         tracked = self._untrack(reject.request_id)
@@ -921,7 +958,8 @@ class SchedulerState:
             worker_id=self.config.scheduler_id, events_topic=self.config.events_topic, now=now,
             retry_after_s=retry_after_s, headers=trace,
         )
-        return Effect(first=(reply,), then=(event,), tickets=tickets)
+        decision = Decision(admitted, attempt, code) if tickets else None
+        return Effect(first=(reply,), then=(event,), tickets=tickets, decision=decision)
 
     def _book(self, record: Assignment) -> None:
         """Book an existing assignment's reservation in the ledger.

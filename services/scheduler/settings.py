@@ -14,7 +14,7 @@ import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.scheduler import DEFAULT_PROFILE, QueueConfig
@@ -53,6 +53,27 @@ class SchedulerSettings(BaseSettings):
         default=0.05, gt=0.0, lt=1.0,
         description="A paused topic resumes once the queue is this fraction of max_pending "
         "below its pause threshold.",
+    )
+    replicas: int = Field(
+        default=1, ge=1, le=64,
+        description="How many scheduler replicas run (one consumer group shares the request "
+        "topics); the same on each. With more than one, each worker takes new work from one "
+        "replica at a time, in turns (filter replica-turn), so replicas placing at the same "
+        "moment do not overcommit its KV.",
+    )
+    replica_index: int = Field(
+        default=0, ge=0, le=63,
+        description="This replica's own number, in [0, replicas) (a StatefulSet ordinal).",
+    )
+    turn_slot_s: float = Field(
+        default=0.5, gt=0.0, le=60.0,
+        description="With several replicas: length of a replica's turn on a worker.",
+    )
+    turn_guard_s: float = Field(
+        default=0.05, ge=0.0, le=30.0,
+        description="With several replicas: a worker is nobody's turn this long at each end "
+        "of a turn, time for the last placements to be written and read back; below "
+        "turn_slot_s / 2.",
     )
     max_held_per_partition: int = Field(
         default=2_000, ge=1, le=1_000_000,
@@ -152,6 +173,17 @@ class SchedulerSettings(BaseSettings):
     )
     log_level: str = Field(default="info", pattern=r"^(debug|info|warning|error)$")
 
+    @model_validator(mode="after")
+    def _turns(self) -> SchedulerSettings:
+        if self.replica_index >= self.replicas:
+            raise ValueError(f"LLMQ_SCHEDULER_REPLICA_INDEX ({self.replica_index}) must be "
+                             f"below LLMQ_SCHEDULER_REPLICAS ({self.replicas}): give each "
+                             "replica its own number from 0")
+        if 2 * self.turn_guard_s >= self.turn_slot_s:
+            raise ValueError("LLMQ_SCHEDULER_TURN_GUARD_S must be below half of "
+                             "LLMQ_SCHEDULER_TURN_SLOT_S")
+        return self
+
     def resolved_scheduler_id(self) -> str:
         """``scheduler_id``, or ``scheduler-<host>`` made safe for an id."""
         if self.scheduler_id is not None:
@@ -169,8 +201,23 @@ class SchedulerSettings(BaseSettings):
         )
 
     def profile(self) -> Mapping[str, object]:
-        """The placement profile mapping (``build_pipeline`` validates it)."""
+        """The placement profile mapping (``build_pipeline`` validates it), with the
+        ``replica-turn`` filter when several replicas run."""
         if self.profile_file is None:
-            return DEFAULT_PROFILE
-        with self.profile_file.open("rb") as handle:
-            return tomllib.load(handle)
+            profile: Mapping[str, object] = DEFAULT_PROFILE
+        else:
+            with self.profile_file.open("rb") as handle:
+                profile = tomllib.load(handle)
+        if self.replicas == 1:
+            return profile
+        filters = profile.get("filters", DEFAULT_PROFILE["filters"])
+        params = profile.get("params", {})
+        if not isinstance(filters, list | tuple) or not isinstance(params, Mapping):
+            return profile  # build_pipeline says what is wrong
+        turn = {"replicas": self.replicas, "index": self.replica_index,
+                "slot_s": self.turn_slot_s, "guard_s": self.turn_guard_s}
+        return {
+            **profile,
+            "filters": [*(f for f in filters if f != "replica-turn"), "replica-turn"],
+            "params": {**params, "replica-turn": turn},
+        }

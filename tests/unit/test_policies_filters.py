@@ -14,6 +14,7 @@ from services.scheduler.policies.filters import (
     lane_pool,
     model_match,
     not_draining,
+    replica_turn,
     seq_slots,
 )
 from tests.builders import NOW, make_request, make_snapshot, make_worker
@@ -120,6 +121,7 @@ def test_seq_slots_counts_assigned_not_started(
         (not_draining, "route"),
         (kv_fits, "index"),
         (seq_slots, "index"),
+        (replica_turn, "room"),
     ],
 )
 def test_stage_matches_what_the_filter_reads(module: ModuleType, stage: str) -> None:

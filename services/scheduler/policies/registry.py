@@ -18,6 +18,7 @@ from services.scheduler.policies.filters import (
     lane_pool,
     model_match,
     not_draining,
+    replica_turn,
     seq_slots,
 )
 from services.scheduler.policies.pickers import least_requests, max_score, random_pick, round_robin
@@ -39,6 +40,7 @@ REGISTRY: Final[dict[str, Factory]] = {
     "kv-fits": kv_fits.factory,
     "seq-slots": seq_slots.factory,
     "class-reserve": class_reserve.factory,
+    "replica-turn": replica_turn.factory,
     # scorers
     "kv-headroom": kv_headroom.factory,
     "queue-depth": queue_depth.factory,

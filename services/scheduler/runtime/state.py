@@ -74,6 +74,7 @@ from services.scheduler import (
     requeue_lost,
     schedule,
 )
+from services.scheduler.policies.filters.replica_turn import turn_of
 from services.scheduler.runtime.fleet import FleetView, worker_state
 from services.scheduler.runtime.log import AssignmentLog
 from services.scheduler.runtime.messages import (
@@ -152,6 +153,7 @@ class SchedulerState:
         self._active_trace: dict[str, TraceHeaders] = {}
         self.pending = PendingQueue(queue_config)
         self.ledger = Ledger(kv_safety_margin=config.kv_safety_margin)
+        self._warned_replicas = False
         self.fleet = FleetView(config.heartbeat_staleness)
         self.log = AssignmentLog(config.finished_memory_s)
         self.drain = DrainMeter(config.drain_window_s)
@@ -231,6 +233,8 @@ class SchedulerState:
         withdrawn = self._withdraw_decided(record.request_id, record.assigned_at)
         if self.restored:
             self._book(record)
+            if record.attempt == 1 and record.phase != "decode":
+                self._another_replica(record)
         return [] if withdrawn is None else [withdrawn]
 
     def observe_event(self, event: LifecycleEvent, headers: TraceHeaders = ()) -> bool:
@@ -960,6 +964,29 @@ class SchedulerState:
         )
         decision = Decision(admitted, attempt, code) if tickets else None
         return Effect(first=(reply,), then=(event,), tickets=tickets, decision=decision)
+
+    def _another_replica(self, record: Assignment) -> None:
+        """A first placement read back that this replica did not make: another replica
+        places on the same fleet. Said once if this one was not told so (``replicas``), or
+        if it placed in this replica's turn on that worker (filter ``replica-turn``)."""
+        cfg = self.config
+        if self._warned_replicas:
+            return
+        if cfg.replicas == 1:
+            self._warned_replicas = True
+            _log.warning("scheduler: another scheduler replica placed %s on %s: set "
+                         "LLMQ_SCHEDULER_REPLICAS to the number of replicas (and "
+                         "LLMQ_SCHEDULER_REPLICA_INDEX, each its own) on every one, or two "
+                         "placing at the same moment can overcommit a worker's KV",
+                         record.request_id, record.worker_id)
+        elif turn_of(record.worker_id, record.assigned_at, cfg.replicas, cfg.turn_slot_s,
+                     cfg.turn_guard_s) == cfg.replica_index:
+            self._warned_replicas = True
+            _log.warning("scheduler: another scheduler replica placed %s on %s in this "
+                         "replica's turn (index %d): give every replica its own "
+                         "LLMQ_SCHEDULER_REPLICA_INDEX and the same LLMQ_SCHEDULER_REPLICAS "
+                         "and TURN settings, and keep their clocks in step",
+                         record.request_id, record.worker_id, cfg.replica_index)
 
     def _book(self, record: Assignment) -> None:
         """Book an existing assignment's reservation in the ledger.

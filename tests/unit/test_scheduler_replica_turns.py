@@ -1,0 +1,135 @@
+"""Several scheduler replicas: each worker takes new work from one replica at a time
+(filter ``replica-turn``), so replicas that place at the same moment from their own
+requests never overcommit a worker between reading each other's placements back.
+
+The two replicas are two real :class:`SchedulerState` (the live scheduler's state, no
+Kafka); "reading back" is what the app does with every record of ``llmq.assignments``:
+``observe_assignment`` on every replica.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from schemas.codec import decode
+from schemas.messages import ASSIGNMENT_ADAPTER
+from schemas.requests import Assignment
+from services.scheduler import QueueConfig, build_pipeline
+from services.scheduler.core.errors import ConfigError
+from services.scheduler.policies.filters.replica_turn import ReplicaTurn, factory, turn_of
+from services.scheduler.runtime.results import RuntimeConfig
+from services.scheduler.runtime.state import SchedulerState
+from services.scheduler.settings import SchedulerSettings
+from tests.unit.test_scheduler_runtime_state import SCHED, T, admitted, beat
+
+WORKERS = [f"w{i}" for i in range(4)]
+
+
+def test_mid_slot_every_worker_is_exactly_one_replicas_turn_and_turns_rotate() -> None:
+    for replicas in (2, 3):
+        owners_by_slot = []
+        for slot in range(6):
+            now = slot * 0.5 + 0.25
+            owners = [turn_of(w, now, replicas, 0.5, 0.05) for w in WORKERS]
+            assert all(o is not None and 0 <= o < replicas for o in owners)
+            owners_by_slot.append(owners)
+        # A worker moves to the next replica each slot: every replica gets every worker.
+        for i in range(len(WORKERS)):
+            seen = [owners_by_slot[k][i] for k in range(replicas)]
+            assert sorted(seen) == list(range(replicas))  # type: ignore[type-var]
+
+
+def test_the_ends_of_a_turn_are_nobodys() -> None:
+    assert turn_of("w0", 10.0, 2, 0.5, 0.05) is None  # the first 50 ms of a slot
+    assert turn_of("w0", 10.04, 2, 0.5, 0.05) is None
+    assert turn_of("w0", 10.05, 2, 0.5, 0.05) is not None
+    assert turn_of("w0", 10.449, 2, 0.5, 0.05) is not None
+    assert turn_of("w0", 10.46, 2, 0.5, 0.05) is None  # the last 50 ms
+
+
+def test_over_a_fleet_each_replica_has_about_its_share_at_any_moment() -> None:
+    fleet = [f"worker-{i}" for i in range(1_000)]
+    shares = Counter(turn_of(w, 100.25, 4, 0.5, 0.05) for w in fleet)
+    assert set(shares) == {0, 1, 2, 3}
+    assert all(200 <= n <= 300 for n in shares.values()), shares
+
+
+@pytest.mark.parametrize(
+    ("params", "setting"),
+    [
+        ({"replicas": 2, "index": 2}, "params.replica-turn.index"),
+        ({"replicas": 2.5}, "params.replica-turn.replicas"),
+        ({"replicas": 2, "slot_s": 0.1, "guard_s": 0.05}, "params.replica-turn.guard_s"),
+        ({"replicas": 2, "slot_s": 0}, "params.replica-turn.slot_s"),
+        ({"replicas": 2, "turns": 1}, "params.replica-turn.turns"),
+    ],
+)
+def test_bad_parameters_are_refused_by_name(params: dict[str, object], setting: str) -> None:
+    with pytest.raises(ConfigError) as refused:
+        factory(params)
+    assert refused.value.setting == setting
+
+
+def test_settings_add_the_filter_only_for_several_replicas() -> None:
+    assert "replica-turn" not in str(SchedulerSettings().profile())
+    profile = SchedulerSettings(replicas=3, replica_index=2).profile()
+    assert list(profile["filters"])[-1] == "replica-turn"  # type: ignore[call-overload]
+    turn = build_pipeline(profile).room_filters[-1]
+    assert isinstance(turn, ReplicaTurn) and (turn.replicas, turn.index) == (3, 2)
+    with pytest.raises(ValueError, match="LLMQ_SCHEDULER_REPLICA_INDEX"):
+        SchedulerSettings(replicas=2, replica_index=2)
+
+
+# -- two replicas placing at once ---------------------------------------------------------
+
+
+def replica(index: int, replicas: int) -> SchedulerState:
+    settings = SchedulerSettings(replicas=replicas, replica_index=min(index, replicas - 1))
+    cfg = RuntimeConfig(scheduler_id=f"{SCHED}-{index}", assignments_topic="p.assignments",
+                        events_topic="p.events", status_topic="p.status",
+                        replicas=replicas, replica_index=settings.replica_index)
+    state = SchedulerState(cfg, QueueConfig(), build_pipeline(settings.profile()),
+                           random.Random(index))
+    for i, worker_id in enumerate(WORKERS):
+        state.observe_heartbeat(beat(worker_id, i, kv_total_tokens=4_000, kv_free_tokens=4_000))
+    state.restore()
+    return state
+
+
+def burst(replicas: int) -> tuple[int, int]:
+    """Two replicas, each with 30 requests of its own partitions, tick together every
+    20 ms for 3 s and read each other's placements back after each tick (a 20 ms lag).
+    Returns (the largest KV placed on one worker, its usable KV)."""
+    states = [replica(0, replicas), replica(1, replicas)]
+    for r, state in enumerate(states):
+        for i in range(30):
+            state.on_request(admitted(f"r{r}-{i}", prompt=1_000, max_tokens=24, timeout_s=600),
+                             (f"tp{r}", i), T)
+    placed: dict[str, list[Assignment]] = {w: [] for w in WORKERS}
+    peak = 0
+    for step in range(150):
+        now = T + 0.013 + step * 0.02
+        new = [decode(o.value, ASSIGNMENT_ADAPTER) for state in states
+               for e in state.tick(now).effects for o in e.first if o.topic == "p.assignments"]
+        for a in new:
+            placed[a.worker_id].append(a)
+        peak = max(peak, *(sum(a.kv_tokens for a in on) for on in placed.values()))
+        for state in states:  # the log read back: every replica sees every placement
+            for a in new:
+                state.observe_assignment(a)
+    usable = int(4_000 * 0.95)
+    return peak, usable
+
+
+def test_two_replicas_in_turns_never_overcommit_a_worker() -> None:
+    peak, usable = burst(replicas=2)
+    assert 0 < peak <= usable
+
+
+def test_two_replicas_unaware_of_each_other_overcommit_one() -> None:
+    # The same burst with each replica thinking it is alone: what the turns prevent.
+    peak, usable = burst(replicas=1)
+    assert peak > usable

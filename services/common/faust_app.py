@@ -14,15 +14,21 @@ Settings that matter on a single dev broker and in tests (documented, not magic)
 - ``TableManager``: faust's, with the end-of-recovery race closed (records fetched while
   recovery seeks the streams were cleared from the agents' queues and never processed):
   see :mod:`services.common.faust_recovery`.
+- An idempotent producer (``acks=all`` + ``enable_idempotence``, DESIGN.md's delivery
+  rule): faust turns idempotence on only inside transactions, so a send it retried after
+  a lost ack could be written twice. Here the broker drops such a duplicate.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import faust
+from faust.transport.drivers.aiokafka import Producer
+from faust.types import ProducerT
 
 from services.common.faust_recovery import TableManager
 from services.common.kafka import MAX_RECORD_BYTES, TopicRequest
@@ -54,7 +60,19 @@ def make_app(name: str, settings: Settings, **overrides: Any) -> faust.App:
     }
     options.update(overrides)
     Path(options["datadir"]).parent.mkdir(parents=True, exist_ok=True)
-    return faust.App(f"{settings.topic_prefix}-{name}", **options)
+    return _App(f"{settings.topic_prefix}-{name}", **options)
+
+
+class _IdempotentProducer(Producer):
+    """Faust's aiokafka producer, idempotent outside transactions too (module docstring)."""
+
+    def _settings_extra(self) -> Mapping[str, Any]:
+        return {**super()._settings_extra(), "acks": "all", "enable_idempotence": True}
+
+
+class _App(faust.App):
+    def _new_producer(self) -> ProducerT:
+        return _IdempotentProducer(self.transport, loop=self.loop, beacon=self.beacon)
 
 
 def run_app(app: faust.App, loglevel: str = "info") -> None:

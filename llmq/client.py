@@ -128,7 +128,8 @@ class LlmqClient:
 
     ``reply_grace_s`` (≥ 0, default :data:`DEFAULT_REPLY_GRACE_S`): how long past a
     request's ``timeout_s`` its handle still waits for llmq's own terminal before it gives
-    up, cancels and raises ``TimeoutError``.
+    up, cancels and raises ``TimeoutError``. ``replication_factor``: replicas of the reply
+    topic if :meth:`start` has to create it (``LLMQ_REPLICATION_FACTOR`` of the services).
     """
 
     def __init__(
@@ -139,10 +140,12 @@ class LlmqClient:
         prefix: str = "llmq",
         default_model: str = "llama-3.1-8b",
         reply_grace_s: float = DEFAULT_REPLY_GRACE_S,
+        replication_factor: int = 1,
     ) -> None:
         if not reply_grace_s >= 0:
             raise ValueError(f"reply_grace_s must be >= 0, not {reply_grace_s}")
         self.bootstrap = bootstrap
+        self.replication_factor = replication_factor
         self.reply_grace_s = reply_grace_s
         self.tenant = tenant
         self.prefix = prefix
@@ -157,6 +160,7 @@ class LlmqClient:
         await ensure_topics(
             self.bootstrap,
             [TopicRequest(self._spec.name, self._spec.partitions, self._spec.config)],
+            replication_factor=self.replication_factor,
         )
         producer = make_producer(self.bootstrap)
         await producer.start()

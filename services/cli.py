@@ -181,7 +181,8 @@ async def create_catalog_topics(settings: Settings) -> list[str]:
 
     specs = catalog(settings.topic_prefix, settings.assignment_partitions)
     wanted = [TopicRequest(s.name, s.partitions, s.config) for s in specs]
-    return await ensure_topics(settings.bootstrap, wanted)
+    return await ensure_topics(settings.bootstrap, wanted,
+                               replication_factor=settings.replication_factor)
 
 
 # -- schema ------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ def make_app(name: str, settings: Settings, **overrides: Any) -> faust.App:
         "web_enabled": False,
         "web_bind": "127.0.0.1",
         "web_host": "127.0.0.1",
-        "topic_replication_factor": 1,
+        "topic_replication_factor": settings.replication_factor,
         "topic_allow_declare": True,
         "broker_session_timeout": 10.0,
         "broker_heartbeat_interval": 1.0,

@@ -175,7 +175,8 @@ async def wait_for_group_coordinator(bootstrap: str, timeout_s: float = 60.0) ->
 
 
 async def ensure_topics(
-    bootstrap: str, topics: Iterable[TopicRequest], timeout_s: float = 30.0
+    bootstrap: str, topics: Iterable[TopicRequest], timeout_s: float = 30.0, *,
+    replication_factor: int = 1,
 ) -> list[str]:
     """Create the topics that do not exist yet; returns the names created. Idempotent.
 
@@ -194,7 +195,7 @@ async def ensure_topics(
                 NewTopic(
                     name=t.name,
                     num_partitions=t.partitions,
-                    replication_factor=1,
+                    replication_factor=replication_factor,
                     topic_configs=t.config,
                 )
                 for t in missing

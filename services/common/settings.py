@@ -50,6 +50,12 @@ class Settings(BaseSettings):
         default="llmq", pattern=TOPIC_PREFIX_PATTERN, max_length=TOPIC_PREFIX_MAX,
         description="Prefix of every topic: dot-separated words of [A-Za-z0-9_-].",
     )
+    replication_factor: int = Field(
+        default=1, ge=1, le=16,
+        description="Replicas of every topic llmq creates (Faust's changelogs too): 1 on the "
+        "single embedded broker; 3 on a production cluster, whose min.insync.replicas then "
+        "makes acks=all mean durable on more than one broker.",
+    )
     assignment_partitions: int = Field(
         default=16, ge=1, le=1024, description="Partitions of <prefix>.assignments = worker slots."
     )

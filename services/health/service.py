@@ -203,7 +203,8 @@ class HealthService:
                 specs = catalog(self.settings.topic_prefix, self.settings.assignment_partitions)
                 await ensure_topics(self.settings.bootstrap,
                                     [TopicRequest(s.name, s.partitions, s.config) for s in specs],
-                                    timeout_s=10.0)
+                                    timeout_s=10.0,
+                                    replication_factor=self.settings.replication_factor)
                 await feed.start()
             except (KafkaError, OSError, TimeoutError) as exc:
                 await feed.stop()

@@ -98,7 +98,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings.topic_prefix, app_id(settings, ingest), instance, settings.assignment_partitions
     )
     try:
-        asyncio.run(ensure_topics(settings.bootstrap, topics.to_create()))
+        asyncio.run(ensure_topics(settings.bootstrap, topics.to_create(),
+                                  replication_factor=settings.replication_factor))
     except (KafkaError, OSError, TimeoutError) as exc:
         print(f"ingest: cannot create topics on Kafka at {settings.bootstrap}: {exc!r}",
               file=sys.stderr)

@@ -113,7 +113,7 @@ def build_app(rt: IngestRuntime) -> IngestApp:
     handler = IntakeHandler(
         topics=topics, tenancy=rt.tenancy, tracker=tracker, buckets=buckets,
         reservations=reservations, publish=publish,
-        ensure_topic=_topic_creator(rt.settings.bootstrap, topics), clock=rt.clock,
+        ensure_topic=_topic_creator(rt.settings, topics), clock=rt.clock,
         counters=rt.counters, reservation_grace_s=rt.ingest.reservation_grace_s,
         owner_partition=_partitioner(topics.partitions),
         topic_exists=partial(topic_exists, rt.settings.bootstrap),
@@ -199,9 +199,10 @@ def _dead_letter(app: faust.App, topic: str) -> DeadLetterSend:
     return send
 
 
-def _topic_creator(bootstrap: str, topics: IngestTopics) -> Callable[[str], Awaitable[None]]:
+def _topic_creator(settings: Settings, topics: IngestTopics) -> Callable[[str], Awaitable[None]]:
     async def ensure(topic: str) -> None:
-        await ensure_topics(bootstrap, [topics.reply_request(topic)])
+        await ensure_topics(settings.bootstrap, [topics.reply_request(topic)],
+                            replication_factor=settings.replication_factor)
 
     return ensure
 

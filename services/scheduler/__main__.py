@@ -63,7 +63,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     topics = SchedulerTopics.of(settings.topic_prefix, settings.assignment_partitions)
     try:
         faust_topics = [leader_topic(app_id(settings, scheduler))]
-        asyncio.run(ensure_topics(settings.bootstrap, [*topics.to_create(), *faust_topics]))
+        asyncio.run(ensure_topics(settings.bootstrap, [*topics.to_create(), *faust_topics],
+                                  replication_factor=settings.replication_factor))
     except (KafkaError, OSError, TimeoutError) as exc:
         print(f"scheduler: cannot create topics on Kafka at {settings.bootstrap}: {exc!r}",
               file=sys.stderr)

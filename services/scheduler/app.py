@@ -215,7 +215,9 @@ class Scheduler:
                              expendable=lambda topic: topic not in own,
                              give_up_s=cfg.reply_give_up_s, refused=_refused_for_good)
         self.reply_topics = ReplyTopics(
-            topics, lambda request: ensure_topics(rt.settings.bootstrap, [request]),
+            topics, lambda request: ensure_topics(
+                rt.settings.bootstrap, [request],
+                replication_factor=rt.settings.replication_factor),
             self._wake)
         self.guard = Guard(self._dead_letter, name="scheduler", logger=_log)
         self.reader = LogReader(

@@ -241,7 +241,8 @@ class Worker:
 
     async def _start(self) -> None:
         bootstrap = self.settings.bootstrap
-        await ensure_topics(bootstrap, self.topics.to_create())
+        await ensure_topics(bootstrap, self.topics.to_create(),
+                            replication_factor=self.settings.replication_factor)
         partitions = await topic_partitions(bootstrap, self.topics.assignments)
         if self.id.slot not in partitions:
             raise SlotRefused(f"slot {self.id.slot} does not exist: {self.topics.assignments} "

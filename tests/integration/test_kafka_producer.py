@@ -68,3 +68,25 @@ async def test_a_batch_compressed_by_another_producer_is_read(
     finally:
         await consumer.stop()
     assert seen == [b"record 0", b"record 1", b"record 2"]
+
+
+async def test_topics_get_the_replication_factor_asked_for(
+    bootstrap: str, topic_prefix: str
+) -> None:
+    # LLMQ_REPLICATION_FACTOR reaches the broker: 1 works on the one-node dev broker, and
+    # 2 is refused there with the broker's own reason (a production cluster takes it).
+    from aiokafka.admin import AIOKafkaAdminClient
+    from aiokafka.errors import InvalidReplicationFactorError
+
+    await ensure_topics(bootstrap, [TopicRequest(f"{topic_prefix}.one", 1)],
+                        replication_factor=1)
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        (described,) = await admin.describe_topics([f"{topic_prefix}.one"])
+        assert [len(p["replicas"]) for p in described["partitions"]] == [1]
+    finally:
+        await admin.close()
+    with pytest.raises(InvalidReplicationFactorError):
+        await ensure_topics(bootstrap, [TopicRequest(f"{topic_prefix}.two", 1)],
+                            replication_factor=2)

@@ -18,3 +18,8 @@ async def test_the_apps_producer_is_idempotent_with_acks_all(tmp_path: Path) -> 
         assert app.producer._settings_extra()["acks"] == "all"
     finally:
         await producer.stop()
+
+
+def test_the_apps_topics_get_the_replication_factor_of_the_settings(tmp_path: Path) -> None:
+    app = make_app("probe", Settings(home=tmp_path, replication_factor=3))
+    assert app.conf.topic_replication_factor == 3

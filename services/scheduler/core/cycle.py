@@ -77,18 +77,28 @@ The cycle is work-conserving apart from holds and room-stage filters (the defaul
 ``class-reserve`` keeps a little room for the high class on purpose): when it returns
 (without ``max_placements``), no class head fits any worker it may use that is not held
 for someone else and that its room filters accept. It stops as soon as every class is
-placed out or blocked, so its cost is O(placements · K log n + classes), never O(pending).
+placed out or blocked, so its cost is O(placements · K log n + (placements + classes) ·
+log classes), never O(pending): the next head comes off a heap per lane (:mod:`.heads`),
+not a scan of every class, which made many blocked classes cost O(classes²).
 """
 
 from __future__ import annotations
 
+import itertools
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from operator import mul
 
 from schemas.common import MAX_ATTEMPT, Lane, Role
-from services.scheduler.core.index import Route, RouteIndex, capacity, route_index
+from services.scheduler.core.heads import CycleHeads
+from services.scheduler.core.index import (
+    Route,
+    RouteIndex,
+    cached_route_index,
+    capacity,
+    route_index,
+)
 from services.scheduler.core.ledger import Ledger
 from services.scheduler.core.queue import ClassKey, PendingQueue
 from services.scheduler.core.types import (
@@ -175,9 +185,10 @@ def _blocks(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size) * block_size
 
 
-def _deferred_head(pending: PendingQueue, klass: ClassKey) -> QueuedRequest:
-    """The head of a class blocked earlier in this cycle (it cannot have left meanwhile)."""
-    head = pending.head(klass)
+def _deferred_head(pending: PendingQueue, klass: ClassKey) -> tuple[float, QueuedRequest]:
+    """The head of a class blocked earlier in this cycle (it cannot have left meanwhile),
+    with its order key."""
+    head = pending.keyed_head(klass)
     assert head is not None
     return head
 
@@ -233,11 +244,7 @@ class _Cycle:
 
     def run(self, max_placements: int | None) -> None:
         pending, ledger = self.pending, self.ledger
-        heads: dict[ClassKey, QueuedRequest] = {}
-        for klass in pending.class_keys():
-            head = pending.head(klass)
-            if head is not None:
-                heads[klass] = head
+        heads = CycleHeads(pending.keyed_heads())
         deferred: dict[ClassKey, Defer] = {}  # blocked for the rest of the cycle
         # ... at least partly because of a hold. A dict, in the order they were deferred:
         # a set of string-keyed classes would come back in an order that changes with
@@ -245,12 +252,12 @@ class _Cycle:
         behind_holds: dict[ClassKey, None] = {}
         placed = 0
         while heads and (max_placements is None or placed < max_placements):
-            klass, request = self._next(heads)
+            klass, request, place = self._next(heads)
             self.hold_refused = False
-            holds_before = len(ledger.holds())
+            holds_before = ledger.hold_count()
             decision = self._decide(request)
             if isinstance(decision, Defer):
-                del heads[klass]  # FCFS: the rest of the class waits behind its head
+                heads.drop(klass)  # FCFS: the rest of the class waits behind its head
                 deferred[klass] = decision
                 if self.hold_refused:
                     behind_holds[klass] = None
@@ -258,32 +265,25 @@ class _Cycle:
             self.decisions.append(decision)
             if isinstance(decision, Placement):
                 placed += 1
-            if len(ledger.holds()) < holds_before:
+            if ledger.hold_count() < holds_before:
                 # A hold ended mid-cycle: what it kept out may fit now.
                 for other in behind_holds:
                     del deferred[other]
-                    heads[other] = _deferred_head(pending, other)
+                    heads.put(other, *_deferred_head(pending, other))
                 behind_holds.clear()
-            following = pending.head(klass)
+            following = pending.keyed_head(klass)
             if following is None:
-                del heads[klass]
+                heads.drop(klass)
             else:
-                heads[klass] = following
+                heads.put(klass, *following, place=place)
         self.decisions.extend(deferred.values())
 
-    def _next(self, heads: dict[ClassKey, QueuedRequest]) -> tuple[ClassKey, QueuedRequest]:
-        """The head whose turn it is: lane by weighted turns, then best effective priority."""
-        order_key = self.pending.order_key
-        best: dict[Lane, tuple[float, int, ClassKey, QueuedRequest]] = {}
-        for klass, request in heads.items():
-            key = (order_key(request), klass[1], klass, request)
-            current = best.get(klass[0])
-            if current is None or key[:2] < current[:2]:
-                best[klass[0]] = key
-        lane = self.pending.lanes.next_lane(best.keys())
+    def _next(self, heads: CycleHeads) -> tuple[ClassKey, QueuedRequest, int]:
+        """The head whose turn it is: lane by weighted turns, then best effective priority
+        (:mod:`.heads`); with its class and the class's place there."""
+        lane = self.pending.lanes.next_lane(heads.lanes())
         assert lane is not None  # heads is non-empty
-        _, _, klass, request = best[lane]
-        return klass, request
+        return heads.best(lane)
 
     def _decide(self, request: QueuedRequest) -> Decision:
         route: Route = (request.model, request.model_version, request.lane)
@@ -360,16 +360,22 @@ class _Cycle:
         decode stage, those of its ``kv_engine``; with ``engines`` (prefill stages), those
         that run one of them."""
         route: Route = (request.model, request.model_version, request.lane)
-        admits = self._route_admits(request, role=role)
-        owner: object = self.pipeline if role == "mixed" else (self.pipeline, role)
+        engine = request.kv_engine if request.phase == "decode" else None
         if engines:
-            route_admits, owner = admits, (self.pipeline, role, engines)
+            owner: object = (self.pipeline, role, engines)
+        elif engine is not None:
+            owner = (self.pipeline, role, engine)
+        else:
+            owner = self.pipeline if role == "mixed" else (self.pipeline, role)
+        found = cached_route_index(self.snapshot, route, self.ledger, owner)
+        if found is not None:  # the usual case: built by an earlier decision on this snapshot
+            return found
+        admits = route_admits = self._route_admits(request, role=role)
+        if engines:
 
             def admits(worker: WorkerState) -> bool:
                 return worker.engine in engines and route_admits(worker)
-        elif request.phase == "decode" and request.kv_engine is not None:
-            engine, route_admits = request.kv_engine, admits
-            owner = (self.pipeline, role, engine)
+        elif engine is not None:
 
             def admits(worker: WorkerState) -> bool:
                 return worker.engine == engine and route_admits(worker)
@@ -442,9 +448,8 @@ class _Cycle:
         # With no worker of its own lane, an overdue head has nothing to hold: it borrows.
         stranded = not own_pool and (
             self.pending.overdue(request, self.now))
-        for klass in self.pending.class_keys():
-            if klass[0] == other and klass[2] == model and not stranded:
-                return None  # the other lane has work of its own: lend nothing
+        if not stranded and self.pending.has_lane_work(other, model):
+            return None  # the other lane has work of its own: lend nothing
         index = self._borrow_index(request)
         if not index.members:
             return None
@@ -500,57 +505,73 @@ class _Cycle:
         Fitting (room >= kv_tokens) is the kv-fits and seq-slots rule, enforced by the
         index; holds and any room-stage filters are checked here.
         """
-        accepts = self._acceptor(request)
         kv, limit = request.kv_tokens, self.pipeline.candidates
         found: list[WorkerState] = []
         if limit == 0:
             found = index.fitting(kv)
-            if self.pipeline.room_filters or len(self.ledger.holds()):
-                found = [w for w in found if accepts(w)]
+            if self.pipeline.room_filters or self.ledger.hold_count():
+                found = self._admitted(found, request)
         else:
             roomiest = index.roomiest(kv)
-            for worker in roomiest:
-                if accepts(worker):
-                    found.append(worker)
-                    if len(found) >= limit:
-                        break
+            # Judged in batches of as many as are still missing: the same workers as one
+            # at a time (none past the K-th admitted), with one filter call per batch.
+            while len(found) < limit:
+                batch = list(itertools.islice(roomiest, limit - len(found)))
+                if not batch:
+                    break
+                found += self._admitted(batch, request)
             roomiest.close()  # pushes the popped entries back before anything changes
         affine = self.ledger.affinity.get(request.prefix_hash)
         if affine is not None:
             i = index.pos.get(affine)
             if i is not None and index.room[i] >= kv:
                 worker = index.members[i]
-                if all(w is not worker for w in found) and accepts(worker):
+                if all(w is not worker for w in found) and self._admitted([worker], request):
                     found.append(worker)
         return found
 
-    def _acceptor(self, request: QueuedRequest) -> Callable[[WorkerState], bool]:
-        ctx, holds = self.ctx, self.ledger.holds()
-        checks = [(f.accepts, f.name) for f in self.pipeline.room_filters]
-        request_id, any_holds = request.request_id, len(holds) > 0
-        bound, lane, lane_count = self.spill_bound, request.lane, self.ledger.lane_count
-        prompt_free, uncomputed = self.prompt_free, self.ledger.uncomputed_prompt
+    def _admitted(self, workers: list[WorkerState], request: QueuedRequest) -> list[WorkerState]:
+        """The ``workers`` that ``request`` may use, in their order: the cycle's own checks
+        (:meth:`_own_refusal`), then each room filter, asked once for all the workers still
+        in (like scorers: one call per filter and batch, not one per worker). ``refusal``
+        ends as why the last refused worker was refused, as when judged one at a time."""
+        why: dict[int, str] = {}  # position in workers -> the first check that refused it
+        left: Sequence[int] = range(len(workers))  # positions not refused yet
+        if self.spill_bound or self.prompt_free or self.ledger.hold_count():
+            for i in left:
+                reason = self._own_refusal(workers[i], request)
+                if reason is not None:
+                    why[i] = reason
+            left = [i for i in left if i not in why]
+        for room_filter in self.pipeline.room_filters:
+            if not left:
+                break
+            batch = workers if len(left) == len(workers) else [workers[i] for i in left]
+            verdicts = room_filter.accepts_each(batch, request, self.ctx)
+            if all(verdicts):  # the usual case
+                continue
+            for i, ok in zip(left, verdicts, strict=True):
+                if not ok:
+                    why[i] = room_filter.name
+            left = [i for i in left if i not in why]
+        if not why:
+            return workers
+        self.refusal = why[max(why)]
+        return [workers[i] for i in left]
 
-        def accepts(worker: WorkerState) -> bool:
-            if bound and lane_count(worker.worker_id, lane) >= bound:
-                self.refusal = "spill bound"
-                return False
-            if prompt_free and uncomputed(worker.worker_id):
-                self.refusal = "prompt work"
-                return False
-            if any_holds:
-                holder = holds.get(worker.worker_id)
-                if holder is not None and holder != request_id:
-                    self.refusal = "hold"
-                    self.hold_refused = True
-                    return False
-            for check, name in checks:
-                if not check(worker, request, ctx):
-                    self.refusal = name
-                    return False
-            return True
-
-        return accepts
+    def _own_refusal(self, worker: WorkerState, request: QueuedRequest) -> str | None:
+        """Why the cycle itself keeps ``request`` off ``worker`` (None: it does not): a
+        spill's per-worker bound, an overflow's prompt-free rule, a hold for another."""
+        ledger, worker_id = self.ledger, worker.worker_id
+        if self.spill_bound and ledger.lane_count(worker_id, request.lane) >= self.spill_bound:
+            return "spill bound"
+        if self.prompt_free and ledger.uncomputed_prompt(worker_id):
+            return "prompt work"
+        holder = ledger.holder(worker_id)
+        if holder is not None and holder != request.request_id:
+            self.hold_refused = True
+            return "hold"
+        return None
 
     def _choose(self, candidates: list[WorkerState], request: QueuedRequest) -> WorkerState:
         """Weighted mean of the scorers, then the picker."""

@@ -139,15 +139,24 @@ def route_index(
     ``admits`` applies the route-stage filters; ``owner`` (the pipeline) is part of the
     memo key because another pipeline may filter differently.
     """
-    key = ("route", route, owner, ledger)
-    found = snapshot.memo.get(key)
-    if found is not None:
-        index = cast(RouteIndex, found)
-        index.sync()
+    index = cached_route_index(snapshot, route, ledger, owner)
+    if index is not None:
         return index
     members = [w for w in snapshot.workers.values() if snapshot.is_fresh(w) and admits(w)]
-    index = RouteIndex(members, ledger)
-    snapshot.memo[key] = index
+    index = snapshot.memo[("route", route, owner, ledger)] = RouteIndex(members, ledger)
+    return index
+
+
+def cached_route_index(
+    snapshot: Snapshot, route: Route, ledger: Ledger, owner: object
+) -> RouteIndex | None:
+    """The index :func:`route_index` built for these, brought up to date; None before the
+    first: a caller may then skip setting up the route's filters."""
+    found = snapshot.memo.get(("route", route, owner, ledger))
+    if found is None:
+        return None
+    index = cast(RouteIndex, found)
+    index.sync()
     return index
 
 

@@ -44,7 +44,8 @@ load of a prefill worker, and a decode worker with none may take a long request 
 The ledger also keeps the scheduler's other per-worker placement memory, so one owner holds
 it all: holds (a worker kept free for one overdue request, see :mod:`.cycle`), prefix
 affinity (:mod:`.affinity`), the last worker placed on (round-robin), and a change log
-that lets candidate indexes update incrementally instead of rescanning the fleet.
+that lets candidate indexes update incrementally instead of rescanning the fleet. The same
+changes expire its cache of each worker's free KV and in-flight count (:meth:`Ledger._load`).
 """
 
 from __future__ import annotations
@@ -108,6 +109,9 @@ class _Book:
 #: Releases remembered per worker before the oldest are forgotten (forgetting a credit is
 #: conservative: the heartbeat view merely lags again, as it did without credits).
 _CREDIT_LIMIT = 4096
+
+#: Workers whose load figures are cached at most (:meth:`Ledger._load`); far above a fleet.
+_LOADS_LIMIT = 65_536
 
 
 class _Credit:
@@ -177,6 +181,8 @@ class Ledger:
         self._log: list[str] = []
         self._log_start = 0
         self._log_limit = max(16, log_limit)
+        #: worker_id -> (worker, free_kv, in_flight, headroom): see :meth:`_load`.
+        self._loads: dict[str, tuple[WorkerState, int, int, float]] = {}
 
     # -- capacity views ---------------------------------------------------------------
 
@@ -195,7 +201,48 @@ class Ledger:
 
     def free_kv(self, worker: WorkerState) -> int:
         """KV free for a new placement: min(ledger, heartbeat) view, never negative."""
-        # Hot path (several calls per decision): plain arithmetic, no min()/max() calls.
+        return self._load(worker)[1]
+
+    def headroom(self, worker: WorkerState) -> float:
+        """``free_kv / usable_kv`` in [0, 1]; 0 for a worker with no usable KV."""
+        return self._load(worker)[3]
+
+    def in_flight(self, worker: WorkerState) -> int:
+        """Sequences on the worker or on their way to it."""
+        return self._load(worker)[2]
+
+    def room(self, worker: WorkerState) -> int:
+        """Free KV if the worker also has a sequence slot, else 0: what indexes sort by."""
+        _, free, in_flight, _ = self._load(worker)
+        return 0 if in_flight >= worker.max_num_seqs else free
+
+    def _load(self, worker: WorkerState) -> tuple[WorkerState, int, int, float]:
+        """(``worker``, its free KV, its sequences in flight, its headroom), kept until its
+        book changes.
+
+        A decision reads these for the same few workers many times over (the candidate
+        index, room filters, scorers), and between two decisions only the workers placed on
+        or released change; recomputing them each time was a large share of a decision.
+        The entry is for one ``WorkerState`` object: a newer heartbeat (another object, or
+        an older one read again) is computed afresh, which also keeps the credits' own
+        per-heartbeat cache (:meth:`_Credit.for_heartbeat`) in charge of its state.
+        Every change to a book or to the credits goes through :meth:`_touch` or
+        :meth:`drop_worker`, which forget the entry.
+        """
+        found = self._loads.get(worker.worker_id)
+        if found is not None and found[0] is worker:
+            return found
+        if len(self._loads) >= _LOADS_LIMIT:  # workers gone without drop_worker: forget all
+            self._loads.clear()
+        free = self._compute_free_kv(worker)
+        usable = int(worker.kv_total_tokens * self._keep)
+        headroom = free / usable if usable > 0 else 0.0
+        found = self._loads[worker.worker_id] = (
+            worker, free, self._compute_in_flight(worker), headroom)
+        return found
+
+    def _compute_free_kv(self, worker: WorkerState) -> int:
+        # Plain arithmetic, no min()/max() calls: this runs on every change of a book.
         total = worker.kv_total_tokens
         usable = int(total * self._keep)
         heartbeat_free = worker.kv_free_tokens - total + usable
@@ -212,13 +259,7 @@ class Ledger:
                 free = heartbeat_free
         return free if free > 0 else 0
 
-    def headroom(self, worker: WorkerState) -> float:
-        """``free_kv / usable_kv`` in [0, 1]; 0 for a worker with no usable KV."""
-        usable = int(worker.kv_total_tokens * self._keep)
-        return self.free_kv(worker) / usable if usable > 0 else 0.0
-
-    def in_flight(self, worker: WorkerState) -> int:
-        """Sequences on the worker or on their way to it."""
+    def _compute_in_flight(self, worker: WorkerState) -> int:
         engine = worker.running + worker.waiting
         credit = self._credits.get(worker.worker_id)
         if credit is not None:
@@ -228,12 +269,6 @@ class Ledger:
             return engine if engine > 0 else 0
         started = len(book.started)
         return (engine if engine > started else started) + book.unstarted_n
-
-    def room(self, worker: WorkerState) -> int:
-        """Free KV if the worker also has a sequence slot, else 0: what indexes sort by."""
-        if self.in_flight(worker) >= worker.max_num_seqs:
-            return 0
-        return self.free_kv(worker)
 
     # -- reservations -----------------------------------------------------------------
 
@@ -371,6 +406,7 @@ class Ledger:
         for reservation in held:
             self.release(*reservation.key)
         self._credits.pop(worker_id, None)
+        self._loads.pop(worker_id, None)
         holder = self._holds_by_worker.pop(worker_id, None)
         if holder is not None:
             del self._holds_by_request[holder]
@@ -428,6 +464,11 @@ class Ledger:
         """worker_id -> request_id, read-only."""
         return MappingProxyType(self._holds_by_worker)
 
+    def hold_count(self) -> int:
+        """How many workers are held (``len(holds())`` without building the view: the
+        cycle asks several times per decision)."""
+        return len(self._holds_by_worker)
+
     # -- change log -------------------------------------------------------------------
 
     @property
@@ -453,6 +494,7 @@ class Ledger:
             book.unstarted_n -= 1
 
     def _touch(self, worker_id: str) -> None:
+        self._loads.pop(worker_id, None)
         self._log.append(worker_id)
         if len(self._log) > self._log_limit:
             half = len(self._log) // 2

@@ -145,6 +145,8 @@ class PendingQueue:
             (p, lane): 0 for p in PRIORITIES for lane in LANES
         }
         self._cancelled: list[QueuedRequest] = []
+        #: Requests pending per (lane, model): whether a lane has work to lend a pool for.
+        self._lane_models: dict[tuple[Lane, str], int] = {}
 
     # -- size and pressure ------------------------------------------------------------
 
@@ -224,6 +226,8 @@ class PendingQueue:
         if request.deadline is not None:
             heapq.heappush(self._deadlines, (request.deadline, seq, request.request_id))
         self._counts[(request.priority, request.lane)] += 1
+        lane_model = (request.lane, request.model)
+        self._lane_models[lane_model] = self._lane_models.get(lane_model, 0) + 1
         return True
 
     def remove(self, request_id: str) -> QueuedRequest | None:
@@ -233,6 +237,7 @@ class PendingQueue:
             return None
         request = entry.request
         self._counts[(request.priority, request.lane)] -= 1
+        self._lane_models[(request.lane, request.model)] -= 1
         fifo = self._classes[entry.klass]
         fifo.live -= 1
         if fifo.live == 0:
@@ -294,16 +299,27 @@ class PendingQueue:
     def head(self, klass: ClassKey) -> QueuedRequest | None:
         """The first request of ``klass`` by order key (its most-aged one), or None."""
         fifo = self._classes.get(klass)
-        if fifo is None:
-            return None
-        heap = fifo.heap
-        while heap:
-            _, seq, request_id = heap[0]
-            entry = self._entries.get(request_id)
-            if entry is not None and entry.seq == seq:
-                return entry.request
-            heapq.heappop(heap)
-        return None  # pragma: no cover - a non-empty class always has a live entry
+        found = None if fifo is None else self._top(fifo)
+        return None if found is None else found[1]
+
+    def keyed_head(self, klass: ClassKey) -> tuple[float, QueuedRequest] | None:
+        """:meth:`head` with its :meth:`order_key` (read from the FIFO, not computed)."""
+        fifo = self._classes.get(klass)
+        return None if fifo is None else self._top(fifo)
+
+    def keyed_heads(self) -> dict[ClassKey, tuple[float, QueuedRequest]]:
+        """Every non-empty class's :meth:`keyed_head`, in :meth:`class_keys` order: where a
+        scheduling cycle starts, in one pass over the classes."""
+        found: dict[ClassKey, tuple[float, QueuedRequest]] = {}
+        for klass, fifo in self._classes.items():
+            top = self._top(fifo)
+            if top is not None:
+                found[klass] = top
+        return found
+
+    def has_lane_work(self, lane: Lane, model: str) -> bool:
+        """True while a request of ``lane`` for ``model`` is pending (any class): O(1)."""
+        return self._lane_models.get((lane, model), 0) > 0
 
     def heads(self) -> list[QueuedRequest]:
         """Each class's head, best effective priority first."""
@@ -322,6 +338,17 @@ class PendingQueue:
     def _sort_key(self, request: QueuedRequest) -> tuple[float, int, int]:
         entry = self._entries[request.request_id]
         return (self.order_key(request), _rank(request), entry.seq)
+
+    def _top(self, fifo: _Fifo) -> tuple[float, QueuedRequest] | None:
+        """The live head of ``fifo`` and its order key; drops stale entries on the way."""
+        heap = fifo.heap
+        while heap:
+            key, seq, request_id = heap[0]
+            entry = self._entries.get(request_id)
+            if entry is not None and entry.seq == seq:
+                return key, entry.request
+            heapq.heappop(heap)
+        return None  # pragma: no cover - a non-empty class always has a live entry
 
     def _is_live(self, seq: int, request_id: str) -> bool:
         entry = self._entries.get(request_id)

@@ -13,7 +13,8 @@ load comes from the :class:`PlacementContext` (the frozen snapshot and the ledge
     precisely when both ``kv-fits`` and ``seq-slots`` accept. Only those two filters may
     claim this stage (the pipeline checks); their ``accepts`` states the rule for tests and
     tools but is not called per candidate, which keeps a decision within its budget.
-  - ``"room"``: may read the ledger; asked for every candidate of every decision.
+  - ``"room"``: may read the ledger; asked about the candidates of every decision, a
+    batch at a time (:class:`RoomFilter`).
 * :class:`Scorer` — how good is each candidate for this request, in [0, 1] (1 best)? The
   pipeline combines scorers as a weighted mean. A scorer rates the whole candidate list in
   one call (as llm-d's scorers do): one Python call per scorer instead of one per worker
@@ -58,8 +59,9 @@ class PlacementContext:
         self.now = now
         self._aged = aged
         self._max_tps: float | None = None
-        #: The last request :meth:`class_rank` ranked, and its rank: a room filter asks
-        #: once per candidate worker, and ``now`` does not move within the cycle.
+        #: The last request :meth:`class_rank` ranked, and its rank: room filters ask once
+        #: per batch of candidates, several per decision, and ``now`` does not move within
+        #: the cycle.
         self._ranked: tuple[QueuedRequest | None, int] = (None, 0)
         #: The (model, version, lane) of the request being placed, set by the cycle before
         #: its picker runs (None outside a cycle: pickers then use fleet-wide state).
@@ -98,6 +100,22 @@ class Filter(Protocol):
     def accepts(
         self, worker: WorkerState, request: QueuedRequest, ctx: PlacementContext
     ) -> bool: ...
+
+
+@runtime_checkable
+class RoomFilter(Filter, Protocol):
+    """A ``room``-stage filter, which the cycle asks about a batch of candidates at once.
+
+    ``accepts_each`` gives the verdicts ``accepts`` would give, one per worker in order,
+    in one Python call per batch instead of one per worker (as scorers do), with the
+    per-request work done once: every decision asks about its K candidates.
+    """
+
+    def accepts_each(
+        self, workers: Sequence[WorkerState], request: QueuedRequest, ctx: PlacementContext
+    ) -> list[bool]:
+        """One verdict per worker, in the same order; equal to ``accepts`` for each."""
+        ...
 
 
 @runtime_checkable

@@ -61,7 +61,7 @@ from typing import Final
 
 from schemas.common import LANES, Lane
 from services.scheduler.core.errors import ConfigError
-from services.scheduler.policies.base import Filter, Picker, Scorer
+from services.scheduler.policies.base import Filter, Picker, RoomFilter, Scorer
 from services.scheduler.policies.filters.kv_fits import KvFits
 from services.scheduler.policies.filters.seq_slots import SeqSlots
 from services.scheduler.policies.registry import REGISTRY
@@ -174,7 +174,7 @@ class Pipeline:
     profile: Profile
     route_filters: tuple[Filter, ...]
     index_filters: tuple[Filter, ...]
-    room_filters: tuple[Filter, ...]
+    room_filters: tuple[RoomFilter, ...]
     scorers: tuple[tuple[Scorer, float], ...]
     picker: Picker
     candidates: int
@@ -207,7 +207,8 @@ def build_pipeline(profile: Mapping[str, object] | Profile = DEFAULT_PROFILE) ->
         profile=prof,
         route_filters=tuple(f for f in checked_filters if f.stage == "route"),
         index_filters=tuple(f for f in checked_filters if f.stage == "index"),
-        room_filters=tuple(f for f in checked_filters if f.stage == "room"),
+        room_filters=tuple(f for f in checked_filters  # RoomFilter: checked by _as_filter
+                           if f.stage == "room" and isinstance(f, RoomFilter)),
         scorers=tuple((s, w / total) for s, w in checked_scorers if w > 0),
         picker=picker,
         candidates=prof.candidates,
@@ -345,6 +346,12 @@ def _as_filter(plugin: object, name: str, i: int) -> Filter:
             f"filters[{i}]",
             f"{name!r} claims stage 'index', which only kv-fits and "
             "seq-slots may: the candidate index enforces exactly their rule",
+        )
+    if plugin.stage == "room" and not isinstance(plugin, RoomFilter):
+        raise ConfigError(
+            f"filters[{i}]",
+            f"{name!r} has stage 'room' but no accepts_each: the cycle asks room filters "
+            "about a batch of candidates at once",
         )
     return plugin
 

@@ -15,7 +15,8 @@ default 10 % high share the reserve is mostly in use anyway. Aging still applies
 request promoted to the high class by waiting may take the reserve too.
 
 Reads: the ledger's in-flight count, free and usable KV; ``worker.max_num_seqs``;
-the request's aged class. Stage ``room`` (asked per candidate).
+the request's aged class. Stage ``room`` (asked per batch of candidates; a high-class
+request is accepted without a look at the workers).
 
 Config (optional; defaults shown)::
 
@@ -27,7 +28,10 @@ Config (optional; defaults shown)::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from services.scheduler.core.errors import ConfigError
+from services.scheduler.core.ledger import Ledger
 from services.scheduler.core.types import QueuedRequest, WorkerState
 from services.scheduler.policies.base import Params, PlacementContext, Stage
 from services.scheduler.policies.params import number, only
@@ -47,7 +51,18 @@ class ClassReserve:
     def accepts(self, worker: WorkerState, request: QueuedRequest, ctx: PlacementContext) -> bool:
         if ctx.class_rank(request) == 0:  # high, or aged into it
             return True
-        ledger = ctx.ledger
+        return self._keeps_reserve(worker, request.kv_tokens, ctx.ledger)
+
+    def accepts_each(
+        self, workers: Sequence[WorkerState], request: QueuedRequest, ctx: PlacementContext
+    ) -> list[bool]:
+        if ctx.class_rank(request) == 0:  # high, or aged into it: the class is asked once
+            return [True] * len(workers)
+        kv_tokens, ledger = request.kv_tokens, ctx.ledger
+        return [self._keeps_reserve(w, kv_tokens, ledger) for w in workers]
+
+    def _keeps_reserve(self, worker: WorkerState, kv_tokens: int, ledger: Ledger) -> bool:
+        """True when a request of ``kv_tokens`` below the high class leaves the reserve."""
         in_flight = ledger.in_flight(worker)
         if in_flight == 0:
             return True
@@ -55,7 +70,7 @@ class ClassReserve:
         if in_flight + 1 + kept > worker.max_num_seqs:
             return False
         kept = int(self.kv_fraction * ledger.usable_kv(worker))
-        return request.kv_tokens + kept <= ledger.free_kv(worker)
+        return kv_tokens + kept <= ledger.free_kv(worker)
 
 
 def factory(params: Params) -> ClassReserve:

@@ -17,7 +17,7 @@ at any moment; a request waits at most one rotation (``replicas × slot_s``) for
 of its route. Releases need no turn: a replica that has not read one yet only sees less
 room than there is.
 
-Reads: the worker's id and ``ctx.now``. Stage ``room`` (asked per candidate).
+Reads: the worker's id and ``ctx.now``. Stage ``room`` (asked per batch of candidates).
 
 Config: the scheduler adds it when ``LLMQ_SCHEDULER_REPLICAS`` > 1
 (:meth:`services.scheduler.settings.SchedulerSettings.profile`); a profile need not name
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Sequence
 
 from services.scheduler.core.errors import ConfigError
 from services.scheduler.core.types import QueuedRequest, WorkerState
@@ -69,6 +70,11 @@ class ReplicaTurn:
     def accepts(self, worker: WorkerState, request: QueuedRequest, ctx: PlacementContext) -> bool:
         return turn_of(worker.worker_id, ctx.now, self.replicas, self.slot_s,
                        self.guard_s) == self.index
+
+    def accepts_each(
+        self, workers: Sequence[WorkerState], request: QueuedRequest, ctx: PlacementContext
+    ) -> list[bool]:
+        return [self.accepts(w, request, ctx) for w in workers]
 
 
 def factory(params: Params) -> ReplicaTurn:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
+from operator import itemgetter
 
 from services.scheduler.core.types import WorkerState
 from services.scheduler.policies.base import Params, PlacementContext, Scored
@@ -35,10 +36,10 @@ class MaxScore:
     ) -> WorkerState:
         # A NaN score (a custom scorer's 0/0) would make max() NaN and tie nobody: only
         # finite scores compete, and with none every candidate ties.
-        finite = [(score, w) for score, w in candidates if math.isfinite(score)]
+        finite = [scored for scored in candidates if math.isfinite(scored[0])]
         if not finite:
             return rng.choice([w for _, w in candidates])
-        floor = max(score for score, _ in finite) - self.tie_epsilon
+        floor = max(map(itemgetter(0), finite)) - self.tie_epsilon
         tied = [worker for score, worker in finite if score >= floor]
         return tied[0] if len(tied) == 1 else rng.choice(tied)
 

@@ -30,7 +30,9 @@ class PrefixAffinity:
         self, workers: Sequence[WorkerState], request: QueuedRequest, ctx: PlacementContext
     ) -> list[float]:
         last = ctx.ledger.affinity.get(request.prefix_hash)
-        return [1.0 if last is not None and w.worker_id == last else 0.0 for w in workers]
+        if last is None:  # no prefix, or none remembered: nothing to compare
+            return [0.0] * len(workers)
+        return [1.0 if w.worker_id == last else 0.0 for w in workers]
 
 
 def factory(params: Params) -> PrefixAffinity:

@@ -77,7 +77,9 @@ class LogReader:
             for topic in self._handlers
             for p in await topic_partitions(self._bootstrap, topic)
         ]
-        consumer = make_consumer(self._bootstrap)
+        # A fetch with nothing new returns after poll_ms, not aiokafka's 500 ms: how fresh
+        # ``caught_up_at`` is on a quiet topic.
+        consumer = make_consumer(self._bootstrap, fetch_max_wait_ms=self._poll_ms)
         await consumer.start()
         try:
             consumer.assign(tps)
@@ -114,6 +116,24 @@ class LogReader:
         finally:
             self._targets.remove(ends)
         return self._reached(ends)
+
+    def caught_up_at(self, topic: str) -> float:
+        """The wall time (seconds) of the latest fetch after which every partition of
+        ``topic`` was handled up to its end as the broker reported it then: everything
+        written to ``topic`` before about that time was handled. 0.0 while unknown or
+        behind. (The scheduler's replicas wait for it before placing in their turn.)"""
+        consumer = self._consumer
+        if consumer is None:
+            return 0.0
+        oldest = float("inf")
+        for tp in self._tps:
+            if tp.topic != topic:
+                continue
+            end, polled = consumer.highwater(tp), consumer.last_poll_timestamp(tp)
+            if end is None or polled is None or self._handled.get(tp, 0) < end:
+                return 0.0
+            oldest = min(oldest, polled / 1000.0)
+        return 0.0 if oldest == float("inf") else oldest
 
     async def _run(self) -> None:
         async for batches in fetch_forever(self._consumer, self._poll_ms, self._name):

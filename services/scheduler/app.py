@@ -83,6 +83,7 @@ from functools import partial
 from typing import Any, cast
 
 import faust
+from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import (
     InvalidTopicError,
     MessageSizeTooLargeError,
@@ -102,6 +103,7 @@ from schemas.messages import (
 )
 from services.common import tracing
 from services.common.faust_app import make_app
+from services.common.groups import group_members
 from services.common.guard import Guard, Headers
 from services.common.kafka import ensure_topics, make_producer
 from services.common.log_reader import LogReader
@@ -115,9 +117,12 @@ from services.scheduler.runtime.outbox import Outbox
 from services.scheduler.runtime.results import Effect, HeldRequeue, RuntimeConfig, Ticket
 from services.scheduler.runtime.state import SchedulerState
 from services.scheduler.runtime.topics import ReplyTopics, SchedulerTopics
+from services.scheduler.runtime.turns import shared, turns_of
 from services.scheduler.settings import SchedulerSettings
 
 _log = logging.getLogger("services.scheduler")
+#: Besides at every rebalance, a replica re-reads the group's members this often.
+_TURNS_EVERY_S = 30.0
 _RAW: dict[str, Any] = {
     "key_type": bytes, "value_type": bytes, "key_serializer": "raw", "value_serializer": "raw",
 }
@@ -155,6 +160,8 @@ def build_app(rt: SchedulerRuntime) -> SchedulerApp:
     app = make_app(
         rt.scheduler.app_name, rt.settings,
         datadir=str(rt.settings.home / "faust" / rt.app_id),
+        # Members of the group are told apart by it: the replicas' turns (runtime.turns).
+        broker_client_id=rt.scheduler.resolved_scheduler_id(),
         stream_wait_empty=False,
         broker_commit_livelock_soft_timeout=3600.0,
     )
@@ -192,8 +199,6 @@ class Scheduler:
                 default_block_size=cfg.default_block_size,
                 max_placements=cfg.max_placements_per_cycle,
                 kv_safety_margin=cfg.kv_safety_margin,
-                replicas=cfg.replicas,
-                replica_index=cfg.replica_index,
                 turn_slot_s=cfg.turn_slot_s,
                 turn_guard_s=cfg.turn_guard_s,
                 heartbeat_staleness=cfg.heartbeat_staleness,
@@ -243,6 +248,14 @@ class Scheduler:
         self._generation = 0
         self._producer: Any = None
         self._main_task: asyncio.Task[None] | None = None
+        self._turns_task: asyncio.Task[None] | None = None
+        self._turns_read: asyncio.Future[None] | None = None  # started at the last rebalance
+        # Set, or from the group at the first rebalance (alone until then, and not warning
+        # of others' placements for a moment: they may be replicas it has not read yet).
+        static = cfg.static_turns()
+        turns = static or (1, 0)
+        self.state.set_turns(turns, build_pipeline(cfg.profile(turns)),
+                             0.0 if static else rt.clock())
         # worker_lost endings being checked against their reply topics (runtime.answered)
         self._checks: set[asyncio.Task[None]] = set()
 
@@ -254,6 +267,8 @@ class Scheduler:
         await self.reader.start()
         self._main_task = asyncio.create_task(self._main(), name="scheduler-dispatch")
         self._main_task.add_done_callback(self._main_ended)
+        if self.rt.scheduler.static_turns() is None:
+            self._turns_task = asyncio.create_task(self._follow_turns(), name="scheduler-turns")
 
     def _main_ended(self, task: asyncio.Task[None]) -> None:
         """The dispatch task only ends by cancellation (stop); anything else is a crash of
@@ -266,9 +281,10 @@ class Scheduler:
         asyncio.ensure_future(self.app.crash(exc))  # noqa: RUF006  # the app ends with it
 
     async def stop(self) -> None:
-        if self._main_task is not None:
-            self._main_task.cancel()
-            await asyncio.gather(self._main_task, return_exceptions=True)
+        for task in (self._main_task, self._turns_task):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self._checks:  # the endings they hold would otherwise wait for the next scheduler
             await asyncio.wait(self._checks, timeout=self.rt.scheduler.send_timeout_s)
         try:
@@ -328,7 +344,8 @@ class Scheduler:
     async def _cycle(self, now: float) -> None:
         # One replica handles worker loss: faust's leader (the leader-assignor partition's
         # owner; a single replica is always it once assigned).
-        result = self.state.tick(now, handle_losses=self.app.is_leader())
+        result = self.state.tick(now, handle_losses=self.app.is_leader(),
+                                 place=self._may_place(now))
         m = self.metrics
         m.tick(result)
         for worker_id in result.lost_workers:
@@ -349,6 +366,19 @@ class Scheduler:
         m.ended(self.state.ended)
         if result.more:
             self.wake.set()
+
+    def _may_place(self, now: float) -> bool:
+        """With several replicas, one places in its turn (filter ``replica-turn``) only once
+        its log reader has read the assignments written up to the turns' start: the last
+        placements of the replica whose turn ended are in its ledger (their writes take
+        less than the guard). Turns start together on every worker, so this is one check
+        per cycle; while it fails, the cycle places and rejects nothing (the next one, a
+        poll later, does)."""
+        if self.state.turns[0] == 1:
+            return True
+        slot_s = self.rt.scheduler.turn_slot_s
+        started = math.floor(now / slot_s) * slot_s
+        return self.reader.caught_up_at(self.rt.topics.assignments) >= started
 
     async def _send_unless_answered(self, effects: list[Effect],
                                     held: tuple[HeldRequeue, ...] = ()) -> None:
@@ -494,11 +524,60 @@ class Scheduler:
                 await asyncio.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
             else:
                 break
+        if self._turns_read is not None:  # a replica may have joined or left: its turns
+            try:
+                await asyncio.shield(self._turns_read)
+            except Exception:
+                _log.exception("scheduler: reading the replicas' turns failed")
         if self._generation == generation:
             self._barrier_needed = False
             if not caught_up:
                 _log.warning("scheduler: assignments/events not caught up after rebalance "
                              "(%.0f s)", timeout_s)
+
+    # -- replicas' turns ----------------------------------------------------------------
+
+    async def _read_turns(self) -> None:
+        """Take this replica's turn (``runtime.turns``) from the consumer group's members,
+        unless set (``LLMQ_SCHEDULER_REPLICAS``). Read at every rebalance (every replica
+        joining or leaving causes one), waited for before the first request after it, and
+        every ``_TURNS_EVERY_S`` besides. A failed read keeps the turns as they were (alone, at
+        start) and says so."""
+        cfg = self.rt.scheduler
+        if cfg.static_turns() is not None:
+            return
+        admin = AIOKafkaAdminClient(bootstrap_servers=self.rt.settings.bootstrap,
+                                    request_timeout_ms=5_000)
+        try:
+            await asyncio.wait_for(admin.start(), 5.0)
+            members = await asyncio.wait_for(group_members(admin, self.rt.app_id, 5.0), 10.0)
+        except Exception as exc:
+            _log.warning("scheduler: could not read the replicas of group %s (%r); placing in "
+                         "the turns of %d replica(s) as before", self.rt.app_id, exc,
+                         self.state.turns[0])
+            return
+        finally:
+            await admin.close()
+        ids = [m.client_id for m in members]
+        if shared(ids):
+            _log.error("scheduler: replicas %s share a scheduler id: they take the same turns "
+                       "and can overcommit workers; give each its own "
+                       "LLMQ_SCHEDULER_SCHEDULER_ID", shared(ids))
+        turns = turns_of(ids, self.state.config.scheduler_id)
+        if turns is None or turns == self.state.turns:
+            return
+        self.state.set_turns(turns, build_pipeline(cfg.profile(turns)), self.clock())
+        _log.info("scheduler: %d replica(s) in group %s, this one places in turn %d%s",
+                  turns[0], self.rt.app_id, turns[1],
+                  "" if turns[0] > 1 else " (alone: no turns)")
+
+    async def _follow_turns(self) -> None:
+        while True:
+            await asyncio.sleep(_TURNS_EVERY_S)
+            try:
+                await self._read_turns()
+            except Exception:
+                _log.exception("scheduler: reading the replicas' turns failed")
 
     async def _on_request(self, message: Any, ticket: Ticket) -> bool:
         admitted = decode(message.value, REQUEST_ADAPTER)
@@ -540,6 +619,8 @@ class Scheduler:
         """Before the next request: read assignments and events up to their end now."""
         self._generation += 1
         self._barrier_needed = True
+        if self.rt.scheduler.static_turns() is None:  # read now, waited for by the barrier
+            self._turns_read = asyncio.ensure_future(self._read_turns())
 
     # -- log reader handlers (synchronous; the reader runs them in its guard) -----------
 

@@ -54,23 +54,25 @@ class SchedulerSettings(BaseSettings):
         description="A paused topic resumes once the queue is this fraction of max_pending "
         "below its pause threshold.",
     )
-    replicas: int = Field(
-        default=1, ge=1, le=64,
+    replicas: int | None = Field(
+        default=None, ge=1, le=64,
         description="How many scheduler replicas run (one consumer group shares the request "
-        "topics); the same on each. With more than one, each worker takes new work from one "
-        "replica at a time, in turns (filter replica-turn), so replicas placing at the same "
-        "moment do not overcommit its KV.",
+        "topics). With more than one, each worker takes new work from one replica at a time, "
+        "in turns (filter replica-turn), so replicas placing at the same moment do not "
+        "overcommit its KV. Unset: read from the consumer group's live members (each "
+        "replica's scheduler_id must be its own), and followed as replicas come and go.",
     )
-    replica_index: int = Field(
-        default=0, ge=0, le=63,
-        description="This replica's own number, in [0, replicas) (a StatefulSet ordinal).",
+    replica_index: int | None = Field(
+        default=None, ge=0, le=63,
+        description="With LLMQ_SCHEDULER_REPLICAS set: this replica's own number, in "
+        "[0, replicas) (a StatefulSet ordinal); 0 if unset.",
     )
     turn_slot_s: float = Field(
         default=0.5, gt=0.0, le=60.0,
         description="With several replicas: length of a replica's turn on a worker.",
     )
     turn_guard_s: float = Field(
-        default=0.05, ge=0.0, le=30.0,
+        default=0.05, gt=0.0, le=30.0,
         description="With several replicas: a worker is nobody's turn this long at each end "
         "of a turn, time for the last placements to be written and read back; below "
         "turn_slot_s / 2.",
@@ -175,7 +177,10 @@ class SchedulerSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _turns(self) -> SchedulerSettings:
-        if self.replica_index >= self.replicas:
+        if self.replicas is None and self.replica_index is not None:
+            raise ValueError("LLMQ_SCHEDULER_REPLICA_INDEX needs LLMQ_SCHEDULER_REPLICAS (unset "
+                             "both to take them from the consumer group)")
+        if self.replicas is not None and (self.replica_index or 0) >= self.replicas:
             raise ValueError(f"LLMQ_SCHEDULER_REPLICA_INDEX ({self.replica_index}) must be "
                              f"below LLMQ_SCHEDULER_REPLICAS ({self.replicas}): give each "
                              "replica its own number from 0")
@@ -200,21 +205,29 @@ class SchedulerSettings(BaseSettings):
             handoff_step_s=self.handoff_step_s,
         )
 
-    def profile(self) -> Mapping[str, object]:
+    def static_turns(self) -> tuple[int, int] | None:
+        """(replicas, this one's index) as set; None: from the consumer group."""
+        if self.replicas is None:
+            return None
+        return self.replicas, self.replica_index or 0
+
+    def profile(self, turns: tuple[int, int] | None = None) -> Mapping[str, object]:
         """The placement profile mapping (``build_pipeline`` validates it), with the
-        ``replica-turn`` filter when several replicas run."""
+        ``replica-turn`` filter when several replicas run: ``turns`` (replicas, index), or
+        else :meth:`static_turns`."""
         if self.profile_file is None:
             profile: Mapping[str, object] = DEFAULT_PROFILE
         else:
             with self.profile_file.open("rb") as handle:
                 profile = tomllib.load(handle)
-        if self.replicas == 1:
+        turns = turns or self.static_turns()
+        if turns is None or turns[0] == 1:
             return profile
         filters = profile.get("filters", DEFAULT_PROFILE["filters"])
         params = profile.get("params", {})
         if not isinstance(filters, list | tuple) or not isinstance(params, Mapping):
             return profile  # build_pipeline says what is wrong
-        turn = {"replicas": self.replicas, "index": self.replica_index,
+        turn = {"replicas": turns[0], "index": turns[1],
                 "slot_s": self.turn_slot_s, "guard_s": self.turn_guard_s}
         return {
             **profile,

@@ -30,7 +30,6 @@ import logging
 import math
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from aiokafka import TopicPartition
@@ -40,12 +39,8 @@ from aiokafka.coordinator.protocol import (
     ConsumerProtocolMemberAssignment,
     ConsumerProtocolMemberMetadata,
 )
-from aiokafka.errors import (
-    CoordinatorLoadInProgressError,
-    GroupCoordinatorNotAvailableError,
-    NotCoordinatorError,
-    for_code,
-)
+
+from services.common.groups import group_members
 
 _log = logging.getLogger(__name__)
 
@@ -57,66 +52,9 @@ class SlotRefused(Exception):
     """This worker must not run: its slot is held, or does not exist."""
 
 
-@dataclass(frozen=True, slots=True)
-class SlotMember:
-    """A live member of a slot group, as the broker describes it."""
-
-    member_id: str
-    client_id: str
-    host: str
-
-
 def slot_group(prefix: str, slot: int) -> str:
     """The consumer group that locks slot ``slot``."""
     return f"{prefix}-worker-slot-{slot}"
-
-
-async def slot_members(
-    admin: AIOKafkaAdminClient, group: str, retry_s: float = 60.0
-) -> list[SlotMember]:
-    """Live members of ``group`` (none when it is empty, dead or unknown).
-
-    A fresh broker has no group coordinator until ``__consumer_offsets`` exists, and a
-    coordinator may be loading: those answers are transient, so they are retried for up to
-    ``retry_s`` before the error is raised.
-    """
-    deadline = time.monotonic() + retry_s
-    while True:
-        try:
-            groups = await _describe(admin, group)
-            break
-        except _TRANSIENT:
-            if time.monotonic() >= deadline:
-                raise
-            await asyncio.sleep(0.5)
-    members: list[SlotMember] = []
-    for desc in groups:
-        if desc["state"] not in ("Dead", "Empty"):
-            members += [
-                SlotMember(m["member_id"], m["client_id"], m["client_host"])
-                for m in desc["members"]
-            ]
-    return members
-
-
-_TRANSIENT = (GroupCoordinatorNotAvailableError, CoordinatorLoadInProgressError,
-              NotCoordinatorError)
-
-
-async def _describe(admin: AIOKafkaAdminClient, group: str) -> list[dict[str, Any]]:
-    """``group``'s descriptions. A coordinator that is loading or moved answers with an
-    error code in the group's entry (aiokafka raises only for finding the coordinator),
-    with no state and no members: read as "empty", a live holder's slot looked free. Such
-    an entry raises its error here, like the others."""
-    found = []
-    for response in await admin.describe_consumer_groups([group]):
-        for desc in response.to_object()["groups"]:
-            if desc["group"] != group:
-                continue
-            if desc["error_code"]:
-                raise for_code(desc["error_code"])(f"describing consumer group {group!r}")
-            found.append(desc)
-    return found
 
 
 async def check_slot_free(admin: AIOKafkaAdminClient, group: str, slot: int, worker_id: str,
@@ -128,7 +66,7 @@ async def check_slot_free(admin: AIOKafkaAdminClient, group: str, slot: int, wor
     deadline = time.monotonic() + own_wait_s
     waited = False
     while True:
-        members = await slot_members(admin, group)
+        members = await group_members(admin, group)
         if not members:
             return
         others = [m for m in members if m.client_id != worker_id]

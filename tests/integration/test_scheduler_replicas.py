@@ -10,8 +10,9 @@ and control command (the log reader). What must hold with two as with one:
 - a replica that leaves mid-burst (SIGTERM: a graceful leave, so a rebalance) hands its
   partitions to the other; nothing is lost and nothing is placed twice;
 - a burst placed by both at once never overcommits a worker's KV: each worker takes new
-  work from one replica at a time (filter ``replica-turn``). Replicas not told of each
-  other (``LLMQ_SCHEDULER_REPLICAS`` unset) do overcommit; they say so in their log.
+  work from one replica at a time (filter ``replica-turn``), the turns numbered from the
+  group's members. Replicas told they are alone (``LLMQ_SCHEDULER_REPLICAS=1``) do
+  overcommit; they say so in their log.
 
 Harness (real scheduler processes, FAKE workers, observer): ``test_scheduler_service``.
 """
@@ -51,17 +52,25 @@ async def second(cluster: Cluster) -> AsyncIterator[SchedulerProcess]:
     other.kill(signal.SIGTERM)
 
 
-async def both_running(cluster: Cluster, second: SchedulerProcess, replicas: int = 2) -> None:
-    """The cluster's scheduler and ``second``, told they are ``replicas`` (numbered 0, 1)."""
-    await cluster.start(LLMQ_SCHEDULER_REPLICAS=str(replicas))
+async def both_running(cluster: Cluster, second: SchedulerProcess,
+                       told: int | None = None) -> None:
+    """The cluster's scheduler and ``second``: finding each other in their consumer group
+    (the default), or ``told`` how many replicas run (LLMQ_SCHEDULER_REPLICAS)."""
+    told_env = {} if told is None else {"LLMQ_SCHEDULER_REPLICAS": str(told)}
+    await cluster.start(**told_env)
     second.env.update(cluster.scheduler.env)
     second.env["LLMQ_SCHEDULER_SCHEDULER_ID"] = "sched-test-2"
-    second.env["LLMQ_SCHEDULER_REPLICA_INDEX"] = str(min(1, replicas - 1))
+    if told is not None:
+        second.env["LLMQ_SCHEDULER_REPLICA_INDEX"] = str(min(1, told - 1))
     second.start()
     await second.wait_ready()
     # The group has rebalanced: the second one was given its share of the partitions.
     await eventually(lambda: "Executing _on_partitions_assigned" in second.tail(400),
                      what="the second replica assigned partitions")
+    if told is None:  # each took its turn from the group's members
+        for replica in (cluster.scheduler, second):
+            await eventually(lambda r=replica: "2 replica(s) in group" in r.tail(400),
+                             what="both replicas placing in turns")
 
 
 def counts(c: Cluster) -> Counter[tuple[str, int]]:
@@ -141,16 +150,16 @@ async def test_a_burst_on_two_replicas_never_overcommits_a_worker(
     assert [v for w in workers for v in w.violations] == []
 
 
-async def test_replicas_not_told_of_each_other_say_so(
+async def test_replicas_told_they_are_alone_say_so(
         cluster: Cluster, second: SchedulerProcess) -> None:
-    await both_running(cluster, second, replicas=1)
+    await both_running(cluster, second, told=1)
     await cluster.worker("fake-a", 0, hold=False, run_s=0.05)
     ids = [f"w{i}" for i in range(20)]
     for rid in ids:
         await cluster.admit(rid)
     obs = cluster.observer
     await eventually(lambda: all(obs.assigned(rid) for rid in ids), what="all placed")
-    warning = "another scheduler replica placed"
+    warning = "while this one places alone"
     await eventually(lambda: warning in cluster.scheduler.tail(400) + second.tail(400),
                      what="the warning")
 

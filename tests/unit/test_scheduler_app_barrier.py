@@ -24,7 +24,7 @@ T = 1_700_000_000.0
 
 def _scheduler(barrier: Callable[[set[str], float], Awaitable[bool]]) -> Scheduler:
     settings = Settings()
-    rt = SchedulerRuntime(settings, SchedulerSettings(catchup_timeout_s=2.0),
+    rt = SchedulerRuntime(settings, SchedulerSettings(catchup_timeout_s=2.0, replicas=1),
                           SchedulerTopics.of(settings.topic_prefix), clock=lambda: T)
     scheduler = Scheduler(rt, SimpleNamespace())  # type: ignore[arg-type]
     scheduler.reader.barrier = barrier  # type: ignore[method-assign]
@@ -115,3 +115,19 @@ async def test_a_placement_that_did_not_get_out_before_a_revoke_is_taken_back() 
     await scheduler.on_request_event(event)
     assert state.tracked() == 1  # queued again, its record held: not acked and skipped
     assert scheduler.acks.outstanding(tp) == 1
+
+
+def test_one_of_several_replicas_places_only_once_its_log_is_read_up_to_the_turn() -> None:
+    async def caught_up(topics: set[str], timeout_s: float) -> bool:
+        return True
+
+    scheduler = _scheduler(caught_up)
+    read_up_to = [0.0]
+    scheduler.reader.caught_up_at = lambda topic: read_up_to[0]  # type: ignore[method-assign]
+    assert scheduler._may_place(T + 0.3)  # alone: always
+    scheduler.state.turns = (2, 0)
+    read_up_to[0] = T + 0.49  # the slot [T, T + 0.5) has begun ...
+    assert scheduler._may_place(T + 0.3)
+    assert not scheduler._may_place(T + 0.6)  # ... the next one, at T + 0.5, not read yet
+    read_up_to[0] = T + 0.55
+    assert scheduler._may_place(T + 0.6)

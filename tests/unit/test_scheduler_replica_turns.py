@@ -22,6 +22,7 @@ from services.scheduler.core.errors import ConfigError
 from services.scheduler.policies.filters.replica_turn import ReplicaTurn, factory, turn_of
 from services.scheduler.runtime.results import RuntimeConfig
 from services.scheduler.runtime.state import SchedulerState
+from services.scheduler.runtime.turns import shared, turns_of
 from services.scheduler.settings import SchedulerSettings
 from tests.unit.test_scheduler_runtime_state import SCHED, T, admitted, beat
 
@@ -74,25 +75,41 @@ def test_bad_parameters_are_refused_by_name(params: dict[str, object], setting: 
 
 
 def test_settings_add_the_filter_only_for_several_replicas() -> None:
-    assert "replica-turn" not in str(SchedulerSettings().profile())
-    profile = SchedulerSettings(replicas=3, replica_index=2).profile()
-    assert list(profile["filters"])[-1] == "replica-turn"  # type: ignore[call-overload]
-    turn = build_pipeline(profile).room_filters[-1]
-    assert isinstance(turn, ReplicaTurn) and (turn.replicas, turn.index) == (3, 2)
+    auto = SchedulerSettings()  # from the consumer group: alone until it says otherwise
+    assert auto.static_turns() is None and "replica-turn" not in str(auto.profile())
+    assert "replica-turn" not in str(auto.profile((1, 0)))
+    for settings, turns in ((SchedulerSettings(replicas=3, replica_index=2), None),
+                            (auto, (3, 2))):
+        profile = settings.profile(turns)
+        assert list(profile["filters"])[-1] == "replica-turn"  # type: ignore[call-overload]
+        turn = build_pipeline(profile).room_filters[-1]
+        assert isinstance(turn, ReplicaTurn) and (turn.replicas, turn.index) == (3, 2)
+    assert SchedulerSettings(replicas=2).static_turns() == (2, 0)
     with pytest.raises(ValueError, match="LLMQ_SCHEDULER_REPLICA_INDEX"):
         SchedulerSettings(replicas=2, replica_index=2)
+    with pytest.raises(ValueError, match="needs LLMQ_SCHEDULER_REPLICAS"):
+        SchedulerSettings(replica_index=1)
+
+
+def test_turns_come_from_the_groups_members_in_sorted_order() -> None:
+    members = ["sched-c", "sched-a", "sched-b"]
+    assert [turns_of(members, m) for m in ("sched-a", "sched-b", "sched-c")] == [
+        (3, 0), (3, 1), (3, 2)]
+    assert turns_of(["sched-a"], "sched-a") == (1, 0)
+    assert turns_of(members, "sched-d") is None  # not joined yet: keep the turns as they are
+    assert shared(members) == [] and shared([*members, "sched-a"]) == ["sched-a"]
 
 
 # -- two replicas placing at once ---------------------------------------------------------
 
 
 def replica(index: int, replicas: int) -> SchedulerState:
-    settings = SchedulerSettings(replicas=replicas, replica_index=min(index, replicas - 1))
     cfg = RuntimeConfig(scheduler_id=f"{SCHED}-{index}", assignments_topic="p.assignments",
-                        events_topic="p.events", status_topic="p.status",
-                        replicas=replicas, replica_index=settings.replica_index)
-    state = SchedulerState(cfg, QueueConfig(), build_pipeline(settings.profile()),
-                           random.Random(index))
+                        events_topic="p.events", status_topic="p.status")
+    turns = (replicas, min(index, replicas - 1))
+    pipeline = build_pipeline(SchedulerSettings().profile(turns))
+    state = SchedulerState(cfg, QueueConfig(), pipeline, random.Random(index))
+    state.set_turns(turns, pipeline, T)
     for i, worker_id in enumerate(WORKERS):
         state.observe_heartbeat(beat(worker_id, i, kv_total_tokens=4_000, kv_free_tokens=4_000))
     state.restore()
@@ -133,3 +150,13 @@ def test_two_replicas_unaware_of_each_other_overcommit_one() -> None:
     # The same burst with each replica thinking it is alone: what the turns prevent.
     peak, usable = burst(replicas=1)
     assert peak > usable
+
+
+def test_a_tick_that_may_not_place_places_and_rejects_nothing() -> None:
+    state = replica(0, 1)
+    state.on_request(admitted("r1", timeout_s=600), ("tp", 0), T)
+    state.on_request(admitted("late", timeout_s=0.001), ("tp", 1), T)
+    held = state.tick(T + 1, place=False)
+    assert (held.placed, held.rejected) == (0, {})
+    done = state.tick(T + 1)
+    assert done.placed == 1 and done.rejected == {"queue_timeout": 1}

@@ -244,3 +244,70 @@ async def test_withdraw_takes_back_first_stages_of_revoked_sources_only() -> Non
     before = len(broker.sent)
     assert sorted(await outbox.flush()) == [("gone", 1), ("gone", 2), ("kept", 0), ("kept", 1)]
     assert sorted(broker.sent[before:]) == ["events", "reply.both", "reply.kept", "status"]
+
+
+async def test_a_broker_outage_is_not_counted_against_a_reply() -> None:
+    # Nothing gets through for 100 s (the broker is away, not one topic): when it is back,
+    # the reply goes, not given up. Before, a 61 s outage gave up every scheduler reply.
+    broker = FakeBroker()
+    now = [0.0]
+    outbox = reply_outbox(broker, now)
+    broker.failing |= {"reply.acme", "events", "status"}
+    outbox.submit([ending("reply.acme", 0)])
+    for t in range(0, 101, 5):
+        now[0] = float(t)
+        outbox.submit([Effect(first=(rec("status"),))], key="status")
+        assert await outbox.flush() == []
+    broker.failing.clear()
+    assert await outbox.flush() == [("tp", 0)]
+    assert outbox.given_up == 0 and broker.sent[-2:] == ["reply.acme", "events"]
+
+
+class Ack:
+    """Delivery futures the test acknowledges itself (a broker that is slow to ack)."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, asyncio.Future[object]]] = []
+
+    async def send(self, out: Outgoing) -> Awaitable[object]:
+        future: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+        self.sent.append((out.topic, future))
+        return future
+
+
+async def test_a_reply_acknowledged_while_a_revoke_cut_the_flush_short_gets_its_event() -> None:
+    broker = Ack()
+    outbox = Outbox(broker.send, timeout_s=5.0)
+    outbox.submit([ending("reply.acme", 0)])
+    flushing = asyncio.create_task(outbox.flush())
+    await asyncio.sleep(0.01)
+    broker.sent[0][1].set_result(None)  # the reply is written ...
+    flushing.cancel()  # ... as the revoke's time for the flush runs out
+    await asyncio.gather(flushing, return_exceptions=True)
+    unsent, dropped = await outbox.withdraw({"tp"})
+    assert (unsent, dropped, len(outbox)) == ([], 0, 1)  # the event must still go
+    flushing = asyncio.create_task(outbox.flush())
+    await asyncio.sleep(0.01)
+    assert [topic for topic, _ in broker.sent] == ["reply.acme", "events"]
+    broker.sent[1][1].set_result(None)
+    assert await flushing == [("tp", 0)]
+
+
+async def test_what_was_certainly_not_written_is_taken_back_at_a_revoke() -> None:
+    broker = Ack()
+    now = [0.0]
+    outbox = Outbox(broker.send, timeout_s=0.05, backoff_s=1.0, clock=lambda: now[0],
+                    expendable=lambda topic: topic.startswith("reply"), give_up_s=30.0,
+                    refused=lambda exc: isinstance(exc, Refused))
+    failed, given_up = Effect(first=(rec("assignments"),), tickets=(("tp", 0),)), \
+        ending("reply.acme", 1)
+    outbox.submit([failed, given_up])
+    flushing = asyncio.create_task(outbox.flush(held={"events"}))
+    await asyncio.sleep(0.01)
+    broker.sent[0][1].set_exception(RuntimeError("the producer failed the batch"))
+    broker.sent[1][1].set_exception(Refused("topic refused"))  # the reply, given up
+    await flushing
+    unsent, dropped = await outbox.withdraw({"tp"})
+    # The assignment's only hand-over failed; the reply was given up and its event not
+    # sent yet: neither was written, both are taken back.
+    assert (unsent, dropped, len(outbox)) == ([failed, given_up], 0, 0)

@@ -1,4 +1,4 @@
-"""``slot_members`` against a stand-in admin client: a coordinator that answers with an
+"""``group_members`` against a stand-in admin client: a coordinator that answers with an
 error code in the group's entry (loading, or moved) is not read as an empty group."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from aiokafka.errors import CoordinatorLoadInProgressError, GroupAuthorizationFailedError
 
-from services.worker.slot import SlotMember, slot_members
+from services.common.groups import GroupMember, group_members
 
 GROUP = "llmq-worker-slot-0"
 LOADING, AUTH = 14, 30  # COORDINATOR_LOAD_IN_PROGRESS, GROUP_AUTHORIZATION_FAILED
@@ -46,22 +46,22 @@ async def test_a_loading_coordinator_is_asked_again_not_read_as_an_empty_group()
     # The entry said COORDINATOR_LOAD_IN_PROGRESS with no state and no members: read as
     # "no live member", a live holder's slot looked free to a newcomer.
     admin = _Admin(_entry(LOADING), _entry(members=1))
-    members = await slot_members(admin, GROUP, retry_s=5.0)  # type: ignore[arg-type]
-    assert members == [SlotMember("m0", "w0", "/127.0.0.1")] and admin.calls == 2
+    members = await group_members(admin, GROUP, retry_s=5.0)  # type: ignore[arg-type]
+    assert members == [GroupMember("m0", "w0", "/127.0.0.1")] and admin.calls == 2
 
 
 async def test_a_coordinator_loading_for_too_long_raises() -> None:
     with pytest.raises(CoordinatorLoadInProgressError):
-        await slot_members(_Admin(_entry(LOADING)), GROUP, retry_s=0.0)  # type: ignore[arg-type]
+        await group_members(_Admin(_entry(LOADING)), GROUP, retry_s=0.0)  # type: ignore[arg-type]
 
 
 async def test_an_error_no_retry_mends_raises_at_once() -> None:
     admin = _Admin(_entry(AUTH))
     with pytest.raises(GroupAuthorizationFailedError):
-        await slot_members(admin, GROUP, retry_s=5.0)  # type: ignore[arg-type]
+        await group_members(admin, GROUP, retry_s=5.0)  # type: ignore[arg-type]
     assert admin.calls == 1
 
 
 async def test_an_empty_group_has_no_members() -> None:
     empty = {**_entry(), "state": "Empty"}
-    assert await slot_members(_Admin(empty), GROUP) == []  # type: ignore[arg-type]
+    assert await group_members(_Admin(empty), GROUP) == []  # type: ignore[arg-type]

@@ -72,8 +72,10 @@ class _Pending:
     stuck_since: float | None = None
     #: Records of the current stage given up (module docstring).
     dropped: set[Outgoing] = field(default_factory=set)
-    #: A record of its first stage was handed to the producer (it may be written).
-    handed: bool = False
+    #: Delivery futures of every record of the current stage handed to the producer.
+    deliveries: list[asyncio.Future[object]] = field(default_factory=list)
+    #: A record of the first stage was written (False: none yet, or all given up).
+    wrote_first: bool = False
 
     def due(self) -> tuple[Outgoing, ...]:
         if self.stage == 0:
@@ -85,10 +87,13 @@ class _Pending:
         return records
 
     def advance(self) -> None:
+        if self.stage == 0:
+            self.wrote_first = any(_acked(d) for d in self.deliveries)
         self.stage += 1
         self.failures = 0
         self.stuck_since = None
         self.dropped = set()
+        self.deliveries = []
         while self.stage < 2 and not self.due():
             self.stage += 1
 
@@ -145,26 +150,33 @@ class Outbox:
             self._queue.append(pending)
 
     async def withdraw(self, sources: Container[Hashable]) -> tuple[list[Effect], int]:
-        """Take out the effects still at their first stage whose every ticket is on
-        ``sources`` (partitions revoked: their records go to a new owner, who must not find
-        these written later). Returns those never handed to the producer, certainly not
-        written (the caller takes back what it recorded of them), and how many others were
-        dropped: handed over, not acknowledged, so perhaps written; the producer may still
-        deliver them, but they are not sent again. An effect past its first stage goes on:
-        its terminal event must follow its durable reply."""
+        """Take out the effects whose every ticket is on ``sources`` (partitions revoked:
+        their records go to a new owner, who must not find these written later) and whose
+        first stage is not known written. Returns those certainly not written — nothing
+        handed to the producer, or every hand-over failed; or a reply given up and its
+        event not handed yet — for the caller to take back what it recorded of them; and
+        how many others were dropped: handed over and not acknowledged yet, so perhaps
+        written (the producer may still deliver them; they are not sent again). One whose
+        first stage was written goes on (a terminal event follows its durable reply)."""
         async with self._lock:
             unsent: list[Effect] = []
             dropped = 0
             kept: list[_Pending] = []
             for pending in self._queue:
                 tickets = pending.effect.tickets
-                if pending.stage != 0 or not tickets or \
-                        not all(tp in sources for tp, _ in tickets):
+                if not tickets or not all(tp in sources for tp, _ in tickets):
                     kept.append(pending)
-                elif pending.handed:
+                elif pending.stage == 0 and any(_acked(d) for d in pending.deliveries):
+                    pending.advance()  # written after all (a flush cut short): it goes on
+                    if pending.stage < 2:
+                        kept.append(pending)
+                elif pending.stage == 0 and any(not d.done() for d in pending.deliveries):
                     dropped += 1
-                else:
+                elif pending.stage == 0 or (pending.stage == 1 and not pending.wrote_first
+                                            and not pending.deliveries):
                     unsent.append(pending.effect)
+                else:
+                    kept.append(pending)
             self._queue = kept
             return unsent, dropped
 
@@ -192,7 +204,8 @@ class Outbox:
 
     async def _round(self, held: Collection[str]) -> bool:
         """One send-and-wait over every due stage; True if a stage completed and the
-        effect still has another to send."""
+        effect still has another to send. What was acknowledged is booked even when the
+        round is cancelled (a flush bounded by its caller's timeout, at a revoke)."""
         now = self._clock()
         batch: list[_Pending] = []
         for pending in self._queue:
@@ -208,36 +221,48 @@ class Outbox:
         deadline = now + self._timeout_s  # one for the whole round (module docstring)
         futures: dict[int, list[tuple[Outgoing, asyncio.Future[object]]]] = {}
         errors: dict[int, list[tuple[Outgoing, BaseException]]] = {}
-        untried: set[int] = set()
-        for i, pending in enumerate(batch):
-            if deadline - self._clock() <= 0:
-                untried.add(i)  # no time left this round: as it was, for the next flush
-                continue
-            for out in pending.due():
-                left = deadline - self._clock()
-                try:
-                    if left <= 0:
-                        raise TimeoutError("the flush round's time ran out")
-                    delivery = await asyncio.wait_for(self._send(out), left)
-                except Exception as exc:  # timeout or producer error: retried next flush
-                    _log.warning("outbox: could not send to %s", out.topic, exc_info=True)
-                    errors[i] = [(out, exc)]
-                    break
-                pending.handed = pending.handed or pending.stage == 0
-                futures.setdefault(i, []).append((out, asyncio.ensure_future(delivery)))
-        every = [f for fs in futures.values() for _, f in fs]
-        if every:
-            # asyncio.wait, not wait_for: a timeout must not cancel deliveries in flight.
-            await asyncio.wait(every, timeout=max(0.0, deadline - self._clock()))
-        more = False
-        for i, pending in enumerate(batch):
-            if i in untried:
-                continue
+        tried: list[int] = []
+        try:
+            for i, pending in enumerate(batch):
+                if deadline - self._clock() <= 0:
+                    break  # no time left: the rest as they were, for the next flush
+                tried.append(i)
+                for out in pending.due():
+                    left = deadline - self._clock()
+                    try:
+                        if left <= 0:
+                            raise TimeoutError("the flush round's time ran out")
+                        delivery = asyncio.ensure_future(
+                            await asyncio.wait_for(self._send(out), left))
+                    except Exception as exc:  # timeout or producer error: retried next flush
+                        _log.warning("outbox: could not send to %s", out.topic, exc_info=True)
+                        errors[i] = [(out, exc)]
+                        break
+                    pending.deliveries.append(delivery)
+                    futures.setdefault(i, []).append((out, delivery))
+            every = [f for fs in futures.values() for _, f in fs]
+            if every:
+                # asyncio.wait, not wait_for: a timeout must not cancel deliveries in flight.
+                await asyncio.wait(every, timeout=max(0.0, deadline - self._clock()))
+        finally:
+            more = self._book(batch, tried, futures, errors, now)
+        return more
+
+    def _book(self, batch: list[_Pending], tried: list[int],
+              futures: dict[int, list[tuple[Outgoing, asyncio.Future[object]]]],
+              errors: dict[int, list[tuple[Outgoing, BaseException]]], now: float) -> bool:
+        """Book a round's outcome: stages acknowledged advance, the others back off (and
+        their expendable records may be given up). Nothing awaits here."""
+        more = got_through = False
+        for i in tried:
+            pending = batch[i]
             sent = i not in errors
             # Look at every future (retrieving each exception keeps asyncio quiet).
             for out, future in futures.get(i, []):
                 error = _error(future)
-                if error is not None:
+                if error is None:
+                    got_through = True
+                else:
                     errors.setdefault(i, []).append((out, error))
             if i not in errors:
                 pending.advance()
@@ -256,8 +281,17 @@ class Outbox:
                 self.failed_topics.add(out.topic)
                 if self._expendable(out.topic) and self._refused(error):
                     self._drop(pending, out, f"refused for good: {error!r}")
-            self._give_up_stuck(pending, self._clock(), "not acknowledged")
-            more = more or self._advance_if_dropped(pending)
+        if tried and not got_through:
+            # Nothing got through: the broker is in trouble, not one topic. Its outage is
+            # not counted against a record's time to give up (module docstring).
+            for pending in self._queue:
+                if pending.stuck_since is not None:
+                    pending.stuck_since = now
+        for i in tried:
+            pending = batch[i]
+            if i in errors:
+                self._give_up_stuck(pending, now, "not acknowledged")
+                more = self._advance_if_dropped(pending) or more
         return more
 
     def _give_up_stuck(self, pending: _Pending, now: float, why: str) -> None:
@@ -284,6 +318,10 @@ class Outbox:
         pending.advance()
         pending.not_before = 0.0
         return pending.stage < 2
+
+
+def _acked(future: asyncio.Future[object]) -> bool:
+    return future.done() and not future.cancelled() and future.exception() is None
 
 
 def _error(future: asyncio.Future[object]) -> BaseException | None:

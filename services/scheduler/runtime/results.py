@@ -128,11 +128,8 @@ class RuntimeConfig:
     drain_window_s: float = 30.0
     cancel_memory_s: float = 600.0
     finished_memory_s: float = 3600.0
-    #: Scheduler replicas placing on the same fleet, this one's number among them, and
-    #: their turns on each worker (``policies.filters.replica_turn``): to tell another
-    #: replica's placement in this one's turn (a misconfiguration) when it is read back.
-    replicas: int = 1
-    replica_index: int = 0
+    #: The replicas' turns on each worker (``policies.filters.replica_turn``): to tell
+    #: another replica's placement in this one's turn when it is read back.
     turn_slot_s: float = 0.5
     turn_guard_s: float = 0.05
     #: A replica that begins to lead waits this long before it places hand-offs, so that

@@ -153,6 +153,10 @@ class SchedulerState:
         self._active_trace: dict[str, TraceHeaders] = {}
         self.pending = PendingQueue(queue_config)
         self.ledger = Ledger(kv_safety_margin=config.kv_safety_margin)
+        #: (replicas, this one's index) of the placement turns (``set_turns``), and since
+        #: when (this process's clock; 0: from the start).
+        self.turns = (1, 0)
+        self._turns_at = 0.0
         self._warned_replicas = False
         self.fleet = FleetView(config.heartbeat_staleness)
         self.log = AssignmentLog(config.finished_memory_s)
@@ -483,13 +487,17 @@ class SchedulerState:
 
     # -- the dispatch cycle -----------------------------------------------------------
 
-    def tick(self, now: float, *, handle_losses: bool = True) -> TickResult:
+    def tick(self, now: float, *, handle_losses: bool = True, place: bool = True) -> TickResult:
         """Worker loss, then one ``schedule()`` call; everything it decided as effects.
 
         ``handle_losses``: this replica acts on lost workers. Every replica reads every
         assignment, so every one would requeue or fail the same lost work: only one (the
         app's leader) may. The others learn the outcome from what it produces (the next
         attempt's assignment or the terminal event), which releases their bookings.
+
+        ``place`` False: no ``schedule()`` this cycle (no placement, no rejection): one of
+        several replicas whose log is not read up to its turn yet (the app's
+        ``_may_place``).
         """
         effects: list[Effect] = []
         if self._settled:
@@ -521,7 +529,7 @@ class SchedulerState:
         decisions = schedule(
             snapshot, self.pending, self.ledger, self.pipeline, now, self.rng,
             max_placements=self.config.max_placements,
-        )
+        ) if place else []
         schedule_s = time.perf_counter() - started
         placements: list[Placed] = []
         rejected: dict[ErrorCode, int] = {}
@@ -965,28 +973,34 @@ class SchedulerState:
         decision = Decision(admitted, attempt, code) if tickets else None
         return Effect(first=(reply,), then=(event,), tickets=tickets, decision=decision)
 
+    def set_turns(self, turns: tuple[int, int], pipeline: Pipeline, now: float) -> None:
+        """Place in turns among ``turns`` = (replicas, this one's index) from now on, with
+        ``pipeline`` (its ``replica-turn`` filter says so; none for one replica)."""
+        self.turns, self.pipeline, self._turns_at = turns, pipeline, now
+
     def _another_replica(self, record: Assignment) -> None:
-        """A first placement read back that this replica did not make: another replica
-        places on the same fleet. Said once if this one was not told so (``replicas``), or
-        if it placed in this replica's turn on that worker (filter ``replica-turn``)."""
+        """A first placement read back that this replica did not make. Said once when it
+        cannot be a replica taking its turn: this one thinks itself alone (for 5 s already:
+        not a replica that has just joined), or it placed in this one's turn."""
         cfg = self.config
-        if self._warned_replicas:
+        if self._warned_replicas or record.assigned_at < self._turns_at + 5.0:
             return
-        if cfg.replicas == 1:
+        replicas, index = self.turns
+        if replicas == 1:
             self._warned_replicas = True
-            _log.warning("scheduler: another scheduler replica placed %s on %s: set "
-                         "LLMQ_SCHEDULER_REPLICAS to the number of replicas (and "
-                         "LLMQ_SCHEDULER_REPLICA_INDEX, each its own) on every one, or two "
-                         "placing at the same moment can overcommit a worker's KV",
-                         record.request_id, record.worker_id)
-        elif turn_of(record.worker_id, record.assigned_at, cfg.replicas, cfg.turn_slot_s,
-                     cfg.turn_guard_s) == cfg.replica_index:
+            _log.warning("scheduler: another scheduler placed %s on %s while this one places "
+                         "alone: schedulers of other consumer groups (another "
+                         "LLMQ_SCHEDULER_APP_NAME), or replicas told LLMQ_SCHEDULER_REPLICAS=1, "
+                         "overcommit the workers they share", record.request_id,
+                         record.worker_id)
+        elif turn_of(record.worker_id, record.assigned_at, replicas, cfg.turn_slot_s,
+                     cfg.turn_guard_s) == index:
             self._warned_replicas = True
             _log.warning("scheduler: another scheduler replica placed %s on %s in this "
-                         "replica's turn (index %d): give every replica its own "
-                         "LLMQ_SCHEDULER_REPLICA_INDEX and the same LLMQ_SCHEDULER_REPLICAS "
-                         "and TURN settings, and keep their clocks in step",
-                         record.request_id, record.worker_id, cfg.replica_index)
+                         "replica's turn (%d of %d): each replica needs its own "
+                         "LLMQ_SCHEDULER_SCHEDULER_ID (or LLMQ_SCHEDULER_REPLICA_INDEX), the "
+                         "same TURN settings, and clocks in step", record.request_id,
+                         record.worker_id, index, replicas)
 
     def _book(self, record: Assignment) -> None:
         """Book an existing assignment's reservation in the ledger.

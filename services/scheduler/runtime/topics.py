@@ -80,8 +80,10 @@ class ReplyTopics:
     """Reply topics are created on first use, in the background: a dispatch cycle never
     waits for it. :meth:`held` names the topics whose records must wait in the outbox
     meanwhile (the rest go on); a creation that failed is tried again, backing off to
-    ``max_backoff_s``. A topic a record to failed (deleted since?) is checked again
-    (:meth:`recheck`). ``ensure`` makes one topic (``services.common.kafka.ensure_topics``).
+    ``max_backoff_s`` (well within the outbox's time to give a reply up, so a broker back
+    from an outage gets them made again in time). A topic a record to failed (deleted
+    since?) is checked again (:meth:`recheck`). ``ensure`` makes one topic
+    (``services.common.kafka.ensure_topics``).
     """
 
     def __init__(
@@ -91,7 +93,7 @@ class ReplyTopics:
         on_ready: Callable[[], None],
         *,
         backoff_s: float = 1.0,
-        max_backoff_s: float = 60.0,
+        max_backoff_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._topics = topics

@@ -1,0 +1,46 @@
+"""``LogReader.caught_up_at``: since when everything written to a topic was handled. The
+consumer is a stand-in with aiokafka's ``highwater`` / ``last_poll_timestamp`` (its real
+use, with a real broker, is in tests/integration/test_scheduler_replicas.py)."""
+
+from __future__ import annotations
+
+from aiokafka import TopicPartition
+
+from services.common.guard import Guard
+from services.common.log_reader import LogReader
+
+A0, A1, B0 = TopicPartition("a", 0), TopicPartition("a", 1), TopicPartition("b", 0)
+
+
+class Polled:
+    def __init__(self, ends: dict[TopicPartition, tuple[int | None, int | None]]) -> None:
+        self.ends = ends
+
+    def highwater(self, tp: TopicPartition) -> int | None:
+        return self.ends[tp][0]
+
+    def last_poll_timestamp(self, tp: TopicPartition) -> int | None:
+        return self.ends[tp][1]
+
+
+async def _nowhere(key: bytes | None, value: bytes | None, headers: object) -> None: ...
+
+
+def reader(ends: dict[TopicPartition, tuple[int | None, int | None]],
+           handled: dict[TopicPartition, int]) -> LogReader:
+    r = LogReader("127.0.0.1:1", {"a": lambda rec: None, "b": lambda rec: None},
+                  Guard(_nowhere, name="test"))  # type: ignore[arg-type]
+    r._consumer, r._tps, r._handled = Polled(ends), [A0, A1, B0], handled
+    return r
+
+
+def test_the_oldest_fetch_of_a_topic_read_to_its_end_counts() -> None:
+    r = reader({A0: (5, 10_500), A1: (0, 10_200), B0: (9, 9_000)}, {A0: 5, B0: 3})
+    assert r.caught_up_at("a") == 10.2  # both partitions at their end; the older fetch
+    assert r.caught_up_at("b") == 0.0  # 3 of 9 handled: behind
+
+
+def test_unknown_until_every_partition_was_fetched() -> None:
+    assert reader({A0: (5, 10_500), A1: (None, None), B0: (0, 1)}, {A0: 5}).caught_up_at(
+        "a") == 0.0
+    assert reader({A0: (0, 1), A1: (0, 1), B0: (0, 1)}, {}).caught_up_at("c") == 0.0

@@ -57,7 +57,10 @@ async def both_running(cluster: Cluster, second: SchedulerProcess,
     """The cluster's scheduler and ``second``: finding each other in their consumer group
     (the default), or ``told`` how many replicas run (LLMQ_SCHEDULER_REPLICAS)."""
     told_env = {} if told is None else {"LLMQ_SCHEDULER_REPLICAS": str(told)}
-    await cluster.start(**told_env)
+    # Two schedulers starting on two cores can starve this process (the fake workers'
+    # heartbeats) for over 3 × 0.4 s: a worker declared dead by mistake requeues its work,
+    # which these tests do not look at. 10 intervals (4 s) keeps them about replicas.
+    await cluster.start(LLMQ_SCHEDULER_HEARTBEAT_STALENESS="10", **told_env)
     second.env.update(cluster.scheduler.env)
     second.env["LLMQ_SCHEDULER_SCHEDULER_ID"] = "sched-test-2"
     if told is not None:
@@ -130,7 +133,9 @@ async def test_a_replica_leaving_mid_burst_hands_its_work_over(
         await cluster.admit(rid, prompt_tokens=800, max_tokens=16)
     obs = cluster.observer
     await eventually(lambda: len(obs.assignments) >= 10, what="work under way")
-    assert second.kill(signal.SIGTERM) == 0  # leaves the group: a rebalance
+    # Leaves the group: a rebalance. A graceful stop may take up to its bounded waits (the
+    # flush at the revoke, the reply-topic checks, the final flush: 10 s each by default).
+    assert second.kill(signal.SIGTERM, timeout_s=45) == 0
     for rid in ids[40:]:
         await cluster.admit(rid, prompt_tokens=800, max_tokens=16)
     await each_done_once(cluster, ids, workers, timeout_s=90)

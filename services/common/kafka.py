@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,8 +44,13 @@ class TopicMismatchError(KafkaError):  # type: ignore[misc]  # aiokafka ships no
     """Topics that exist with a partition count llmq cannot work with."""
 
 
+class ProducerFailed(KafkaError):  # type: ignore[misc]  # aiokafka ships no types
+    """The producer's sender task ended for good: nothing it is given will be sent."""
+
+
 class Producer(AIOKafkaProducer):  # type: ignore[misc]  # aiokafka ships no types
-    """An ``AIOKafkaProducer`` that keeps every topic it sends to in its metadata.
+    """An ``AIOKafkaProducer`` that keeps every topic it sends to in its metadata, and
+    fails loudly once it can no longer send.
 
     Works around aiokafka 0.14's client: it starts out tracking "all topics", and the
     first send to a topic its metadata lacks (a reply topic created after the producer
@@ -55,13 +60,44 @@ class Producer(AIOKafkaProducer):  # type: ignore[misc]  # aiokafka ships no typ
     ``first_token`` event stuck behind the first reply to a new ingest reply topic, so the
     request's ``done`` event never went out and its KV reservation stayed booked.
     Tracking each topic on its first send keeps the set a superset of what is in flight.
+
+    A dead sender: aiokafka sends from one background task, which ends for good on
+    ``OutOfOrderSequenceNumber`` (an idempotent producer after the broker lost records it
+    had acknowledged, possible with one replica) or on an error it did not expect. What was
+    waiting fails with that error; every later ``send`` would wait for ever, since nothing
+    drains the buffer any more, and a service would live on without a voice: a worker
+    fenced by its unsent heartbeats, a scheduler whose placements never leave. Here
+    :attr:`failure` is set, ``on_failure`` is called once (services stop the process, so a
+    restart gets a new producer id) and every later ``send`` raises :class:`ProducerFailed`.
     """
 
-    def __init__(self, **options: Any) -> None:
+    def __init__(self, *, on_failure: Callable[[ProducerFailed], None] | None = None,
+                 **options: Any) -> None:
         super().__init__(**options)
         self._tracked: set[str] = set()
+        self._on_failure = on_failure
+        #: Why the sender ended (None while it runs).
+        self.failure: ProducerFailed | None = None
+
+    async def start(self) -> None:
+        await super().start()
+        self._sender.sender_task.add_done_callback(self._sender_ended)
+
+    def _sender_ended(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled():  # stop() closes it this way
+            return
+        cause = task.exception()
+        self.failure = ProducerFailed(
+            f"the Kafka producer stopped sending for good: {cause!r}")
+        self.failure.__cause__ = cause
+        log.error("%s; nothing more can be sent from this process until it restarts",
+                  self.failure)
+        if self._on_failure is not None:
+            self._on_failure(self.failure)
 
     async def send(self, topic: str, *args: Any, **kwargs: Any) -> Any:
+        if self.failure is not None:  # a new instance each time: no traceback piles up
+            raise ProducerFailed(str(self.failure)) from self.failure.__cause__
         if topic not in self._tracked:
             track_topics(self, [topic])
         return await super().send(topic, *args, **kwargs)
@@ -81,8 +117,11 @@ def track_topics(producer: AIOKafkaProducer, topics: Iterable[str]) -> None:
             tracked.add(topic)
 
 
-def make_producer(bootstrap: str, **overrides: Any) -> Producer:
-    """An idempotent producer, ``acks=all``, small linger so replies stream promptly."""
+def make_producer(bootstrap: str, *,
+                  on_failure: Callable[[ProducerFailed], None] | None = None,
+                  **overrides: Any) -> Producer:
+    """An idempotent producer, ``acks=all``, small linger so replies stream promptly.
+    ``on_failure``: called once if it can no longer send (see :class:`Producer`)."""
     options: dict[str, Any] = {
         "bootstrap_servers": bootstrap,
         "acks": "all",
@@ -92,7 +131,7 @@ def make_producer(bootstrap: str, **overrides: Any) -> Producer:
         "max_request_size": MAX_RECORD_BYTES,
     }
     options.update(overrides)
-    return Producer(**options)
+    return Producer(on_failure=on_failure, **options)
 
 
 def make_consumer(bootstrap: str, *topics: str, **overrides: Any) -> AIOKafkaConsumer:

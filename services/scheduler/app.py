@@ -105,7 +105,7 @@ from services.common import tracing
 from services.common.faust_app import make_app
 from services.common.groups import group_members
 from services.common.guard import Guard, Headers
-from services.common.kafka import ensure_topics, make_producer
+from services.common.kafka import ProducerFailed, ensure_topics, make_producer
 from services.common.log_reader import LogReader
 from services.common.settings import Settings
 from services.scheduler import build_pipeline
@@ -262,7 +262,8 @@ class Scheduler:
     # -- lifecycle --------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._producer = make_producer(self.rt.settings.bootstrap)
+        self._producer = make_producer(self.rt.settings.bootstrap,
+                                       on_failure=self._producer_failed)
         await self._producer.start()
         await self.reader.start()
         self._main_task = asyncio.create_task(self._main(), name="scheduler-dispatch")
@@ -278,6 +279,12 @@ class Scheduler:
         if exc is None:
             return
         _log.error("scheduler: the dispatch task failed", exc_info=exc)
+        asyncio.ensure_future(self.app.crash(exc))  # noqa: RUF006  # the app ends with it
+
+    def _producer_failed(self, exc: ProducerFailed) -> None:
+        """Nothing placed, ended or reported would leave any more: crash (exit 1) so a
+        supervisor restarts the process with a producer that sends; what was not acked is
+        redelivered to it or to another replica."""
         asyncio.ensure_future(self.app.crash(exc))  # noqa: RUF006  # the app ends with it
 
     async def stop(self) -> None:

@@ -88,7 +88,7 @@ from schemas.workers import LifecycleEvent, WorkerHeartbeat
 from services.common import metrics as m
 from services.common import tracing
 from services.common.guard import Guard, aiokafka_dead_letter
-from services.common.kafka import ensure_topics, make_consumer, make_producer
+from services.common.kafka import ProducerFailed, ensure_topics, make_consumer, make_producer
 from services.common.replies import topic_partitions
 from services.common.settings import Settings
 from services.worker.core import (
@@ -251,7 +251,7 @@ class Worker:
         if self.ws.nvml == "auto" and self.id.engine != "sim":
             self._gpu = NvmlProbe.open(self.ws.gpu_index)
         await self.engine.start()
-        self._producer = make_producer(bootstrap)
+        self._producer = make_producer(bootstrap, on_failure=self._producer_failed)
         await self._producer.start()
         self._publisher = Publisher(self._producer, self.ws.send_timeout_s)
         self._guard = Guard(aiokafka_dead_letter(self._producer, self.topics.deadletter),
@@ -361,6 +361,13 @@ class Worker:
         _log.info("worker %s: draining (%s); %d request(s) in flight",
                   self.id.worker_id, reason, len(self.runs))
         self._heartbeat_wake.set()
+
+    def _producer_failed(self, exc: ProducerFailed) -> None:
+        """Nothing more can be sent, heartbeats included (the lease would lapse and the
+        worker fence itself for good): stop at once, exit 1, so a restart gets a producer
+        that sends; the scheduler requeues or ends what was in flight."""
+        _log.error("worker %s: %s", self.id.worker_id, exc)
+        self.stop_now()
 
     def stop_now(self) -> None:
         """Second signal: stop without waiting; unfinished requests are redone elsewhere."""

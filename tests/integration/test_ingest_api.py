@@ -7,6 +7,7 @@ agent → llmq.requests.* → fake worker → reply topic → HTTP.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -20,6 +21,7 @@ from schemas.codec import decode
 from schemas.control import CancelRequest
 from schemas.messages import CONTROL_ADAPTER
 from services.common.kafka import make_consumer
+from tests.fakes import sender_fault
 from tests.fakes.ingest_stack import MODEL, FakeWorker, IngestProcess
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.timeout(60)]
@@ -184,3 +186,30 @@ async def _cancels(
         await consumer.stop()
     assert len(found) == want, found
     return found
+
+
+async def test_an_ingest_whose_producer_can_no_longer_send_exits_1(
+    topic_prefix: str, tmp_path: Path
+) -> None:
+    """aiokafka's sender task ends for good (FAULT INJECTION: OutOfOrderSequenceNumber from
+    the produce request; tests/fakes/sender_fault). Before, the instance stayed ready and
+    every call waited its 10 s send timeout for a 503, for ever. Now the call that found
+    it dead gets its 503 and the process exits 1, so a supervisor restarts it."""
+    trigger = tmp_path / "sender-fault"
+    proc = IngestProcess(topic_prefix, tmp_path / "ingest.log", env=sender_fault.env(trigger))
+    proc.start()
+    try:
+        await proc.wait_ready(heartbeat=False)
+        trigger.touch()
+        async with httpx.AsyncClient(base_url=proc.base_url, timeout=30.0) as http:
+            try:
+                answer = (await http.post("/v1/completions", json={
+                    "model": MODEL, "prompt": "Hi", "max_tokens": 4})).status_code
+            except httpx.TransportError:  # the process went first
+                answer = None
+        assert answer in (503, None), answer
+        assert proc.proc is not None
+        assert await asyncio.to_thread(proc.proc.wait, 40) == 1, proc.tail()
+        assert "stopped sending for good" in proc.tail(400)
+    finally:
+        proc.stop()

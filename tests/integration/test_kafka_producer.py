@@ -1,16 +1,25 @@
 """``services.common.kafka`` against the real broker: a topic created after the producer
 started must not strand what is waiting for the others (aiokafka 0.14 narrows its metadata
 to the new topic; see the class), and batches compressed with any codec Kafka offers are
-read (the aiokafka extras in pyproject.toml)."""
+read (the aiokafka extras in pyproject.toml); a producer whose sender task died raises and
+says so instead of taking sends it will never send."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.errors import OutOfOrderSequenceNumber
 
-from services.common.kafka import TopicRequest, ensure_topics, fetch_forever, make_producer
+from services.common.kafka import (
+    ProducerFailed,
+    TopicRequest,
+    ensure_topics,
+    fetch_forever,
+    make_producer,
+)
 
 pytestmark = pytest.mark.kafka
 
@@ -90,3 +99,40 @@ async def test_topics_get_the_replication_factor_asked_for(
     with pytest.raises(InvalidReplicationFactorError):
         await ensure_topics(bootstrap, [TopicRequest(f"{topic_prefix}.two", 1)],
                             replication_factor=2)
+
+
+async def test_a_producer_whose_sender_died_says_so_instead_of_hanging(
+    bootstrap: str, topic_prefix: str
+) -> None:
+    # aiokafka sends from one task, which ends for good on OutOfOrderSequenceNumber (an
+    # idempotent producer after the broker lost acknowledged records). Before, every later
+    # send waited for ever: nothing drained the buffer, and nobody was told.
+    topic = f"{topic_prefix}.dead-sender"
+    await ensure_topics(bootstrap, [TopicRequest(topic, 1)])
+    failures: list[ProducerFailed] = []
+    producer = make_producer(bootstrap, on_failure=failures.append)
+    await producer.start()
+    try:
+        await asyncio.wait_for(producer.send_and_wait(topic, b"sent while it works"), 10)
+        assert producer.failure is None and failures == []
+
+        async def refused(*_: object) -> None:  # FAULT INJECTION: the broker's answer
+            raise OutOfOrderSequenceNumber()
+
+        producer._sender._send_produce_req = refused
+        lost = await producer.send(topic, b"the one the sender dies on")
+        await asyncio.wait_for(_until(lambda: bool(failures)), 10)
+        assert len(failures) == 1 and failures[0] is producer.failure
+        assert isinstance(failures[0].__cause__, OutOfOrderSequenceNumber)
+        assert "stopped sending for good" in str(failures[0])
+        assert not lost.done() or lost.exception() is not None  # never reported as sent
+        with pytest.raises(ProducerFailed):
+            await asyncio.wait_for(producer.send(topic, b"after it died"), 5)
+    finally:
+        await asyncio.wait_for(producer.stop(), 10)
+    assert len(failures) == 1  # stop() is not a second failure
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    while not condition():
+        await asyncio.sleep(0.05)

@@ -74,6 +74,7 @@ from tests.builders_schemas import (
     make_heartbeat,
     make_request,
 )
+from tests.fakes import sender_fault
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.timeout(90)]
 
@@ -804,3 +805,20 @@ async def test_garbage_goes_to_the_dead_letter_and_scheduling_goes_on(cluster: C
     assert all(reasons), reasons
     assert {r.value for r in obs.deadletters} == {b"{not json", b'{"kind": "admitted"}'}
     assert cluster.scheduler.alive()
+
+
+async def test_a_scheduler_whose_producer_can_no_longer_send_exits_1(cluster: Cluster) -> None:
+    """aiokafka's sender task ends for good (FAULT INJECTION: OutOfOrderSequenceNumber from
+    the produce request; tests/fakes/sender_fault). Before, the scheduler lived on and
+    placed requests whose assignments never left. Now the app crashes, exit 1, so a
+    supervisor restarts it; what it had not acked is redelivered."""
+    trigger = cluster.tmp / "sender-fault"
+    await cluster.start(**sender_fault.env(trigger))
+    await cluster.worker("fake-0", 0)
+    trigger.touch()
+    await cluster.admit("placed-by-a-dead-producer")  # its assignment's send fails
+    proc = cluster.scheduler.proc
+    assert proc is not None
+    code = await asyncio.to_thread(proc.wait, 40)
+    assert code == 1, cluster.scheduler.tail()
+    assert "stopped sending for good" in cluster.scheduler.tail(400)

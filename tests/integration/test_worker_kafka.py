@@ -15,6 +15,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -27,6 +28,7 @@ from schemas.replies import Done, Error, TokenChunk
 from schemas.topics import DEADLETTER_REASON_HEADER, DEADLETTER_SOURCE_HEADER
 from schemas.workers import EventFailed
 from services.worker.slot import slot_group
+from tests.fakes import sender_fault
 from tests.fakes.worker_scheduler import TENANT, FakeScheduler, WorkerProcess
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(60)]
@@ -521,3 +523,17 @@ async def test_a_paused_worker_whose_slot_was_taken_over_ends_its_runs_unanswere
                                               worker_started_at=new_beat.started_at))
     assert isinstance(await scheduler.terminal("after"), Done)  # the new one has the slot
     assert new.proc is not None and new.proc.poll() is None
+
+
+async def test_a_worker_whose_producer_can_no_longer_send_exits_1(
+    scheduler: FakeScheduler, spawn: Callable[..., WorkerProcess], tmp_path: Path
+) -> None:
+    """aiokafka's sender task ends for good (FAULT INJECTION: OutOfOrderSequenceNumber from
+    the produce request; tests/fakes/sender_fault). Before, the worker lived on without a
+    voice: its heartbeats unsent, its lease lapsed, fenced for good. Now it stops at once,
+    exit 1, so a supervisor restarts it with a producer that sends."""
+    trigger = tmp_path / "sender-fault"
+    proc = await ready(scheduler, spawn, env=sender_fault.env(trigger))
+    trigger.touch()  # the next heartbeat's produce request fails
+    assert await asyncio.to_thread(proc.wait, 30) == 1, proc.tail()
+    assert "stopped sending for good" in proc.tail()

@@ -13,6 +13,10 @@ its reservation is settled, intake would drop the new call's record as a redeliv
 old one (the call would wait for replies that came already, or get the old one's
 ``cancelled``), and later the scheduler refuses it as a reuse. Only this instance's own
 calls are known here.
+
+A producer that can no longer send (:class:`services.common.kafka.Producer`, "A dead
+sender") makes the gateway not ready and calls ``on_failure``; ``python -m services.ingest``
+crashes the process with it, so a supervisor restarts the instance.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from aiokafka.errors import KafkaError
@@ -28,7 +33,7 @@ from schemas.codec import SchemaError, encode
 from schemas.control import CancelRequest
 from schemas.requests import InferenceRequest
 from services.common.guard import Guard, Headers, aiokafka_dead_letter
-from services.common.kafka import make_producer
+from services.common.kafka import ProducerFailed, make_producer
 from services.common.replies import DuplicateRequestError, ReplyRouter, ReplyStream
 from services.ingest.http.errors import ApiError, unavailable
 from services.ingest.topics import IngestTopics
@@ -42,8 +47,10 @@ REUSE_GUARD_S = 60.0
 class Gateway:
     """Submit requests and read their replies; started and stopped with the HTTP app."""
 
-    def __init__(self, bootstrap: str, topics: IngestTopics, *, instance_id: str) -> None:
+    def __init__(self, bootstrap: str, topics: IngestTopics, *, instance_id: str,
+                 on_failure: Callable[[ProducerFailed], None] | None = None) -> None:
         self.topics = topics
+        self._on_failure = on_failure
         self.instance_id = instance_id
         self._bootstrap = bootstrap
         self._producer: Any = None
@@ -54,7 +61,7 @@ class Gateway:
 
     @property
     def producer_ready(self) -> bool:
-        return self._producer is not None
+        return self._producer is not None and self._producer.failure is None
 
     @property
     def replies_ready(self) -> bool:
@@ -65,7 +72,7 @@ class Gateway:
         return self.producer_ready and self.replies_ready
 
     async def start(self) -> None:
-        producer = make_producer(self._bootstrap)
+        producer = make_producer(self._bootstrap, on_failure=self._on_failure)
         await producer.start()
         guard = Guard(aiokafka_dead_letter(producer, self.topics.deadletter),
                       name="ingest.replies", logger=_log)

@@ -222,6 +222,10 @@ async def ensure_topics(
     Returns once every requested topic has all its partitions led: a client that looks up
     a topic the moment it was created can get it without partitions, and Faust, for one,
     then refuses to write a table's changelog until its next metadata refresh (minutes).
+    A topic that exists with fewer partitions than needed is refused
+    (:class:`TopicMismatchError`); one with fewer replicas than ``replication_factor`` is
+    only warned of (Kafka does not add replicas to a topic by itself; see
+    :func:`_warn_replicas`).
     """
     wanted = list(topics)
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=15_000)
@@ -250,6 +254,7 @@ async def ensure_topics(
             described = await asyncio.wait_for(
                 admin.describe_topics([t.name for t in found]), timeout_s)
             _check_partitions(found, described)
+            _warn_replicas(described, replication_factor)
         return [t.name for t in missing]
     finally:
         await admin.close()
@@ -273,6 +278,25 @@ def _check_partitions(wanted: Sequence[TopicRequest], described: Any) -> None:
             "; ".join(wrong) + ". They were made by something else (a broker that creates "
             "topics on first use?) or with other settings (LLMQ_ASSIGNMENT_PARTITIONS): "
             "delete them and let llmq create them, or set llmq's settings to match")
+
+
+def _warn_replicas(described: Any, replication_factor: int) -> None:
+    """Log topics that exist with fewer replicas than ``replication_factor`` asks for: made
+    before it was raised (LLMQ_REPLICATION_FACTOR defaults to 1), they keep one broker's
+    copy, and ``acks=all`` then means that broker's disk only. Not an error: the service
+    works as before, and raising the count is a reassignment the operator plans."""
+    short = sorted(
+        f"{d['topic']} ({min(len(p['replicas']) for p in d['partitions'])})"
+        for d in described
+        if not d["error_code"] and d["partitions"]
+        and min(len(p["replicas"]) for p in d["partitions"]) < replication_factor
+    )
+    if short:
+        log.warning(
+            "%d topic(s) have fewer replicas than LLMQ_REPLICATION_FACTOR=%d: %s. They were "
+            "made before it was set; raise them with kafka-reassign-partitions.sh "
+            "(llmq does not change an existing topic)",
+            len(short), replication_factor, ", ".join(short))
 
 
 async def topic_exists(bootstrap: str, name: str, timeout_s: float = 10.0) -> bool:

@@ -7,6 +7,7 @@ says so instead of taking sends it will never send."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 
 import pytest
@@ -99,6 +100,26 @@ async def test_topics_get_the_replication_factor_asked_for(
     with pytest.raises(InvalidReplicationFactorError):
         await ensure_topics(bootstrap, [TopicRequest(f"{topic_prefix}.two", 1)],
                             replication_factor=2)
+
+
+async def test_a_topic_with_fewer_replicas_than_asked_for_is_warned_of(
+    bootstrap: str, topic_prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # LLMQ_REPLICATION_FACTOR raised after the topics were made: Kafka keeps their one
+    # replica, and nothing said so (acks=all then means one broker's disk).
+    one, other = f"{topic_prefix}.made-with-one", f"{topic_prefix}.also-one"
+    await ensure_topics(bootstrap, [TopicRequest(one, 2), TopicRequest(other, 1)])
+    caplog.set_level(logging.WARNING, logger="services.common.kafka")
+    await ensure_topics(bootstrap, [TopicRequest(one, 2)], replication_factor=1)
+    assert not [r for r in caplog.records if "replicas" in r.getMessage()]
+    created = await ensure_topics(bootstrap, [TopicRequest(one, 2), TopicRequest(other, 1)],
+                                  replication_factor=3)
+    assert created == []  # the existing topics are used as they are, not refused
+    (warning,) = [r for r in caplog.records if "replicas" in r.getMessage()]
+    text = warning.getMessage()
+    assert warning.levelno == logging.WARNING
+    assert f"{other} (1), {one} (1)" in text and "LLMQ_REPLICATION_FACTOR=3" in text
+    assert "kafka-reassign-partitions" in text
 
 
 async def test_a_producer_whose_sender_died_says_so_instead_of_hanging(

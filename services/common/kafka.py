@@ -84,9 +84,11 @@ class Producer(AIOKafkaProducer):  # type: ignore[misc]  # aiokafka ships no typ
         self._sender.sender_task.add_done_callback(self._sender_ended)
 
     def _sender_ended(self, task: asyncio.Task[None]) -> None:
-        if task.cancelled():  # stop() closes it this way
+        # stop() cancels it, and aiokafka's routine then returns normally (it waits for
+        # the requests in flight instead of re-raising): only an error is a failure.
+        cause = None if task.cancelled() else task.exception()
+        if cause is None:
             return
-        cause = task.exception()
         self.failure = ProducerFailed(
             f"the Kafka producer stopped sending for good: {cause!r}")
         self.failure.__cause__ = cause

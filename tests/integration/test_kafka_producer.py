@@ -154,6 +154,21 @@ async def test_a_producer_whose_sender_died_says_so_instead_of_hanging(
     assert len(failures) == 1  # stop() is not a second failure
 
 
+async def test_stopping_a_producer_is_not_a_failure(bootstrap: str, topic_prefix: str) -> None:
+    # stop() cancels the sender task, and aiokafka's routine then returns normally: a
+    # first version of the check above took that for a dead sender, and every service
+    # crashed (exit 1) at its graceful stop.
+    topic = f"{topic_prefix}.stopped"
+    await ensure_topics(bootstrap, [TopicRequest(topic, 1)])
+    failures: list[ProducerFailed] = []
+    producer = make_producer(bootstrap, on_failure=failures.append)
+    await producer.start()
+    await asyncio.wait_for(producer.send_and_wait(topic, b"one"), 10)
+    await asyncio.wait_for(producer.stop(), 10)
+    await asyncio.sleep(0.1)  # a done callback would have run
+    assert failures == [] and producer.failure is None
+
+
 async def _until(condition: Callable[[], bool]) -> None:
     while not condition():
         await asyncio.sleep(0.05)

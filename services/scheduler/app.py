@@ -288,21 +288,32 @@ class Scheduler:
         asyncio.ensure_future(self.app.crash(exc))  # noqa: RUF006  # the app ends with it
 
     async def stop(self) -> None:
-        for task in (self._main_task, self._turns_task):
+        """Each wait here is bounded by ``send_timeout_s``; how long each took is logged,
+        so a stop slower than an orchestrator's grace period says where its time went."""
+        began = time.monotonic()
+        for task in (self._main_task, self._turns_task, self._turns_read):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+        phases = [("dispatch", time.monotonic())]
         if self._checks:  # the endings they hold would otherwise wait for the next scheduler
             await asyncio.wait(self._checks, timeout=self.rt.scheduler.send_timeout_s)
+        phases.append(("reply-topic checks", time.monotonic()))
         try:
             await asyncio.wait_for(self._flush(), self.rt.scheduler.send_timeout_s)
         except Exception:
             _log.warning("scheduler: final flush incomplete; unacked requests are redelivered",
                          exc_info=True)
+        phases.append(("final flush", time.monotonic()))
         await self.reply_topics.stop()
         await self.reader.stop()
         if self._producer is not None:
             await self._producer.stop()
+        phases.append(("clients", time.monotonic()))
+        _log.info("scheduler: stopped in %.1f s (%s)", phases[-1][1] - began, ", ".join(
+            f"{name} {end - start:.1f} s"
+            for (name, end), start in zip(phases, [began, *(e for _, e in phases)],
+                                          strict=False)))
 
     async def _main(self) -> None:
         cfg = self.rt.scheduler
@@ -609,10 +620,13 @@ class Scheduler:
         self._paused -= mine
         if dropped:
             _log.info("scheduler: %d pending request(s) left with revoked partitions", dropped)
+        began = time.monotonic()
         try:
             await asyncio.wait_for(self._flush(), self.rt.scheduler.send_timeout_s)
         except Exception:
             _log.warning("scheduler: flush at rebalance incomplete", exc_info=True)
+        if (took := time.monotonic() - began) >= 1.0:
+            _log.info("scheduler: the flush at the rebalance took %.1f s", took)
         unsent, dropped = await self.outbox.withdraw(mine)
         now = self.clock()
         taken_back = sum(self.state.withdraw(effect, now) for effect in unsent)

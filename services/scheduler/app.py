@@ -363,7 +363,7 @@ class Scheduler:
         # One replica handles worker loss: faust's leader (the leader-assignor partition's
         # owner; a single replica is always it once assigned).
         result = self.state.tick(now, handle_losses=self.app.is_leader(),
-                                 place=self._may_place(now))
+                                 log_read_at=self._log_read_at())
         m = self.metrics
         m.tick(result)
         for worker_id in result.lost_workers:
@@ -385,18 +385,15 @@ class Scheduler:
         if result.more:
             self.wake.set()
 
-    def _may_place(self, now: float) -> bool:
-        """With several replicas, one places in its turn (filter ``replica-turn``) only once
-        its log reader has read the assignments written up to the turns' start: the last
-        placements of the replica whose turn ended are in its ledger (their writes take
-        less than the guard). Turns start together on every worker, so this is one check
-        per cycle; while it fails, the cycle places and rejects nothing (the next one, a
-        poll later, does)."""
+    def _log_read_at(self) -> float:
+        """Up to when the assignments are read: with several replicas, one places on a
+        worker in its turn (filter ``replica-turn``) only once its log reader has read the
+        assignments written up to that turn's start, so that the last placements of the
+        replica whose turn ended are in its ledger (their writes take less than the guard).
+        Alone, its own ledger is the truth: no wait."""
         if self.state.turns[0] == 1:
-            return True
-        slot_s = self.rt.scheduler.turn_slot_s
-        started = math.floor(now / slot_s) * slot_s
-        return self.reader.caught_up_at(self.rt.topics.assignments) >= started
+            return math.inf
+        return self.reader.caught_up_at(self.rt.topics.assignments)
 
     async def _send_unless_answered(self, effects: list[Effect],
                                     held: tuple[HeldRequeue, ...] = ()) -> None:

@@ -6,6 +6,7 @@ is left to its partition's owner."""
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Awaitable, Callable
 from types import SimpleNamespace
 from typing import Any
@@ -124,10 +125,8 @@ def test_one_of_several_replicas_places_only_once_its_log_is_read_up_to_the_turn
     scheduler = _scheduler(caught_up)
     read_up_to = [0.0]
     scheduler.reader.caught_up_at = lambda topic: read_up_to[0]  # type: ignore[method-assign]
-    assert scheduler._may_place(T + 0.3)  # alone: always
+    assert scheduler._log_read_at() == math.inf  # alone: its own ledger is the truth
     scheduler.state.turns = (2, 0)
-    read_up_to[0] = T + 0.49  # the slot [T, T + 0.5) has begun ...
-    assert scheduler._may_place(T + 0.3)
-    assert not scheduler._may_place(T + 0.6)  # ... the next one, at T + 0.5, not read yet
+    assert scheduler._log_read_at() == 0.0  # not read to the end: no turn may be used
     read_up_to[0] = T + 0.55
-    assert scheduler._may_place(T + 0.6)
+    assert scheduler._log_read_at() == T + 0.55  # the filter compares each worker's turn

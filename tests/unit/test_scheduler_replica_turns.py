@@ -9,6 +9,7 @@ Kafka); "reading back" is what the app does with every record of ``llmq.assignme
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 
@@ -17,13 +18,19 @@ import pytest
 from schemas.codec import decode
 from schemas.messages import ASSIGNMENT_ADAPTER
 from schemas.requests import Assignment
-from services.scheduler import QueueConfig, build_pipeline
+from services.scheduler import Ledger, PlacementContext, QueueConfig, Snapshot, build_pipeline
 from services.scheduler.core.errors import ConfigError
-from services.scheduler.policies.filters.replica_turn import ReplicaTurn, factory, turn_of
+from services.scheduler.policies.filters.replica_turn import (
+    ReplicaTurn,
+    factory,
+    turn_began,
+    turn_of,
+)
 from services.scheduler.runtime.results import RuntimeConfig
 from services.scheduler.runtime.state import SchedulerState
 from services.scheduler.runtime.turns import shared, turns_of
 from services.scheduler.settings import SchedulerSettings
+from tests.builders import make_request, make_worker
 from tests.unit.test_scheduler_runtime_state import SCHED, T, admitted, beat
 
 WORKERS = [f"w{i}" for i in range(4)]
@@ -31,31 +38,69 @@ WORKERS = [f"w{i}" for i in range(4)]
 
 def test_mid_slot_every_worker_is_exactly_one_replicas_turn_and_turns_rotate() -> None:
     for replicas in (2, 3):
-        owners_by_slot = []
-        for slot in range(6):
-            now = slot * 0.5 + 0.25
-            owners = [turn_of(w, now, replicas, 0.5, 0.05) for w in WORKERS]
-            assert all(o is not None and 0 <= o < replicas for o in owners)
-            owners_by_slot.append(owners)
-        # A worker moves to the next replica each slot: every replica gets every worker.
-        for i in range(len(WORKERS)):
-            seen = [owners_by_slot[k][i] for k in range(replicas)]
-            assert sorted(seen) == list(range(replicas))  # type: ignore[type-var]
+        for worker in WORKERS:
+            began = turn_began(worker, 100.0, 0.5)
+            assert began <= 100.0 < began + 0.5
+            owners = [turn_of(worker, began + 0.25 + k * 0.5, replicas, 0.5, 0.05)
+                      for k in range(2 * replicas)]
+            assert all(o is not None for o in owners)
+            # The worker moves to the next replica each slot: every replica gets it once
+            # per rotation.
+            assert owners == [(owners[0] + k) % replicas  # type: ignore[operator]
+                              for k in range(2 * replicas)]
 
 
 def test_the_ends_of_a_turn_are_nobodys() -> None:
-    assert turn_of("w0", 10.0, 2, 0.5, 0.05) is None  # the first 50 ms of a slot
-    assert turn_of("w0", 10.04, 2, 0.5, 0.05) is None
-    assert turn_of("w0", 10.05, 2, 0.5, 0.05) is not None
-    assert turn_of("w0", 10.449, 2, 0.5, 0.05) is not None
-    assert turn_of("w0", 10.46, 2, 0.5, 0.05) is None  # the last 50 ms
+    began = turn_began("w0", 10.0, 0.5)
+    assert turn_of("w0", began + 0.001, 2, 0.5, 0.05) is None  # the first 50 ms of a slot
+    assert turn_of("w0", began + 0.04, 2, 0.5, 0.05) is None
+    assert turn_of("w0", began + 0.051, 2, 0.5, 0.05) is not None
+    assert turn_of("w0", began + 0.449, 2, 0.5, 0.05) is not None
+    assert turn_of("w0", began + 0.46, 2, 0.5, 0.05) is None  # the last 50 ms
+    assert turn_began("w0", began + 0.499, 0.5) == pytest.approx(began)
+    assert turn_began("w0", began + 0.501, 0.5) == pytest.approx(began + 0.5)
 
 
 def test_over_a_fleet_each_replica_has_about_its_share_at_any_moment() -> None:
     fleet = [f"worker-{i}" for i in range(1_000)]
-    shares = Counter(turn_of(w, 100.25, 4, 0.5, 0.05) for w in fleet)
-    assert set(shares) == {0, 1, 2, 3}
-    assert all(200 <= n <= 300 for n in shares.values()), shares
+    for now in (100.0, 100.25, 100.4):
+        shares = Counter(turn_of(w, now, 4, 0.5, 0.05) for w in fleet)
+        # Turns begin at different moments on different workers: at no moment is the
+        # whole fleet between turns (it was, at every slot boundary, for 2 x 50 ms).
+        assert 150 <= shares.pop(None) <= 250, shares  # 2 x guard / slot = 20 %
+        assert set(shares) == {0, 1, 2, 3}
+        assert all(150 <= n <= 250 for n in shares.values()), shares
+
+
+def test_a_small_fleet_is_shared_between_two_replicas_most_of_the_time() -> None:
+    # crc32 is linear: fake-0 ... fake-3 all had the same turns, so each of two replicas
+    # had none of them 60 % of the time, and every request waited for the next slot.
+    for fleet in (["fake-0", "fake-1", "fake-2", "fake-3"], WORKERS):
+        instants = [100 + i * 0.001 for i in range(5_000)]
+        for index in (0, 1):
+            without = sum(all(turn_of(w, t, 2, 0.5, 0.05) != index for w in fleet)
+                          for t in instants) / len(instants)
+            assert without < 0.15, (fleet, index, without)
+
+
+def test_a_worker_takes_work_in_a_turn_only_once_the_log_is_read_up_to_its_start() -> None:
+    turn = ReplicaTurn(replicas=2, index=0)
+    worker = make_worker("w0", kv_total_tokens=10_000, kv_free_tokens=10_000)
+    began = turn_began("w0", 100.0, 0.5)
+    if turn_of("w0", began + 0.25, 2, 0.5, 0.05) != 0:
+        began += 0.5  # the next slot is replica 0's
+    now = began + 0.25
+    request = make_request("r1")
+
+    def verdict(log_read_at: float) -> bool:
+        snapshot = Snapshot.of([worker], now, log_read_at=log_read_at)
+        return turn.accepts(worker, request, PlacementContext(snapshot, Ledger(), now))
+
+    assert not verdict(began - 0.01)  # read before the turn began: the last turn's
+    assert verdict(began + 0.01)  # placements may be missing; read after: they are in
+    assert verdict(math.inf)  # alone, or the simulator
+    assert ReplicaTurn(replicas=2, index=1).accepts(
+        worker, request, PlacementContext(Snapshot.of([worker], now), Ledger(), now)) is False
 
 
 @pytest.mark.parametrize(
@@ -152,11 +197,14 @@ def test_two_replicas_unaware_of_each_other_overcommit_one() -> None:
     assert peak > usable
 
 
-def test_a_tick_that_may_not_place_places_and_rejects_nothing() -> None:
-    state = replica(0, 1)
+def test_a_tick_whose_log_is_not_read_up_to_the_turns_places_nothing_but_rejects() -> None:
+    state = replica(0, 2)
     state.on_request(admitted("r1", timeout_s=600), ("tp", 0), T)
     state.on_request(admitted("late", timeout_s=0.001), ("tp", 1), T)
-    held = state.tick(T + 1, place=False)
-    assert (held.placed, held.rejected) == (0, {})
-    done = state.tick(T + 1)
-    assert done.placed == 1 and done.rejected == {"queue_timeout": 1}
+    now = next(t for t in (T + 1 + k * 0.01 for k in range(100))
+               if any(turn_of(w, t, 2, 0.5, 0.05) == 0 for w in WORKERS))
+    held = state.tick(now, log_read_at=now - 1.0)  # read before any turn of now began
+    # An expired request is refused all the same: that needs no other replica's record.
+    assert (held.placed, held.rejected) == (0, {"queue_timeout": 1})
+    done = state.tick(now, log_read_at=now)
+    assert done.placed == 1

@@ -8,6 +8,7 @@ performs a side effect.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
@@ -136,6 +137,11 @@ class Snapshot:
     workers: Mapping[str, WorkerState]
     now: float
     stale_after_s: float = DEFAULT_STALE_AFTER_S
+    #: Every assignment written before this wall time (seconds) is in the ledger. With
+    #: several scheduler replicas, a worker takes work from a replica in its turn only
+    #: once that replica read the log up to the turn's start (filter ``replica-turn``).
+    #: Infinite: the ledger is the whole truth (one replica; the simulator).
+    log_read_at: float = math.inf
     memo: dict[object, object] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -150,9 +156,10 @@ class Snapshot:
         workers: Iterable[WorkerState],
         now: float,
         stale_after_s: float = DEFAULT_STALE_AFTER_S,
+        log_read_at: float = math.inf,
     ) -> Snapshot:
         """A snapshot of ``workers`` (later duplicates of a worker_id win)."""
-        return cls({w.worker_id: w for w in workers}, now, stale_after_s)
+        return cls({w.worker_id: w for w in workers}, now, stale_after_s, log_read_at)
 
     def is_fresh(self, worker: WorkerState) -> bool:
         """True when the worker's heartbeat is recent enough to trust."""

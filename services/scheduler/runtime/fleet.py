@@ -27,6 +27,7 @@ reads every heartbeat anew, a worker that died meanwhile is declared dead one bo
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 from schemas.workers import WorkerHeartbeat
@@ -93,8 +94,9 @@ class FleetView:
         hb = self._beats.get(worker_id)
         return None if hb is None else worker_state(hb)
 
-    def snapshot(self, now: float) -> Snapshot:
-        """The live workers as the core's frozen snapshot.
+    def snapshot(self, now: float, log_read_at: float = math.inf) -> Snapshot:
+        """The live workers as the core's frozen snapshot (``log_read_at``: see
+        :attr:`Snapshot.log_read_at`).
 
         The snapshot's ``stale_after_s`` covers the slowest live worker's own staleness
         bound, so the core's fresh-heartbeat rule agrees with this view (every worker in
@@ -104,7 +106,8 @@ class FleetView:
         bound = max(
             (self.staleness * hb.interval_s for hb in live), default=DEFAULT_STALE_AFTER_S
         )
-        return Snapshot.of((worker_state(hb) for hb in live), now, max(bound, 1e-9))
+        return Snapshot.of((worker_state(hb) for hb in live), now, max(bound, 1e-9),
+                           log_read_at)
 
     def block_size(self, model: str, now: float | None = None) -> int | None:
         """The largest block size of the workers of ``model`` live at ``now``: of any known

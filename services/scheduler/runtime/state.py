@@ -37,6 +37,7 @@ in :class:`TickResult` and the cumulative :attr:`SchedulerState.ended` counts.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from collections.abc import Collection, Hashable, Mapping
@@ -487,7 +488,8 @@ class SchedulerState:
 
     # -- the dispatch cycle -----------------------------------------------------------
 
-    def tick(self, now: float, *, handle_losses: bool = True, place: bool = True) -> TickResult:
+    def tick(self, now: float, *, handle_losses: bool = True,
+             log_read_at: float = math.inf) -> TickResult:
         """Worker loss, then one ``schedule()`` call; everything it decided as effects.
 
         ``handle_losses``: this replica acts on lost workers. Every replica reads every
@@ -495,9 +497,10 @@ class SchedulerState:
         app's leader) may. The others learn the outcome from what it produces (the next
         attempt's assignment or the terminal event), which releases their bookings.
 
-        ``place`` False: no ``schedule()`` this cycle (no placement, no rejection): one of
-        several replicas whose log is not read up to its turn yet (the app's
-        ``_may_place``).
+        ``log_read_at``: every assignment written before this wall time has been read
+        (:attr:`Snapshot.log_read_at`; one of several replicas places on a worker in its
+        turn only once the log is read up to the turn's start; the app's
+        ``_log_read_at``).
         """
         effects: list[Effect] = []
         if self._settled:
@@ -524,12 +527,12 @@ class SchedulerState:
             leases = self._answer_renewals(now, effects)
         else:
             self._renewals.clear()  # the leader answers; a worker asks on every beat
-        snapshot = self.fleet.snapshot(now)
+        snapshot = self.fleet.snapshot(now, log_read_at)
         started = time.perf_counter()
         decisions = schedule(
             snapshot, self.pending, self.ledger, self.pipeline, now, self.rng,
             max_placements=self.config.max_placements,
-        ) if place else []
+        )
         schedule_s = time.perf_counter() - started
         placements: list[Placed] = []
         rejected: dict[ErrorCode, int] = {}

@@ -403,13 +403,18 @@ def lane_workers(prefill_workers: int, short_workers: int, long_workers: int,
                    "then default to 0).")
 @click.option("--decode-workers", default=0, show_default=True, type=click.IntRange(0),
               help="Workers that take the prefill workers' hand-offs.")
+@click.option("--schedulers", default=1, show_default=True, type=click.IntRange(1, 16),
+              help="Scheduler replicas: one consumer group that splits the request "
+                   "partitions; they place on each worker in turns (docs/live-system.md, "
+                   "\"Several scheduler replicas\"). Metrics ports of replicas 2.. come "
+                   "after the workers'.")
 @click.option("--http-port", default=8080, show_default=True, type=PORT,
               help="Ingest HTTP port.")
 @click.option("--health-port", default=8081, show_default=True, type=PORT,
               help="Health service port.")
 @click.option("--metrics-base-port", default=9400, show_default=True, type=PORT,
               help="First of the services' Prometheus ports (one per service, upwards: "
-                   "3 plus one per worker).")
+                   "3 plus one per worker and one per scheduler replica past the first).")
 @click.option("--profile", default="llama3-8b-h100", show_default=True,
               help="Engine profile of the sim workers.")
 @click.option("--model", default="llama-3.1-8b", show_default=True)
@@ -421,7 +426,8 @@ def lane_workers(prefill_workers: int, short_workers: int, long_workers: int,
               help="Leave the embedded broker running when the foreground stack stops.")
 @click.pass_context
 def up(ctx: click.Context, detach: bool, short_workers: int, long_workers: int,
-       any_workers: int, prefill_workers: int, decode_workers: int, http_port: int,
+       any_workers: int, prefill_workers: int, decode_workers: int, schedulers: int,
+       http_port: int,
        health_port: int, metrics_base_port: int, profile: str, model: str, kafka_only: bool,
        with_jaeger: bool, keep_kafka: bool,
        ) -> None:
@@ -452,7 +458,8 @@ def up(ctx: click.Context, detach: bool, short_workers: int, long_workers: int,
     settings: Settings = ctx.obj
     cfg = StackConfig(
         short_workers=short_workers, long_workers=long_workers, any_workers=any_workers,
-        prefill_workers=prefill_workers, decode_workers=decode_workers, http_port=http_port,
+        prefill_workers=prefill_workers, decode_workers=decode_workers,
+        schedulers=schedulers, http_port=http_port,
         health_port=health_port, metrics_base_port=metrics_base_port,
         profile=profile, model=model)
     problem = None if kafka_only else config_problem(cfg, settings.assignment_partitions)
@@ -558,7 +565,8 @@ def _up(ctx: click.Context, settings: Settings, detach: bool, cfg: StackConfig,
                f"Kafka on {settings.bootstrap} ; workers: {cfg.short_workers} short, "
                f"{cfg.long_workers} long, {cfg.any_workers} any, {cfg.prefill_workers} "
                f"prefill, {cfg.decode_workers} decode (sim engine, "
-               f"profile {cfg.profile})")
+               f"profile {cfg.profile})"
+               + (f" ; {cfg.schedulers} scheduler replicas" if cfg.schedulers > 1 else ""))
     if detach:
         stack.start(log_dir=stack_dir(settings))
         path = write_services_file(settings, stack)

@@ -48,6 +48,8 @@ class StackConfig:
     #: Workers of a prefill/decode split (pool ``any``, roles ``prefill`` and ``decode``).
     prefill_workers: int = 0
     decode_workers: int = 0
+    #: Scheduler replicas: one consumer group, placing in turns (docs/live-system.md).
+    schedulers: int = 1
     http_port: int = 8080
     health_port: int = 8081
     metrics_base_port: int = 9400
@@ -58,7 +60,8 @@ class StackConfig:
     extra_env: tuple[tuple[str, str], ...] = field(default=())
 
 
-#: Services of the stack besides the workers: scheduler, ingest, health.
+#: Services of the stack besides the workers: scheduler, ingest, health (and the other
+#: scheduler replicas, whose ports come after the workers').
 _SERVICES_BESIDE_WORKERS = 3
 _MAX_PORT = 65_535
 
@@ -69,8 +72,10 @@ def worker_count(cfg: StackConfig) -> int:
 
 
 def metrics_ports(cfg: StackConfig) -> range:
-    """The services' Prometheus ports: one each, upwards from ``metrics_base_port``."""
-    count = _SERVICES_BESIDE_WORKERS + worker_count(cfg)
+    """The services' Prometheus ports: one each, upwards from ``metrics_base_port``: the
+    scheduler, ingest, health, the workers, then the other scheduler replicas (so the
+    default stack's ports do not move with ``schedulers``)."""
+    count = _SERVICES_BESIDE_WORKERS + worker_count(cfg) + cfg.schedulers - 1
     return range(cfg.metrics_base_port, cfg.metrics_base_port + count)
 
 
@@ -102,12 +107,20 @@ def stack_services(cfg: StackConfig) -> list[ServiceSpec]:
     """The processes of the local stack, in start order."""
     py = sys.executable
     port = iter(metrics_ports(cfg))
+    ports = list(metrics_ports(cfg))
+    extra_ports = iter(ports[len(ports) - (cfg.schedulers - 1):])
+    # Replicas need an id each (the default is one per host): scheduler-1, scheduler-2, ...
+    ids = [(("LLMQ_SCHEDULER_SCHEDULER_ID", f"scheduler-{i}"),) if cfg.schedulers > 1 else ()
+           for i in range(1, cfg.schedulers + 1)]
     specs = [
         ServiceSpec(
             "scheduler",
             (py, "-m", "services.scheduler"),
-            (("LLMQ_METRICS_PORT", str(next(port))),),
+            (("LLMQ_METRICS_PORT", str(next(port))), *ids[0]),
         ),
+        *(ServiceSpec(f"scheduler-{i}", (py, "-m", "services.scheduler"),
+                      (("LLMQ_METRICS_PORT", str(next(extra_ports))), *ids[i - 1]))
+          for i in range(2, cfg.schedulers + 1)),
         ServiceSpec(
             "ingest",
             (py, "-m", "services.ingest"),

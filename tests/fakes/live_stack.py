@@ -17,16 +17,14 @@ from pathlib import Path
 
 import httpx
 
-from services.stack import ServiceSpec, Stack, StackConfig
+from services.stack import ServiceSpec, Stack, StackConfig, metrics_ports
 from tests.fakes.ports import free_port_block
 
 
 def loopback_config(**fields: object) -> StackConfig:
     """A :class:`StackConfig` whose HTTP, health and metrics ports are one free block."""
     cfg = StackConfig(**fields)  # type: ignore[arg-type]
-    workers = (cfg.short_workers + cfg.long_workers + cfg.any_workers + cfg.prefill_workers
-               + cfg.decode_workers)
-    base = free_port_block(2 + 3 + workers)
+    base = free_port_block(2 + len(metrics_ports(cfg)))
     return replace(cfg, http_port=base, health_port=base + 1, metrics_base_port=base + 2)
 
 

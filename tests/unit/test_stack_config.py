@@ -40,3 +40,24 @@ def test_one_metrics_port_per_service_however_many_workers() -> None:
     big = cfg(short_workers=1000, long_workers=0, metrics_base_port=20_000)
     ports = [dict(s.env)["LLMQ_METRICS_PORT"] for s in stack_services(big)]
     assert ports == [str(p) for p in metrics_ports(big)] and len(ports) == 1003
+
+
+def test_scheduler_replicas_get_an_id_each_and_ports_after_the_workers() -> None:
+    alone = {s.name: dict(s.env) for s in stack_services(cfg())}
+    assert "LLMQ_SCHEDULER_SCHEDULER_ID" not in alone["scheduler"]  # the default id
+    three = stack_services(cfg(schedulers=3))
+    env = {s.name: dict(s.env) for s in three}
+    schedulers = [s.name for s in three if s.argv[-1] == "services.scheduler"]
+    assert schedulers == ["scheduler", "scheduler-2", "scheduler-3"]
+    assert [s.name for s in three][:3] == schedulers  # before ingest, as one was
+    assert [env[n]["LLMQ_SCHEDULER_SCHEDULER_ID"] for n in schedulers] == [
+        "scheduler-1", "scheduler-2", "scheduler-3"]
+    # The default stack's ports stay where prometheus.yml scrapes them.
+    for name in ("scheduler", "ingest", "health", "worker-0", "worker-1", "worker-2"):
+        assert env[name]["LLMQ_METRICS_PORT"] == alone[name]["LLMQ_METRICS_PORT"]
+    assert [env[n]["LLMQ_METRICS_PORT"] for n in schedulers[1:]] == ["9406", "9407"]
+    ports = sorted(int(e["LLMQ_METRICS_PORT"]) for e in env.values())
+    assert ports == list(metrics_ports(cfg(schedulers=3)))
+    assert config_problem(cfg(schedulers=3, http_port=9407), slots=16) == (
+        "--http-port", "9407 is one of the metrics ports 9400-9407 (--metrics-base-port and "
+        "up): give another port")

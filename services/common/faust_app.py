@@ -17,13 +17,13 @@ Settings that matter on a single dev broker and in tests (documented, not magic)
 - An idempotent producer (``acks=all`` + ``enable_idempotence``, DESIGN.md's delivery
   rule): faust turns idempotence on only inside transactions, so a send it retried after
   a lost ack could be written twice. Here the broker drops such a duplicate.
-- A producer that can no longer send crashes the app (exit status 1), so a supervisor
-  restarts it with a new producer: :class:`services.common.kafka.Producer`, "A dead sender".
+- A producer that can no longer send ends the process at once (exit status 1, no graceful
+  stop, nothing committed), so a supervisor restarts it with a new producer:
+  :class:`services.common.kafka.Producer` and :func:`services.common.kafka.exit_now`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Mapping
 from pathlib import Path
@@ -34,7 +34,7 @@ from faust.transport.drivers.aiokafka import Producer
 from faust.types import ProducerT
 
 from services.common.faust_recovery import TableManager
-from services.common.kafka import MAX_RECORD_BYTES, ProducerFailed, TopicRequest
+from services.common.kafka import MAX_RECORD_BYTES, ProducerFailed, TopicRequest, exit_now
 from services.common.kafka import Producer as LlmqProducer
 from services.common.settings import Settings
 
@@ -79,7 +79,7 @@ class _IdempotentProducer(Producer):
             **{**self._settings_default(), **self._settings_auth(), **self._settings_extra()})
 
     def _failed(self, exc: ProducerFailed) -> None:
-        asyncio.ensure_future(self.app.crash(exc))  # noqa: RUF006  # the app ends with it
+        exit_now(exc)  # not app.crash: its graceful stop would commit (see exit_now)
 
 
 class _App(faust.App):

@@ -10,13 +10,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import KafkaError, TopicAlreadyExistsError, for_code
+from aiokafka.errors import (
+    KafkaError,
+    OutOfOrderSequenceNumber,
+    ProducerFenced,
+    TopicAlreadyExistsError,
+    UnknownProducerId,
+    for_code,
+)
 from aiokafka.partitioner import DefaultPartitioner
 
 from services.common import kafka_records
@@ -45,7 +53,17 @@ class TopicMismatchError(KafkaError):  # type: ignore[misc]  # aiokafka ships no
 
 
 class ProducerFailed(KafkaError):  # type: ignore[misc]  # aiokafka ships no types
-    """The producer's sender task ended for good: nothing it is given will be sent."""
+    """The producer can no longer send: its sequence or id is broken, or its sender task
+    ended. Only a new producer (a restarted process) sends again."""
+
+
+#: Delivery errors after which an idempotent producer sends nothing more to a partition:
+#: the broker and the producer disagree on its sequence (records the broker acknowledged
+#: and then lost, possible with one replica), or on the producer itself (its id expired,
+#: or another one took its epoch). aiokafka 0.14 fails the batch and carries on, never
+#: resetting the producer id, so every later batch to that partition fails the same way.
+FATAL_DELIVERY_ERRORS: tuple[type[BaseException], ...] = (
+    OutOfOrderSequenceNumber, UnknownProducerId, ProducerFenced)
 
 
 class Producer(AIOKafkaProducer):  # type: ignore[misc]  # aiokafka ships no types
@@ -61,14 +79,13 @@ class Producer(AIOKafkaProducer):  # type: ignore[misc]  # aiokafka ships no typ
     request's ``done`` event never went out and its KV reservation stayed booked.
     Tracking each topic on its first send keeps the set a superset of what is in flight.
 
-    A dead sender: aiokafka sends from one background task, which ends for good on
-    ``OutOfOrderSequenceNumber`` (an idempotent producer after the broker lost records it
-    had acknowledged, possible with one replica) or on an error it did not expect. What was
-    waiting fails with that error; every later ``send`` would wait for ever, since nothing
-    drains the buffer any more, and a service would live on without a voice: a worker
-    fenced by its unsent heartbeats, a scheduler whose placements never leave. Here
-    :attr:`failure` is set, ``on_failure`` is called once (services stop the process, so a
-    restart gets a new producer id) and every later ``send`` raises :class:`ProducerFailed`.
+    A producer that can no longer send: a delivery that fails with one of
+    :data:`FATAL_DELIVERY_ERRORS` (after it, every later batch to that partition fails too)
+    or aiokafka's sender task ending on an error (every later send then fails). A service
+    would live on without a voice: a worker whose heartbeats fail, fenced by its own lease;
+    a scheduler whose placements never leave; ingest answering 503 for ever. Here
+    :attr:`failure` is set, ``on_failure`` is called once (services exit, so a restart gets
+    a new producer id) and every later ``send`` raises :class:`ProducerFailed`.
     """
 
     def __init__(self, *, on_failure: Callable[[ProducerFailed], None] | None = None,
@@ -87,10 +104,19 @@ class Producer(AIOKafkaProducer):  # type: ignore[misc]  # aiokafka ships no typ
         # stop() cancels it, and aiokafka's routine then returns normally (it waits for
         # the requests in flight instead of re-raising): only an error is a failure.
         cause = None if task.cancelled() else task.exception()
-        if cause is None:
+        if cause is not None:
+            self._fail(cause)
+
+    def _delivered(self, delivery: asyncio.Future[Any]) -> None:
+        cause = None if delivery.cancelled() else delivery.exception()
+        if isinstance(cause, FATAL_DELIVERY_ERRORS):
+            self._fail(cause)
+
+    def _fail(self, cause: BaseException) -> None:
+        if self.failure is not None:
             return
         self.failure = ProducerFailed(
-            f"the Kafka producer stopped sending for good: {cause!r}")
+            f"the Kafka producer can no longer send: {cause!r}")
         self.failure.__cause__ = cause
         log.error("%s; nothing more can be sent from this process until it restarts",
                   self.failure)
@@ -102,7 +128,21 @@ class Producer(AIOKafkaProducer):  # type: ignore[misc]  # aiokafka ships no typ
             raise ProducerFailed(str(self.failure)) from self.failure.__cause__
         if topic not in self._tracked:
             track_topics(self, [topic])
-        return await super().send(topic, *args, **kwargs)
+        delivery = await super().send(topic, *args, **kwargs)
+        delivery.add_done_callback(self._delivered)
+        return delivery
+
+
+def exit_now(exc: ProducerFailed) -> None:
+    """``on_failure`` of the Faust services' producers: exit at once, status 1, without
+    the graceful stop. That stop commits the offsets of the records handled so far, and
+    Faust's flush before a commit returns when a delivery *failed* as when it succeeded:
+    an admission whose output never reached Kafka would be committed as done. Exiting
+    here, everything not committed is redelivered to the restarted process (or another
+    replica)."""
+    log.critical("%s: exiting (status 1) so that a restart gets a producer that sends", exc)
+    logging.shutdown()
+    os._exit(1)
 
 
 def track_topics(producer: AIOKafkaProducer, topics: Iterable[str]) -> None:

@@ -28,7 +28,7 @@ from pydantic import ValidationError
 
 from services.common import metrics, tracing
 from services.common.faust_app import run_app
-from services.common.kafka import ProducerFailed, ensure_topics
+from services.common.kafka import ensure_topics, exit_now
 from services.common.settings import Settings, warn_unknown_env
 from services.ingest.app import IngestRuntime, app_id, build_app
 from services.ingest.core import ModelRegistry, TokenCounter, counter_from_tokenizer_json
@@ -108,12 +108,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                             _counters(tenancy.config.admission.registry))
     built = build_app(runtime)
 
-    def producer_failed(exc: ProducerFailed) -> None:  # exit 1: a restart gets a new one
-        asyncio.ensure_future(built.app.crash(exc))  # noqa: RUF006  # the app ends with it
-
     api = create_api(HttpDeps(
-        gateway=Gateway(settings.bootstrap, topics, instance_id=instance,
-                        on_failure=producer_failed),
+        gateway=Gateway(settings.bootstrap, topics, instance_id=instance, on_failure=exit_now),
         tenancy=tenancy,
         watcher=built.watcher,
         defaults=ApiDefaults(ingest.completion_default_max_tokens, ingest.chat_default_max_tokens),

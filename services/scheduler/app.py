@@ -105,7 +105,7 @@ from services.common import tracing
 from services.common.faust_app import make_app
 from services.common.groups import group_members
 from services.common.guard import Guard, Headers
-from services.common.kafka import ProducerFailed, ensure_topics, make_producer
+from services.common.kafka import ProducerFailed, ensure_topics, exit_now, make_producer
 from services.common.log_reader import LogReader
 from services.common.settings import Settings
 from services.scheduler import build_pipeline
@@ -282,10 +282,10 @@ class Scheduler:
         asyncio.ensure_future(self.app.crash(exc))  # noqa: RUF006  # the app ends with it
 
     def _producer_failed(self, exc: ProducerFailed) -> None:
-        """Nothing placed, ended or reported would leave any more: crash (exit 1) so a
+        """Nothing placed, ended or reported would leave any more: exit 1 at once so a
         supervisor restarts the process with a producer that sends; what was not acked is
         redelivered to it or to another replica."""
-        asyncio.ensure_future(self.app.crash(exc))  # noqa: RUF006  # the app ends with it
+        exit_now(exc)
 
     async def stop(self) -> None:
         """Each wait here is bounded by ``send_timeout_s``; how long each took is logged,

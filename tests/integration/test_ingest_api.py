@@ -191,10 +191,11 @@ async def _cancels(
 async def test_an_ingest_whose_producer_can_no_longer_send_exits_1(
     topic_prefix: str, tmp_path: Path
 ) -> None:
-    """aiokafka's sender task ends for good (FAULT INJECTION: OutOfOrderSequenceNumber from
-    the produce request; tests/fakes/sender_fault). Before, the instance stayed ready and
-    every call waited its 10 s send timeout for a 503, for ever. Now the call that found
-    it dead gets its 503 and the process exits 1, so a supervisor restarts it."""
+    """The broker answers OUT_OF_ORDER_SEQUENCE_NUMBER (FAULT INJECTION on the answer:
+    tests/fakes/sender_fault), after which aiokafka fails every later batch to the
+    partition. Before, the instance stayed ready and answered 503 for ever. Now the process
+    exits 1 at once (without committing what it had handled), so a supervisor restarts it;
+    the call in flight gets a 503 or a dropped connection."""
     trigger = tmp_path / "sender-fault"
     proc = IngestProcess(topic_prefix, tmp_path / "ingest.log", env=sender_fault.env(trigger))
     proc.start()
@@ -210,6 +211,6 @@ async def test_an_ingest_whose_producer_can_no_longer_send_exits_1(
         assert answer in (503, None), answer
         assert proc.proc is not None
         assert await asyncio.to_thread(proc.proc.wait, 40) == 1, proc.tail()
-        assert "stopped sending for good" in proc.tail(400)
+        assert "can no longer send" in proc.tail(400)
     finally:
         proc.stop()

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.errors import OutOfOrderSequenceNumber
+from aiokafka.producer.sender import SendProduceReqHandler
 
 from services.common.kafka import (
     ProducerFailed,
@@ -21,6 +22,7 @@ from services.common.kafka import (
     fetch_forever,
     make_producer,
 )
+from tests.fakes.sender_fault.sitecustomize import out_of_order
 
 pytestmark = pytest.mark.kafka
 
@@ -122,13 +124,13 @@ async def test_a_topic_with_fewer_replicas_than_asked_for_is_warned_of(
     assert "kafka-reassign-partitions" in text
 
 
-async def test_a_producer_whose_sender_died_says_so_instead_of_hanging(
-    bootstrap: str, topic_prefix: str
+async def test_a_producer_answered_out_of_order_fails_once_and_says_so(
+    bootstrap: str, topic_prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # aiokafka sends from one task, which ends for good on OutOfOrderSequenceNumber (an
-    # idempotent producer after the broker lost acknowledged records). Before, every later
-    # send waited for ever: nothing drained the buffer, and nobody was told.
-    topic = f"{topic_prefix}.dead-sender"
+    # The broker answers OUT_OF_ORDER_SEQUENCE_NUMBER (an idempotent producer after the
+    # broker lost records it had acknowledged): aiokafka fails that batch and every later
+    # one to the partition, for ever, and carries on. Before, nothing told the service.
+    topic = f"{topic_prefix}.out-of-order"
     await ensure_topics(bootstrap, [TopicRequest(topic, 1)])
     failures: list[ProducerFailed] = []
     producer = make_producer(bootstrap, on_failure=failures.append)
@@ -136,22 +138,46 @@ async def test_a_producer_whose_sender_died_says_so_instead_of_hanging(
     try:
         await asyncio.wait_for(producer.send_and_wait(topic, b"sent while it works"), 10)
         assert producer.failure is None and failures == []
-
-        async def refused(*_: object) -> None:  # FAULT INJECTION: the broker's answer
-            raise OutOfOrderSequenceNumber()
-
-        producer._sender._send_produce_req = refused
-        lost = await producer.send(topic, b"the one the sender dies on")
-        await asyncio.wait_for(_until(lambda: bool(failures)), 10)
+        real = SendProduceReqHandler.handle_response  # FAULT INJECTION: the broker's answer
+        monkeypatch.setattr(SendProduceReqHandler, "handle_response",
+                            lambda self, response: real(self, out_of_order(response)))
+        with pytest.raises(OutOfOrderSequenceNumber):
+            await asyncio.wait_for(producer.send_and_wait(topic, b"answered out of order"), 10)
+        await asyncio.wait_for(_until(lambda: bool(failures)), 5)
         assert len(failures) == 1 and failures[0] is producer.failure
         assert isinstance(failures[0].__cause__, OutOfOrderSequenceNumber)
-        assert "stopped sending for good" in str(failures[0])
+        assert "can no longer send" in str(failures[0])
+        with pytest.raises(ProducerFailed):
+            await asyncio.wait_for(producer.send(topic, b"after it"), 5)
+    finally:
+        await asyncio.wait_for(producer.stop(), 10)
+    assert len(failures) == 1  # stop() is not a second failure
+
+
+async def test_a_producer_whose_sender_task_died_fails_once(
+    bootstrap: str, topic_prefix: str
+) -> None:
+    # aiokafka's sender task ends on an error it did not expect (its "Unexpected error
+    # during batch delivery"): every later send fails. The service must hear of it.
+    topic = f"{topic_prefix}.dead-sender"
+    await ensure_topics(bootstrap, [TopicRequest(topic, 1)])
+    failures: list[ProducerFailed] = []
+    producer = make_producer(bootstrap, on_failure=failures.append)
+    await producer.start()
+    try:
+        async def broken(*_: object) -> None:  # FAULT INJECTION: a bug in the sender
+            raise RuntimeError("a bug in the sender")
+
+        producer._sender._send_produce_req = broken
+        lost = await producer.send(topic, b"the one the sender dies on")
+        await asyncio.wait_for(_until(lambda: bool(failures)), 10)
+        assert failures[0] is producer.failure
         assert not lost.done() or lost.exception() is not None  # never reported as sent
         with pytest.raises(ProducerFailed):
             await asyncio.wait_for(producer.send(topic, b"after it died"), 5)
     finally:
         await asyncio.wait_for(producer.stop(), 10)
-    assert len(failures) == 1  # stop() is not a second failure
+    assert len(failures) == 1
 
 
 async def test_stopping_a_producer_is_not_a_failure(bootstrap: str, topic_prefix: str) -> None:

@@ -528,12 +528,13 @@ async def test_a_paused_worker_whose_slot_was_taken_over_ends_its_runs_unanswere
 async def test_a_worker_whose_producer_can_no_longer_send_exits_1(
     scheduler: FakeScheduler, spawn: Callable[..., WorkerProcess], tmp_path: Path
 ) -> None:
-    """aiokafka's sender task ends for good (FAULT INJECTION: OutOfOrderSequenceNumber from
-    the produce request; tests/fakes/sender_fault). Before, the worker lived on without a
-    voice: its heartbeats unsent, its lease lapsed, fenced for good. Now it stops at once,
-    exit 1, so a supervisor restarts it with a producer that sends."""
+    """The broker answers OUT_OF_ORDER_SEQUENCE_NUMBER (FAULT INJECTION on the answer:
+    tests/fakes/sender_fault), after which aiokafka fails every later batch to the
+    partition. Before, the worker lived on without a voice: its heartbeats failing, its
+    lease lapsed, fenced for good. Now it stops at once, exit 1, so a supervisor restarts
+    it with a producer that sends."""
     trigger = tmp_path / "sender-fault"
     proc = await ready(scheduler, spawn, env=sender_fault.env(trigger))
     trigger.touch()  # the next heartbeat's produce request fails
     assert await asyncio.to_thread(proc.wait, 30) == 1, proc.tail()
-    assert "stopped sending for good" in proc.tail()
+    assert "can no longer send" in proc.tail()

@@ -14,9 +14,9 @@ old one (the call would wait for replies that came already, or get the old one's
 ``cancelled``), and later the scheduler refuses it as a reuse. Only this instance's own
 calls are known here.
 
-A producer that can no longer send (:class:`services.common.kafka.Producer`, "A dead
-sender") makes the gateway not ready and calls ``on_failure``; ``python -m services.ingest``
-crashes the process with it, so a supervisor restarts the instance.
+A producer that can no longer send (:class:`services.common.kafka.Producer`) makes the
+gateway not ready and calls ``on_failure``; ``python -m services.ingest`` exits with it at
+once (:func:`services.common.kafka.exit_now`), so a supervisor restarts the instance.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """FAULT INJECTION (test-only): Python imports this module at start when this folder is on
 ``PYTHONPATH`` (:func:`env`). Once the file named by ``LLMQ_TEST_SENDER_FAULT`` exists,
-aiokafka's sender fails its next produce request with ``OutOfOrderSequenceNumber``, the
-error that ends aiokafka's sender task for good (an idempotent producer after the broker
-lost records it had acknowledged, possible with one replica). The broker is real and
-nothing else changes; before the file exists every request goes through.
+every produce response the process reads says ``OUT_OF_ORDER_SEQUENCE_NUMBER`` (errno 45)
+for each of its partitions: what an idempotent producer is answered once the broker lost
+records it had acknowledged (possible with one replica), after which aiokafka fails every
+later batch to that partition. The broker is real and the request really went to it; only
+the answer is changed. Before the file exists every answer is the broker's own.
 """
 
 from __future__ import annotations
@@ -13,16 +14,26 @@ from pathlib import Path
 from typing import Any
 
 _TRIGGER = os.environ.get("LLMQ_TEST_SENDER_FAULT")
+OUT_OF_ORDER_SEQUENCE_NUMBER = 45
+
+
+def out_of_order(response: Any) -> Any:
+    """``response`` (a ProduceResponse) with every partition's error code set to 45."""
+    response.topics = [
+        (topic, [(info[0], OUT_OF_ORDER_SEQUENCE_NUMBER, *info[2:]) for info in partitions])
+        for topic, partitions in response.topics
+    ]
+    return response
+
 
 if _TRIGGER:
-    from aiokafka.errors import OutOfOrderSequenceNumber
-    from aiokafka.producer.sender import Sender
+    from aiokafka.producer.sender import SendProduceReqHandler
 
-    _real = Sender._send_produce_req
+    _real = SendProduceReqHandler.handle_response
 
-    async def _send_produce_req(self: Any, node_id: int, batches: Any) -> Any:
+    def _handle_response(self: Any, response: Any) -> Any:
         if Path(str(_TRIGGER)).exists():
-            raise OutOfOrderSequenceNumber()
-        return await _real(self, node_id, batches)
+            response = out_of_order(response)
+        return _real(self, response)
 
-    Sender._send_produce_req = _send_produce_req  # type: ignore[method-assign]
+    SendProduceReqHandler.handle_response = _handle_response  # type: ignore[method-assign]

@@ -14,11 +14,17 @@ requests; each learns the others' placements only by reading them back from the 
 placing on one worker at the same moment both see its KV free and together overcommit it
 (measured with two replicas and a burst: 25 of 60 placements went past a worker's usable
 KV). In turns, a replica places on a worker only ``2 × guard_s`` after the one before
-stopped, and only once its log reader has read every assignment written before the turn
-began (``Snapshot.log_read_at``: the runtime's ``LogReader.caught_up_at``; infinite in
-the simulator and for one replica): the last placements of the replica before are then in
-its ledger. Releases need no turn: a replica that has not read one yet only sees less room
-than there is.
+stopped, and only once its log reader has read, in a fetch answered ``guard_s`` or more
+after the turn began, every assignment written before it (``Snapshot.log_read_at``: the
+runtime's ``LogReader.caught_up_at``; infinite in the simulator and for one replica): the
+last placements of the replica before are then in its ledger. The budget for them:
+placed by the other replica before ``b - guard_s`` on its clock (``b``, the turn's
+start), read here in a fetch the broker answered by ``b + guard_s``, less the fetch's
+round trip (``caught_up_at`` is when the answer was read, not when the broker built it):
+the clocks' difference, the write and that round trip must fit in ``2 × guard_s``
+together (with ``b`` alone, as first written, in one ``guard_s``; found by an audit).
+Releases need no turn: a replica that has not read one yet only sees less room than
+there is.
 
 Staggered in phase as well as in order, the turns of a fleet's workers begin at different
 moments: every replica has about ``1/replicas`` of the fleet at any moment, and a replica
@@ -104,7 +110,8 @@ class ReplicaTurn:
     def accepts(self, worker: WorkerState, request: QueuedRequest, ctx: PlacementContext) -> bool:
         worker_id, now = worker.worker_id, ctx.now
         return (turn_of(worker_id, now, self.replicas, self.slot_s, self.guard_s) == self.index
-                and ctx.snapshot.log_read_at >= turn_began(worker_id, now, self.slot_s))
+                and ctx.snapshot.log_read_at
+                >= turn_began(worker_id, now, self.slot_s) + self.guard_s)
 
     def accepts_each(
         self, workers: Sequence[WorkerState], request: QueuedRequest, ctx: PlacementContext

@@ -77,7 +77,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, cast
@@ -288,32 +288,45 @@ class Scheduler:
         exit_now(exc)
 
     async def stop(self) -> None:
-        """Each wait here is bounded by ``send_timeout_s``; how long each took is logged,
-        so a stop slower than an orchestrator's grace period says where its time went."""
+        """Every wait here is bounded by ``send_timeout_s``; one that runs out is logged by
+        name, and the stop's phases and their durations are logged at its end, so a stop
+        slower than an orchestrator's grace period says where its time went."""
+        limit = self.rt.scheduler.send_timeout_s
         began = time.monotonic()
-        for task in (self._main_task, self._turns_task, self._turns_read):
-            if task is not None:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-        phases = [("dispatch", time.monotonic())]
+        took: list[str] = []
+
+        async def phase(name: str, work: Awaitable[Any]) -> None:
+            start = time.monotonic()
+            try:
+                await asyncio.wait_for(work, limit)
+            except TimeoutError:
+                _log.warning("scheduler: stopping: %s did not end within %.0f s; going on",
+                             name, limit)
+            except Exception:
+                _log.warning("scheduler: stopping: %s failed; going on", name, exc_info=True)
+            took.append(f"{name} {time.monotonic() - start:.1f} s")
+
+        tasks = [t for t in (self._main_task, self._turns_task, self._turns_read) if t]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            start = time.monotonic()
+            _, stuck = await asyncio.wait(tasks, timeout=limit)
+            for task in stuck:  # cancelled, and still not done: say where it waits
+                name = task.get_name() if isinstance(task, asyncio.Task) else repr(task)
+                _log.warning("scheduler: stopping: task %s did not end within %.0f s of its "
+                             "cancel; going on. It waits in:\n%s", name, limit, _stack(task))
+            took.append(f"tasks {time.monotonic() - start:.1f} s")
         if self._checks:  # the endings they hold would otherwise wait for the next scheduler
-            await asyncio.wait(self._checks, timeout=self.rt.scheduler.send_timeout_s)
-        phases.append(("reply-topic checks", time.monotonic()))
-        try:
-            await asyncio.wait_for(self._flush(), self.rt.scheduler.send_timeout_s)
-        except Exception:
-            _log.warning("scheduler: final flush incomplete; unacked requests are redelivered",
-                         exc_info=True)
-        phases.append(("final flush", time.monotonic()))
-        await self.reply_topics.stop()
-        await self.reader.stop()
+            await phase("reply-topic checks", asyncio.wait(self._checks))
+        # Unacked requests are redelivered if this does not get through.
+        await phase("final flush", self._flush())
+        await phase("reply topics", self.reply_topics.stop())
+        await phase("log reader", self.reader.stop())
         if self._producer is not None:
-            await self._producer.stop()
-        phases.append(("clients", time.monotonic()))
-        _log.info("scheduler: stopped in %.1f s (%s)", phases[-1][1] - began, ", ".join(
-            f"{name} {end - start:.1f} s"
-            for (name, end), start in zip(phases, [began, *(e for _, e in phases)],
-                                          strict=False)))
+            await phase("producer", self._producer.stop())
+        _log.info("scheduler: stopped in %.1f s (%s)", time.monotonic() - began,
+                  ", ".join(took))
 
     async def _main(self) -> None:
         cfg = self.rt.scheduler
@@ -688,6 +701,19 @@ class Scheduler:
             ),
             self.rt.scheduler.send_timeout_s,
         )
+
+
+def _stack(task: asyncio.Future[Any]) -> str:
+    """Where ``task`` waits, following its coroutine's awaits down, for a log line."""
+    lines: list[str] = []
+    coro: Any = task.get_coro() if isinstance(task, asyncio.Task) else None
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is not None:
+            lines.append(f"  {frame.f_code.co_filename}:{frame.f_lineno} in "
+                         f"{frame.f_code.co_name}")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return "\n".join(lines) or "  (no frames)"
 
 
 def _refused_for_good(exc: BaseException) -> bool:

@@ -6,11 +6,14 @@ is left to its partition's owner."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
+import time
 from collections.abc import Awaitable, Callable
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 from aiokafka import TopicPartition
 
 from schemas.codec import encode
@@ -23,9 +26,11 @@ from tests.builders_schemas import make_admitted, make_heartbeat, make_request
 T = 1_700_000_000.0
 
 
-def _scheduler(barrier: Callable[[set[str], float], Awaitable[bool]]) -> Scheduler:
+def _scheduler(barrier: Callable[[set[str], float], Awaitable[bool]],
+               **options: Any) -> Scheduler:
     settings = Settings()
-    rt = SchedulerRuntime(settings, SchedulerSettings(catchup_timeout_s=2.0, replicas=1),
+    rt = SchedulerRuntime(settings, SchedulerSettings(catchup_timeout_s=2.0, replicas=1,
+                                                      **options),
                           SchedulerTopics.of(settings.topic_prefix), clock=lambda: T)
     scheduler = Scheduler(rt, SimpleNamespace())  # type: ignore[arg-type]
     scheduler.reader.barrier = barrier  # type: ignore[method-assign]
@@ -130,3 +135,31 @@ def test_one_of_several_replicas_places_only_once_its_log_is_read_up_to_the_turn
     assert scheduler._log_read_at() == 0.0  # not read to the end: no turn may be used
     read_up_to[0] = T + 0.55
     assert scheduler._log_read_at() == T + 0.55  # the filter compares each worker's turn
+
+
+async def test_a_stop_is_bounded_and_names_a_task_that_ignores_its_cancel(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A replica's graceful stop once went past the 45 s a test gave it, and nothing said
+    # where it waited: every wait of the stop is bounded now, and a task still running
+    # after its cancel is named, with the place it waits in.
+    scheduler = _scheduler(lambda topics, timeout_s: asyncio.sleep(0, True),
+                           send_timeout_s=0.3)
+
+    async def deaf() -> None:
+        while True:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                continue  # what a library call that swallows a cancel does
+
+    scheduler._main_task = asyncio.create_task(deaf(), name="scheduler-dispatch")
+    await asyncio.sleep(0)
+    caplog.set_level(logging.INFO, logger="services.scheduler")
+    start = time.monotonic()
+    await asyncio.wait_for(scheduler.stop(), 5)
+    assert time.monotonic() - start < 2
+    (warning,) = [r.getMessage() for r in caplog.records if "did not end" in r.getMessage()]
+    assert "scheduler-dispatch" in warning and "in deaf" in warning
+    assert any("stopped in" in r.getMessage() for r in caplog.records)
+    scheduler._main_task.get_coro().close()  # type: ignore[union-attr]

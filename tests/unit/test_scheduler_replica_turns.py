@@ -114,6 +114,7 @@ def test_a_worker_takes_work_in_a_turn_only_once_the_log_is_read_up_to_its_start
         ({"replicas": 2.5}, "params.replica-turn.replicas"),
         ({"replicas": 2, "slot_s": 0.1, "guard_s": 0.05}, "params.replica-turn.guard_s"),
         ({"replicas": 2, "slot_s": 0}, "params.replica-turn.slot_s"),
+        ({"replicas": 2, "guard_s": 0}, "params.replica-turn.guard_s"),
         ({"replicas": 2, "turns": 1}, "params.replica-turn.turns"),
     ],
 )

@@ -132,7 +132,8 @@ def factory(params: Params) -> ReplicaTurn:
                           f"got {int(index)}")
     slot_s = number(params, name, "slot_s", DEFAULT_SLOT_S, low=0.0, high=3600.0,
                     low_open=True)
-    guard_s = number(params, name, "guard_s", DEFAULT_GUARD_S, low=0.0, high=3600.0)
+    guard_s = number(params, name, "guard_s", DEFAULT_GUARD_S, low=0.0, high=3600.0,
+                     low_open=True)  # 0: no time to read the last turn's placements back
     if 2 * guard_s >= slot_s:
         raise ConfigError(f"params.{name}.guard_s", f"must be below slot_s / 2 ({slot_s / 2}), "
                           f"got {guard_s}")

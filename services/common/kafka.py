@@ -93,7 +93,7 @@ class Producer(AIOKafkaProducer):  # type: ignore[misc]  # aiokafka ships no typ
         super().__init__(**options)
         self._tracked: set[str] = set()
         self._on_failure = on_failure
-        #: Why the sender ended (None while it runs).
+        #: Why it can no longer send (None while it can).
         self.failure: ProducerFailed | None = None
 
     async def start(self) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
+from typing import Any
 
 import pytest
 
@@ -31,7 +32,7 @@ from services.scheduler.runtime.state import SchedulerState
 from services.scheduler.runtime.turns import shared, turns_of
 from services.scheduler.settings import SchedulerSettings
 from tests.builders import make_request, make_worker
-from tests.unit.test_scheduler_runtime_state import SCHED, T, admitted, beat
+from tests.unit.test_scheduler_runtime_state import SCHED, T, admitted, beat, done
 
 WORKERS = [f"w{i}" for i in range(4)]
 
@@ -189,6 +190,79 @@ def burst(replicas: int) -> tuple[int, int]:
                 state.observe_assignment(a)
     usable = int(4_000 * 0.95)
     return peak, usable
+
+
+def lagged_load(skew_s: float, write_s: float, read_s: float) -> tuple[int, int]:
+    """Two replicas under a steady backlog, with time in it. Replica 1's clock runs
+    ``skew_s`` ahead of replica 0's; a record (placement or ``done``) reaches the log
+    ``write_s`` after it is made. Each replica's log reader fetches every 50 ms and reads
+    what reached the log up to ``read_s`` before the moment it says (``caught_up_at`` is
+    when a fetch's answer was read, not when the broker built it). A worker runs each
+    request 0.1-0.39 s from the moment its assignment reaches the log, so room opens at
+    every point of the turns. Both tick every 5 ms for 3 s (true time). Returns (the most
+    KV any worker held at once, its usable KV)."""
+    states = [replica(0, 2), replica(1, 2)]
+    for r, state in enumerate(states):
+        for i in range(150):
+            state.on_request(admitted(f"r{r}-{i}", prompt=1_000, max_tokens=24, timeout_s=600),
+                             (f"tp{r}", i), T)
+    log: list[tuple[float, Any]] = []  # (true time it reached the log, record)
+    read = [0, 0]  # how many log records each replica has read, in order of arrival
+    read_at = [0.0, 0.0]  # each replica's LogReader.caught_up_at
+    held: list[tuple[float, float, str, int]] = []  # on a worker: (from, to, worker, KV)
+    peak = 0
+    for step in range(600):
+        true_now = T + 0.013 + step * 0.005
+        if step % 100 == 0:  # the workers beat every 0.5 s
+            for state in states:
+                for i, worker_id in enumerate(WORKERS):
+                    state.observe_heartbeat(beat(worker_id, i, ts=true_now, kv_total_tokens=4_000,
+                                                 kv_free_tokens=4_000))
+        for r, state in enumerate(states):
+            now = true_now + (skew_s if r == 1 else 0.0)
+            if step % 10 == 3 * r:  # the reader's fetch, every 50 ms (its poll)
+                arrived = sorted((e for e in log if e[0] <= true_now - read_s),
+                                 key=lambda e: e[0])
+                for _, record in arrived[read[r]:]:
+                    if isinstance(record, Assignment):
+                        state.observe_assignment(record)
+                    else:
+                        state.observe_event(record)
+                read[r] = len(arrived)
+                read_at[r] = now  # caught_up_at: when the answer was read, on its clock
+            for effect in state.tick(now, log_read_at=read_at[r]).effects:
+                for out in effect.first:
+                    if out.topic == "p.assignments":
+                        a = decode(out.value, ASSIGNMENT_ADAPTER)
+                        on_worker = true_now + write_s
+                        run_s = 0.1 + 0.013 * (len(held) % 23)  # 0.1-0.39 s, spread
+                        log.append((on_worker, a))
+                        log.append((on_worker + run_s + write_s, done(a, a.worker_id)))
+                        held.append((on_worker, on_worker + run_s, a.worker_id, a.kv_tokens))
+        for worker_id in WORKERS:
+            peak = max(peak, sum(kv for start, end, w, kv in held
+                                 if w == worker_id and start <= true_now < end))
+    return peak, int(4_000 * 0.95)
+
+
+@pytest.mark.parametrize(("skew_s", "write_s", "read_s"),
+                         [(0.0, 0.0, 0.0), (0.04, 0.04, 0.01), (0.0, 0.09, 0.005),
+                          (0.09, 0.0, 0.0)])
+def test_turns_hold_while_skew_write_and_read_lag_fit_in_two_guards(
+        skew_s: float, write_s: float, read_s: float) -> None:
+    # Clocks apart, a slow write and the reader's lag, within 2 x 50 ms together: no
+    # worker past its usable KV, however busy. With one guard, as the staggered turns were
+    # first written (a fetch answered any time after the turn began), (0, 90 ms, 5 ms) put
+    # a worker at 6,144 tokens of 3,800.
+    peak, usable = lagged_load(skew_s, write_s, read_s)
+    assert 0 < peak <= usable
+
+
+def test_turns_do_not_hold_when_the_lag_is_past_two_guards() -> None:
+    # The documented limit (docs/live-system.md): a write slower than twice the guard (a
+    # broker stall) lets the next turn's replica place on a worker it reads as emptier.
+    peak, usable = lagged_load(0.0, 0.3, 0.0)
+    assert peak > usable
 
 
 def test_two_replicas_in_turns_never_overcommit_a_worker() -> None:

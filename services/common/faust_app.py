@@ -17,7 +17,8 @@ Settings that matter on a single dev broker and in tests (documented, not magic)
 - An idempotent producer (``acks=all`` + ``enable_idempotence``, DESIGN.md's delivery
   rule): faust turns idempotence on only inside transactions, so a send it retried after
   a lost ack could be written twice. Here the broker drops such a duplicate.
-- A producer that can no longer send ends the process at once (exit status 1, no graceful
+- A producer that can no longer send, or a record to llmq's own topics that fails to get
+  through (:func:`must_deliver`), ends the process at once (exit status 1, no graceful
   stop, nothing committed), so a supervisor restarts it with a new producer:
   :class:`services.common.kafka.Producer` and :func:`services.common.kafka.exit_now`.
 """
@@ -25,7 +26,7 @@ Settings that matter on a single dev broker and in tests (documented, not magic)
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +65,20 @@ def make_app(name: str, settings: Settings, **overrides: Any) -> faust.App:
     }
     options.update(overrides)
     Path(options["datadir"]).parent.mkdir(parents=True, exist_ok=True)
-    return _App(f"{settings.topic_prefix}-{name}", **options)
+    app = _App(f"{settings.topic_prefix}-{name}", **options)
+    app.llmq_prefix = settings.topic_prefix
+    return app
+
+
+def must_deliver(prefix: str, app_id: str) -> Callable[[str], bool]:
+    """llmq's own topics and the app's internal ones (its tables' changelogs, the settle
+    topic): a record to one of them that fails to get through is not committed past (see
+    :class:`services.common.kafka.Producer`). Not reply topics: one tenant's topic refused
+    (an ACL, a name taken) must not stop the service for everyone, so its record is lost
+    and logged, as before."""
+    own, replies, internal = f"{prefix}.", f"{prefix}.replies.", f"{app_id}-"
+    return lambda topic: (topic.startswith(internal)
+                          or (topic.startswith(own) and not topic.startswith(replies)))
 
 
 class _IdempotentProducer(Producer):
@@ -74,8 +88,10 @@ class _IdempotentProducer(Producer):
         return {**super()._settings_extra(), "acks": "all", "enable_idempotence": True}
 
     def _new_producer(self, transactional_id: str | None = None) -> LlmqProducer:
+        app = self.app
         return LlmqProducer(
             on_failure=self._failed, transactional_id=transactional_id,
+            must_deliver=must_deliver(getattr(app, "llmq_prefix", "llmq"), app.conf.id),
             **{**self._settings_default(), **self._settings_auth(), **self._settings_extra()})
 
     def _failed(self, exc: ProducerFailed) -> None:
@@ -83,6 +99,9 @@ class _IdempotentProducer(Producer):
 
 
 class _App(faust.App):
+    #: LLMQ_TOPIC_PREFIX of the app's topics (set by :func:`make_app`).
+    llmq_prefix = "llmq"
+
     def _new_producer(self) -> ProducerT:
         return _IdempotentProducer(self.transport, loop=self.loop, beacon=self.beacon)
 

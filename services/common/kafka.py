@@ -9,6 +9,7 @@ instead of failing on it (:mod:`services.common.kafka_records`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
@@ -86,13 +87,21 @@ class Producer(AIOKafkaProducer):  # type: ignore[misc]  # aiokafka ships no typ
     a scheduler whose placements never leave; ingest answering 503 for ever. Here
     :attr:`failure` is set, ``on_failure`` is called once (services exit, so a restart gets
     a new producer id) and every later ``send`` raises :class:`ProducerFailed`.
+
+    ``must_deliver``: topics whose every record must get through, so that any failed
+    delivery to one of them (an error no retry mends: an ACL, a topic's smaller size limit)
+    is the producer's failure too. For the Faust apps' producers: Faust commits an offset
+    once its flush returns, and the flush returns when a delivery failed as when it
+    succeeded, so such a record would be committed as handled and lost.
     """
 
     def __init__(self, *, on_failure: Callable[[ProducerFailed], None] | None = None,
+                 must_deliver: Callable[[str], bool] | None = None,
                  **options: Any) -> None:
         super().__init__(**options)
         self._tracked: set[str] = set()
         self._on_failure = on_failure
+        self._must_deliver = must_deliver
         #: Why it can no longer send (None while it can).
         self.failure: ProducerFailed | None = None
 
@@ -107,16 +116,20 @@ class Producer(AIOKafkaProducer):  # type: ignore[misc]  # aiokafka ships no typ
         if cause is not None:
             self._fail(cause)
 
-    def _delivered(self, delivery: asyncio.Future[Any]) -> None:
+    def _delivered(self, topic: str, delivery: asyncio.Future[Any]) -> None:
         cause = None if delivery.cancelled() else delivery.exception()
+        if cause is None:
+            return
         if isinstance(cause, FATAL_DELIVERY_ERRORS):
             self._fail(cause)
+        elif self._must_deliver is not None and self._must_deliver(topic):
+            self._fail(cause, f"a record to {topic}, which must get through, failed")
 
-    def _fail(self, cause: BaseException) -> None:
+    def _fail(self, cause: BaseException,
+              what: str = "the Kafka producer can no longer send") -> None:
         if self.failure is not None:
             return
-        self.failure = ProducerFailed(
-            f"the Kafka producer can no longer send: {cause!r}")
+        self.failure = ProducerFailed(f"{what}: {cause!r}")
         self.failure.__cause__ = cause
         log.error("%s; nothing more can be sent from this process until it restarts",
                   self.failure)
@@ -129,7 +142,7 @@ class Producer(AIOKafkaProducer):  # type: ignore[misc]  # aiokafka ships no typ
         if topic not in self._tracked:
             track_topics(self, [topic])
         delivery = await super().send(topic, *args, **kwargs)
-        delivery.add_done_callback(self._delivered)
+        delivery.add_done_callback(functools.partial(self._delivered, topic))
         return delivery
 
 

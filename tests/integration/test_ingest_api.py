@@ -8,6 +8,7 @@ agent → llmq.requests.* → fake worker → reply topic → HTTP.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
@@ -212,5 +213,33 @@ async def test_an_ingest_whose_producer_can_no_longer_send_exits_1(
         assert proc.proc is not None
         assert await asyncio.to_thread(proc.proc.wait, 40) == 1, proc.tail()
         assert "can no longer send" in proc.tail(400)
+    finally:
+        proc.stop()
+
+
+async def test_an_ingest_whose_admission_cannot_be_written_exits_without_committing_it(
+    topic_prefix: str, tmp_path: Path, worker: FakeWorker
+) -> None:
+    """The broker refuses the admitted request for good (FAULT INJECTION on the answer:
+    TOPIC_AUTHORIZATION_FAILED for the request topics; tests/fakes/sender_fault). Faust's
+    flush returns on a failed delivery as on a delivered one, so the intake record was
+    committed and the request lost: no admission, no answer, ingest ready all along. Now
+    ingest exits 1 at once, before a commit, and a restart reads the record again."""
+    trigger = tmp_path / "sender-fault"
+    proc = IngestProcess(topic_prefix, tmp_path / "ingest.log",
+                         env=sender_fault.env(trigger, code=29, topic_part=".requests."))
+    proc.start()
+    try:
+        await proc.wait_ready(heartbeat=False)
+        await worker.start()  # a live fleet: the request is admitted, not refused
+        await proc.wait_ready()
+        trigger.touch()
+        async with httpx.AsyncClient(base_url=proc.base_url, timeout=30.0) as http:
+            with contextlib.suppress(httpx.TransportError):  # the process goes meanwhile
+                await http.post("/v1/completions", json={
+                    "model": MODEL, "prompt": "Hi", "max_tokens": 4})
+        assert proc.proc is not None
+        assert await asyncio.to_thread(proc.proc.wait, 40) == 1, proc.tail()
+        assert "which must get through" in proc.tail(400)
     finally:
         proc.stop()

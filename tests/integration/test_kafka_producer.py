@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
-from aiokafka.errors import OutOfOrderSequenceNumber
+from aiokafka.errors import OutOfOrderSequenceNumber, TopicAuthorizationFailedError
 from aiokafka.producer.sender import SendProduceReqHandler
 
 from services.common.kafka import (
@@ -152,6 +152,34 @@ async def test_a_producer_answered_out_of_order_fails_once_and_says_so(
     finally:
         await asyncio.wait_for(producer.stop(), 10)
     assert len(failures) == 1  # stop() is not a second failure
+
+
+async def test_a_record_that_must_get_through_and_fails_is_the_producers_failure(
+    bootstrap: str, topic_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Faust commits once its flush returns, and the flush returns on a failed delivery
+    # too: a record of llmq's own topics refused for good (an ACL) was committed as handled.
+    ours, theirs = f"{topic_prefix}.ours", f"{topic_prefix}.theirs"
+    await ensure_topics(bootstrap, [TopicRequest(ours, 1), TopicRequest(theirs, 1)])
+    failures: list[ProducerFailed] = []
+    producer = make_producer(bootstrap, on_failure=failures.append,
+                             must_deliver=lambda topic: topic == ours)
+    await producer.start()
+    try:
+        real = SendProduceReqHandler.handle_response  # FAULT INJECTION: the broker's answer
+        monkeypatch.setattr(SendProduceReqHandler, "handle_response",
+                            lambda self, response: real(self, out_of_order(response, 29)))
+        with pytest.raises(TopicAuthorizationFailedError):
+            await asyncio.wait_for(producer.send_and_wait(theirs, b"a reply refused"), 10)
+        await asyncio.sleep(0.1)
+        assert failures == []  # not one that must get through: the caller was told
+        with pytest.raises(TopicAuthorizationFailedError):
+            await asyncio.wait_for(producer.send_and_wait(ours, b"an admission refused"), 10)
+        await asyncio.wait_for(_until(lambda: bool(failures)), 5)
+        assert len(failures) == 1 and f"a record to {ours}, which must get through" in str(
+            failures[0])
+    finally:
+        await asyncio.wait_for(producer.stop(), 10)
 
 
 async def test_a_producer_whose_sender_task_died_fails_once(

@@ -204,12 +204,14 @@ def _submit_cli(monkeypatch: pytest.MonkeyPatch, args: list[str],
 def test_submit_json_prints_one_object_on_a_client_timeout(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    result, producer = _submit_cli(monkeypatch, ["--timeout", "0.1", "--json"], [
+    # The chunk comes 20 ms after the send; 0.5 s leaves a loaded machine (the whole suite
+    # on two cores) time to start the command and send before the timeout runs out.
+    result, producer = _submit_cli(monkeypatch, ["--timeout", "0.5", "--json"], [
         lambda rid: make_chunk(request_id=rid, attempt=1, seq=0, text="partial")])
     assert result.exit_code == 1
     out = json.loads(result.stdout)
     assert (out["outcome"], out["code"], out["text"]) == ("error", "client_timeout", "partial")
-    assert "within its timeout of 0.1 s" in out["message"]  # not "0 s"
+    assert "within its timeout of 0.5 s" in out["message"]  # not "0 s"
     assert set(out) == {"outcome", "code", "message", "retry_after_s", "request_id", "text",
                         "e2e_s"}  # the shape of an llmq error
     [cancel] = [decode(v, CancelRequest) for t, v in producer.sent if t.endswith("control")]

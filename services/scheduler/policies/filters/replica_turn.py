@@ -80,14 +80,20 @@ def _slot(worker_id: str, now: float, slot_s: float) -> tuple[int, float]:
     return slot, (slot - phase) * slot_s
 
 
-def turn_of(worker_id: str, now: float, replicas: int, slot_s: float,
-            guard_s: float) -> int | None:
-    """The replica whose turn it is on ``worker_id`` at ``now`` (None: between turns)."""
+def _turn(worker_id: str, now: float, replicas: int, slot_s: float,
+          guard_s: float) -> tuple[int | None, float]:
+    """:func:`turn_of` and :func:`turn_began` in one (the filter asks both per candidate)."""
     slot, began = _slot(worker_id, now, slot_s)
     into = now - began
     if into < guard_s or into >= slot_s - guard_s:
-        return None
-    return (slot + _spread(worker_id)[1]) % replicas
+        return None, began
+    return (slot + _spread(worker_id)[1]) % replicas, began
+
+
+def turn_of(worker_id: str, now: float, replicas: int, slot_s: float,
+            guard_s: float) -> int | None:
+    """The replica whose turn it is on ``worker_id`` at ``now`` (None: between turns)."""
+    return _turn(worker_id, now, replicas, slot_s, guard_s)[0]
 
 
 def turn_began(worker_id: str, now: float, slot_s: float) -> float:
@@ -108,10 +114,9 @@ class ReplicaTurn:
         self.guard_s = guard_s
 
     def accepts(self, worker: WorkerState, request: QueuedRequest, ctx: PlacementContext) -> bool:
-        worker_id, now = worker.worker_id, ctx.now
-        return (turn_of(worker_id, now, self.replicas, self.slot_s, self.guard_s) == self.index
-                and ctx.snapshot.log_read_at
-                >= turn_began(worker_id, now, self.slot_s) + self.guard_s)
+        turn, began = _turn(worker.worker_id, ctx.now, self.replicas, self.slot_s,
+                            self.guard_s)
+        return turn == self.index and ctx.snapshot.log_read_at >= began + self.guard_s
 
     def accepts_each(
         self, workers: Sequence[WorkerState], request: QueuedRequest, ctx: PlacementContext

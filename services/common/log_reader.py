@@ -68,6 +68,11 @@ class LogReader:
         self.bad_history = 0
 
     @property
+    def poll_s(self) -> float:
+        """How long a fetch waits for records before it is answered empty."""
+        return self._poll_ms / 1000.0
+
+    @property
     def running(self) -> bool:
         return self._task is not None and not self._task.done()
 

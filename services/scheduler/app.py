@@ -123,6 +123,8 @@ from services.scheduler.settings import SchedulerSettings
 _log = logging.getLogger("services.scheduler")
 #: Besides at every rebalance, a replica re-reads the group's members this often.
 _TURNS_EVERY_S = 30.0
+#: How often a paused dispatch loop looks for a newer log read (several replicas only).
+_READ_CHECK_S = 0.005
 _RAW: dict[str, Any] = {
     "key_type": bytes, "value_type": bytes, "key_serializer": "raw", "value_serializer": "raw",
 }
@@ -354,29 +356,59 @@ class Scheduler:
     async def _dispatch_loop(self) -> None:
         cfg = self.rt.scheduler
         next_status = 0.0
+        read_at = 0.0  # the log read the last cycle placed with
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.wake.wait(), cfg.dispatch_interval_s)
+            await self._pause(read_at)
             self.wake.clear()
             if not self.reader.running:
                 # The fleet view and the ledger would freeze: every worker would look lost.
                 raise RuntimeError("the heartbeats/assignments/events reader stopped")
             try:
                 now = self.clock()
+                read_at = self._log_read_at()
                 if now >= next_status:
                     next_status = now + cfg.status_interval_s
                     self._publish_status(now)
-                await self._cycle(now)
+                await self._cycle(now, read_at)
             except Exception:
                 # A bug in one cycle must not stop scheduling: log it, try again shortly.
                 _log.exception("scheduler: dispatch cycle failed")
                 await asyncio.sleep(0.5)
 
-    async def _cycle(self, now: float) -> None:
+    async def _pause(self, read_at: float) -> None:
+        """Until woken (an arrival, a release, a batch read) or ``dispatch_interval_s``.
+        With several replicas and requests pending, also until a log read newer than
+        ``read_at`` (the last cycle's) is answered: a worker's turn opens for placement
+        only with a fetch answered a guard into it (filter ``replica-turn``), and a
+        request waiting for that turn is placed at that fetch, not at the next timer
+        (which added up to ``dispatch_interval_s`` to its wait). The reader's fetches are
+        answered about every 50 ms (its poll), so cycles come no more often than with the
+        timer; only the check around each fetch's answer is finer."""
+        interval = self.rt.scheduler.dispatch_interval_s
+        if self.state.turns[0] == 1 or not len(self.state.pending):
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.wake.wait(), interval)
+            return
+        deadline = time.monotonic() + interval
+        woken = asyncio.ensure_future(self.wake.wait())
+        try:
+            while (left := deadline - time.monotonic()) > 0 \
+                    and (last := self._log_read_at()) <= read_at:
+                # The next fetch is answered about a poll after the last (on a quiet
+                # topic): look often only from a little before then.
+                due = last + self.reader.poll_s - self.clock()
+                step = max(_READ_CHECK_S, due - _READ_CHECK_S)
+                done, _ = await asyncio.wait((woken,), timeout=min(left, step))
+                if done:
+                    return
+        finally:
+            woken.cancel()
+
+    async def _cycle(self, now: float, log_read_at: float) -> None:
         # One replica handles worker loss: faust's leader (the leader-assignor partition's
         # owner; a single replica is always it once assigned).
         result = self.state.tick(now, handle_losses=self.app.is_leader(),
-                                 log_read_at=self._log_read_at())
+                                 log_read_at=log_read_at)
         m = self.metrics
         m.tick(result)
         for worker_id in result.lost_workers:

@@ -67,6 +67,10 @@ class LogReader:
         #: Replayed records that did not decode (logged, not dead-lettered).
         self.bad_history = 0
 
+    def partitions(self, topic: str) -> frozenset[int]:
+        """The partitions of ``topic`` this reader follows (read once, at start)."""
+        return frozenset(tp.partition for tp in self._tps if tp.topic == topic)
+
     @property
     def poll_s(self) -> float:
         """How long a fetch waits for records before it is answered empty."""

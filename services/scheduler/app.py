@@ -92,7 +92,7 @@ from aiokafka.errors import (
 )
 from mode import Service
 
-from schemas.codec import decode
+from schemas.codec import FieldError, SchemaError, decode
 from schemas.control import CancelRequest
 from schemas.messages import (
     ASSIGNMENT_ADAPTER,
@@ -693,6 +693,18 @@ class Scheduler:
                 self.state.forget_worker(record.key.decode(errors="replace"))
             return
         hb = decode(record.value, HEARTBEAT_ADAPTER)
+        slots = self.reader.partitions(self.rt.topics.assignments)
+        if hb.partition not in slots:
+            # Placements there could never be sent (nor read back): the request would
+            # wait on a worker that never gets it. Workers check their slot at start, so
+            # this is a worker of a bigger topic (partitions added after this scheduler
+            # started) or not one of llmq's.
+            raise SchemaError((FieldError(
+                "partition", "out_of_range",
+                f"{hb.partition} is not a partition of {self.rt.topics.assignments} "
+                f"(0 to {len(slots) - 1} when this scheduler started): worker "
+                f"{hb.worker_id!r} was not added to the fleet. Give it a slot of the topic, "
+                "or restart the schedulers after adding partitions"),))
         self.state.observe_heartbeat(hb, read_at=self.clock())
         if hb.renew:
             self.wake.set()  # a worker holds its output until the next cycle answers it

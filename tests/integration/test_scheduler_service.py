@@ -45,6 +45,7 @@ from schemas.replies import Error, Usage
 from schemas.requests import AdmittedRequest, Assignment
 from schemas.status import QueueStatus
 from schemas.topics import (
+    DEADLETTER_FIELD_HEADER,
     DEADLETTER_REASON_HEADER,
     catalog,
     reply_spec,
@@ -804,6 +805,31 @@ async def test_garbage_goes_to_the_dead_letter_and_scheduling_goes_on(cluster: C
     reasons = [dict(r.headers)[DEADLETTER_REASON_HEADER].decode() for r in obs.deadletters]
     assert all(reasons), reasons
     assert {r.value for r in obs.deadletters} == {b"{not json", b'{"kind": "admitted"}'}
+    assert cluster.scheduler.alive()
+
+
+async def test_a_heartbeat_naming_no_partition_of_the_topic_is_dead_lettered(
+        cluster: Cluster) -> None:
+    """A worker heartbeating a partition the assignments topic does not have (not a real
+    llmq worker: those check their slot at start) is kept out of the fleet and its
+    heartbeat dead-lettered, naming the field. Before, the scheduler placed requests on it
+    whose assignments could never be sent: they waited there for as long as it beat."""
+    await cluster.start()
+    stray = await cluster.worker("stray", SLOTS + 3, hold=False)
+    await cluster.admit("r-stray")
+    obs = cluster.observer
+    await eventually(lambda: bool(obs.deadletters), what="the stray heartbeat dead-lettered")
+    record = obs.deadletters[0]
+    headers = dict(record.headers)
+    assert headers[DEADLETTER_FIELD_HEADER] == b"partition"
+    assert f"{SLOTS + 3} is not a partition of".encode() in headers[DEADLETTER_REASON_HEADER]
+    assert record.key == b"stray"
+    good = await cluster.worker("fake-a", 1, hold=False)
+    await eventually(lambda: bool(obs.assigned("r-stray")), what="placed on the real worker")
+    assert [a.worker_id for a in obs.assigned("r-stray")] == ["fake-a"]
+    await eventually(lambda: any(e.kind == "event.done" and e.request_id == "r-stray"
+                                 for e in obs.events), what="r-stray done")
+    assert stray.taken == [] and [a.request_id for a in good.taken] == ["r-stray"]
     assert cluster.scheduler.alive()
 
 

@@ -29,7 +29,7 @@ test: install  ## start Kafka if needed, run the whole suite, stop what it start
 	@bash scripts/test.sh
 
 lint: install  ## ruff + mypy strict on schemas/, services/ and the llmq/ SDK
-	$(BIN)/ruff check schemas services llmq tests
+	$(BIN)/ruff check schemas services llmq tests scripts
 	$(BIN)/mypy
 
 bench: install  ## the policy matrix on the Azure traces, seed 1 (docs/benchmarks.md; ~25 s)

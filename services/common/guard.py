@@ -90,7 +90,7 @@ class Guard:
         try:
             return await handler()
         except SchemaError as exc:
-            self._log.warning("%s: undecodable record %s: %s", self._name, _where(record), exc)
+            self._log.warning("%s: invalid record %s: %s", self._name, _where(record), exc)
             await self.dead_letter(record, exc)
         except Exception as exc:
             # The handler's own bug or a poison value: keep the traceback for the operator.

@@ -27,10 +27,12 @@ What runs (one process, one event loop):
    the others remember it; drains need nothing here (the worker's heartbeat says
    ``draining`` and the core's not-draining filter does the rest).
 4. **dispatch loop**: every ``dispatch_interval_s`` and whenever woken (an arrival, a
-   release, a cancel, a reader batch): worker loss (on faust's leader only: every replica
-   reads every assignment, one acts on a loss), one ``schedule()`` call, effects into
-   the outbox, one batched flush, acks, pause/resume of request topics, and every
-   ``status_interval_s`` a ``QueueStatus`` per model.
+   release, a cancel, a reader batch; with several replicas and requests waiting, a log
+   read newer than the last cycle's, as a worker's turn may have opened): worker loss
+   (on faust's leader only: every replica reads every assignment, one acts on a loss),
+   one ``schedule()`` call, effects into the outbox, one batched flush, acks,
+   pause/resume of request topics, and every ``status_interval_s`` a ``QueueStatus`` per
+   model.
 
 Every record is handled inside a :class:`~services.common.guard.Guard`: one bad record goes
 to ``llmq.deadletter`` and the agent goes on. Records are consumed raw
@@ -125,6 +127,8 @@ _log = logging.getLogger("services.scheduler")
 _TURNS_EVERY_S = 30.0
 #: How often a paused dispatch loop looks for a newer log read (several replicas only).
 _READ_CHECK_S = 0.005
+#: A worker heartbeating a partition the topic lacks is logged again every so many beats.
+_STRAY_LOG_EVERY = 60
 _RAW: dict[str, Any] = {
     "key_type": bytes, "value_type": bytes, "key_serializer": "raw", "value_serializer": "raw",
 }
@@ -260,6 +264,9 @@ class Scheduler:
                              0.0 if static else rt.clock())
         # worker_lost endings being checked against their reply topics (runtime.answered)
         self._checks: set[asyncio.Task[None]] = set()
+        # (worker id, started_at) of heartbeats naming no partition of the assignments
+        # topic: each one's first was dead-lettered; how many came since (_on_heartbeat).
+        self._strays: dict[tuple[str, float], int] = {}
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -381,9 +388,11 @@ class Scheduler:
         ``read_at`` (the last cycle's) is answered: a worker's turn opens for placement
         only with a fetch answered a guard into it (filter ``replica-turn``), and a
         request waiting for that turn is placed at that fetch, not at the next timer
-        (which added up to ``dispatch_interval_s`` to its wait). The reader's fetches are
-        answered about every 50 ms (its poll), so cycles come no more often than with the
-        timer; only the check around each fetch's answer is finer."""
+        (which added up to ``dispatch_interval_s`` to its wait). So while requests wait, a
+        cycle follows each fetch answered (about every 50 ms on a quiet topic, the
+        reader's poll), whatever ``dispatch_interval_s``; the check for it is finer only
+        around the moment the next is due. A reader behind (read 0.0) wakes the loop with
+        its batch, so the pause then waits for that."""
         interval = self.rt.scheduler.dispatch_interval_s
         if self.state.turns[0] == 1 or not len(self.state.pending):
             with contextlib.suppress(TimeoutError):
@@ -396,7 +405,7 @@ class Scheduler:
                     and (last := self._log_read_at()) <= read_at:
                 # The next fetch is answered about a poll after the last (on a quiet
                 # topic): look often only from a little before then.
-                due = last + self.reader.poll_s - self.clock()
+                due = last + self.reader.poll_s - self.clock() if last > 0 else left
                 step = max(_READ_CHECK_S, due - _READ_CHECK_S)
                 done, _ = await asyncio.wait((woken,), timeout=min(left, step))
                 if done:
@@ -698,7 +707,18 @@ class Scheduler:
             # Placements there could never be sent (nor read back): the request would
             # wait on a worker that never gets it. Workers check their slot at start, so
             # this is a worker of a bigger topic (partitions added after this scheduler
-            # started) or not one of llmq's.
+            # started) or not one of llmq's. Its first heartbeat is dead-lettered; the
+            # rest of the same process only counted, not one dead letter a second.
+            stray = (hb.worker_id, hb.started_at)
+            if stray in self._strays:
+                self._strays[stray] += 1
+                if self._strays[stray] % _STRAY_LOG_EVERY == 0:
+                    _log.warning("scheduler: worker %s still heartbeats partition %d, which "
+                                 "%s does not have (%d heartbeats since the dead letter)",
+                                 hb.worker_id, hb.partition, self.rt.topics.assignments,
+                                 self._strays[stray])
+                return
+            self._strays[stray] = 0
             raise SchemaError((FieldError(
                 "partition", "out_of_range",
                 f"{hb.partition} is not a partition of {self.rt.topics.assignments} "

@@ -108,3 +108,19 @@ async def test_alone_a_newer_read_does_not_end_it() -> None:
     await _pending(scheduler)
     took = await _timed_pause(scheduler, T, reads, newer_after_s=0.1)
     assert took >= INTERVAL_S * 0.9, took
+
+
+async def test_with_the_reader_behind_it_waits_for_its_batch_not_polling() -> None:
+    # A reader behind reports 0.0 until its batch is handled, and that batch wakes the
+    # loop (on_batch): looking for a newer read every 5 ms meanwhile would be spent work.
+    reads = [0.0]
+    scheduler = _scheduler(2, reads)
+    asked: list[str] = []
+    scheduler.reader.caught_up_at = (  # type: ignore[method-assign]
+        lambda topic: asked.append(topic) or reads[-1])
+    await _pending(scheduler)
+    asyncio.get_running_loop().call_later(0.5, scheduler.wake.set)
+    began = time.monotonic()
+    await scheduler._pause(0.0)
+    assert 0.5 <= time.monotonic() - began < INTERVAL_S / 2
+    assert len(asked) <= 3, len(asked)

@@ -60,6 +60,7 @@ class LogReader:
         self._consumer: Any = None
         self._task: asyncio.Task[None] | None = None
         self._tps: list[TopicPartition] = []
+        self._partitions: dict[str, frozenset[int]] = {}  # _tps by topic
         self._history: dict[TopicPartition, int] = {}  # end offsets at start
         self._handled: dict[TopicPartition, int] = {}  # next offset to handle
         self._targets: list[dict[TopicPartition, int]] = []  # ends barriers wait for
@@ -69,7 +70,7 @@ class LogReader:
 
     def partitions(self, topic: str) -> frozenset[int]:
         """The partitions of ``topic`` this reader follows (read once, at start)."""
-        return frozenset(tp.partition for tp in self._tps if tp.topic == topic)
+        return self._partitions.get(topic, frozenset())
 
     @property
     def poll_s(self) -> float:
@@ -98,6 +99,8 @@ class LogReader:
             await consumer.stop()
             raise
         self._consumer, self._tps, self._history = consumer, tps, dict(ends)
+        self._partitions = {topic: frozenset(tp.partition for tp in tps if tp.topic == topic)
+                            for topic in self._handlers}
         self._task = asyncio.create_task(self._run(), name=self._name)
 
     async def stop(self) -> None:

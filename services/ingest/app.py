@@ -105,7 +105,7 @@ def build_app(rt: IngestRuntime) -> IngestApp:
     )
     watcher = ClusterWatcher(
         rt.settings.bootstrap, tracker, heartbeats_topic=topics.heartbeats,
-        status_topic=topics.status, guard=guard,
+        status_topic=topics.status, guard=guard, assignments_topic=topics.assignments,
     )
     buckets, reservations = (app.Table(name, partitions=topics.partitions, schema=_TABLE_SCHEMA)
                              for name in TABLES)

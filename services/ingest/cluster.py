@@ -6,8 +6,10 @@ heartbeat per worker (ordered by ``(started_at, seq)``, so a restarted worker's 
 wins over the old process's last one) and the newest ``QueueStatus`` per (model,
 scheduler). :meth:`ClusterTracker.view` applies the rules, failing closed:
 
-- a worker is live when ``now - ts <= staleness × interval_s``, it is not draining and it
-  reports a KV budget (``kv_total_tokens > 0``); ``max_usable_kv_tokens`` is the largest
+- a worker is live when ``now - ts <= staleness × interval_s``, it is not draining, it
+  reports a KV budget (``kv_total_tokens > 0``) and its partition is one of the
+  assignments topic's (``slots``, as the watcher found them at start; the scheduler
+  refuses a worker of any other, so it is no capacity); ``max_usable_kv_tokens`` is the largest
   such budget (its whole capacity, not what is free now), lowered to the schedulers'
   own figure when a fresh status gives one (theirs keeps the KV safety margin, and a
   request ingest admitted past it would only be refused ``too_large`` a round trip
@@ -35,15 +37,20 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
+from aiokafka.errors import KafkaError
+
 from schemas.codec import decode
 from schemas.messages import HEARTBEAT_ADAPTER, STATUS_ADAPTER
 from schemas.status import QueueStatus
 from schemas.workers import WorkerHeartbeat
 from services.common.guard import Guard
 from services.common.log_reader import LogReader
+from services.common.replies import topic_partitions
 from services.ingest.core import ClusterView, ModelCapacity, ModelRegistry
 
 _log = logging.getLogger(__name__)
+#: How long the watcher waits at start for the assignments topic's partitions.
+_SLOTS_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +71,8 @@ class ClusterTracker:
         self._statuses: dict[tuple[str, str], QueueStatus] = {}
         #: Heartbeats observed since start, stale or not (for readiness).
         self.heartbeats_seen = 0
+        #: Partitions of the assignments topic (None: not known, any partition counts).
+        self.slots: frozenset[int] | None = None
 
     def observe_heartbeat(self, hb: WorkerHeartbeat) -> None:
         self.heartbeats_seen += 1
@@ -119,7 +128,8 @@ class ClusterTracker:
     def _live(self, hb: WorkerHeartbeat, now: float) -> bool:
         # Either side of now: a heartbeat from a clock far ahead is not fresh.
         fresh = abs(now - hb.ts) <= self._freshness.heartbeat_staleness * hb.interval_s
-        return fresh and not hb.draining and hb.kv_total_tokens > 0 and hb.role != "prefill"
+        return fresh and not hb.draining and hb.kv_total_tokens > 0 \
+            and hb.role != "prefill" and (self.slots is None or hb.partition in self.slots)
 
     def _canonical(self, model: str) -> str:
         shape = self._registry.get(model)
@@ -142,8 +152,11 @@ class ClusterWatcher:
         heartbeats_topic: str,
         status_topic: str,
         guard: Guard,
+        assignments_topic: str | None = None,
     ) -> None:
         self.tracker = tracker
+        self._bootstrap = bootstrap
+        self._assignments_topic = assignments_topic
         self._reader = LogReader(
             bootstrap,
             {heartbeats_topic: self._on_heartbeat, status_topic: self._on_status},
@@ -161,7 +174,20 @@ class ClusterWatcher:
         return self._reader.running
 
     async def start(self) -> None:
+        if self._assignments_topic is not None:
+            await self._read_slots(self._assignments_topic)
         await self._reader.start()
+
+    async def _read_slots(self, topic: str) -> None:
+        """``tracker.slots`` from ``topic`` (ingest made it before starting). Not found:
+        every partition counts, as before this check, and a warning says so."""
+        try:
+            found = await topic_partitions(self._bootstrap, topic, _SLOTS_TIMEOUT_S)
+        except (KafkaError, OSError, TimeoutError) as exc:
+            _log.warning("ingest: the partitions of %s are unknown (%s): workers of any "
+                         "partition count as capacity", topic, exc)
+            return
+        self.tracker.slots = frozenset(found)
 
     async def stop(self) -> None:
         await self._reader.stop()

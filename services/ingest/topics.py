@@ -39,6 +39,7 @@ class IngestTopics:
     intake: str
     events: str
     heartbeats: str
+    assignments: str
     status: str
     control: str
     deadletter: str
@@ -64,6 +65,7 @@ class IngestTopics:
             intake=intake.name,
             events=name("events").name,
             heartbeats=name("heartbeats").name,
+            assignments=name("assignments").name,
             status=name("status").name,
             control=name("control").name,
             deadletter=name("deadletter").name,

@@ -120,6 +120,8 @@ class FakeWorker:
     #: Send every chunk twice (at-least-once delivery): clients must drop the copy.
     duplicate_chunks: bool = False
     kv_total_tokens: int = 100_000
+    #: The partition of the assignments topic its heartbeat names.
+    partition: int = 0
     admitted: list[AdmittedRequest] = field(default_factory=list)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _producer: Any = None
@@ -154,7 +156,8 @@ class FakeWorker:
 
     async def beat(self, seq: int = 0) -> None:
         hb = make_heartbeat(
-            worker_id=self.worker_id, model=self.model, model_version=None, partition=0,
+            worker_id=self.worker_id, model=self.model, model_version=None,
+            partition=self.partition,
             kv_total_tokens=self.kv_total_tokens, kv_free_tokens=self.kv_total_tokens,
             kv_total_bytes=self.kv_total_tokens * 23_040,
             kv_free_bytes=self.kv_total_tokens * 23_040, running=0, waiting=0,

@@ -79,6 +79,35 @@ async def _post(client: httpx.AsyncClient, key: str | None, request_id: str) -> 
     return await client.post("/v1/completions", json=body, headers=headers)
 
 
+async def test_a_worker_of_no_partition_of_the_topic_is_no_capacity(
+        tmp_path: Path, topic_prefix: str, bootstrap: str) -> None:
+    # The scheduler refuses a worker whose heartbeat names a partition the assignments
+    # topic does not have (it could never be sent work). Ingest counted it as capacity:
+    # a model served only by such workers was admitted, then rejected by the scheduler.
+    stray = FakeWorker(bootstrap, topic_prefix, worker_id="stray", partition=10_000)
+    real = FakeWorker(bootstrap, topic_prefix, worker_id="real", partition=0)
+    proc = IngestProcess(topic_prefix, tmp_path / "ingest.log")
+    try:
+        proc.start()
+        await proc.wait_ready(heartbeat=False)
+        await stray.start()
+        await asyncio.sleep(3.0)  # six of its beats; ingest reads every 0.2 s
+        async with httpx.AsyncClient(base_url=proc.base_url, timeout=20) as client:
+            ready = (await client.get("/readyz")).json()
+            assert dict(ready["checks"])["worker_heartbeat"] is False, ready
+            resp = await _post(client, None, "to-a-stray")
+            assert resp.status_code == 503, resp.text
+            assert "no live worker" in resp.text
+            await real.start()  # the same beats on a partition the topic has: capacity
+            await proc.wait_ready()
+            assert (await _post(client, None, "to-a-real-one")).status_code == 200
+        assert not stray.seen("to-a-stray")
+    finally:
+        proc.stop()
+        await stray.stop()
+        await real.stop()
+
+
 async def test_api_keys_map_to_tenants(keyed: IngestProcess, worker: FakeWorker) -> None:
     async with httpx.AsyncClient(base_url=keyed.base_url, timeout=20) as client:
         for key in (None, "wrong-key"):

@@ -122,3 +122,16 @@ def test_status_without_workers_keeps_the_model_with_no_live_worker() -> None:
     t.observe_status(status("other-model", "s1", 10, 1.0, NOW))
     capacity = t.view(NOW).models["other-model"]
     assert capacity.live_workers == 0 and capacity.queued_tokens == 10
+
+
+def test_a_worker_of_no_partition_of_the_assignments_topic_is_no_capacity() -> None:
+    # The scheduler refuses it (its work could never be sent): admission must not count
+    # it. Until the watcher has read the topic's partitions (slots None), any counts.
+    t = tracker()
+    t.observe_heartbeat(beat("stray", partition=16, kv_total_tokens=9000, kv_free_tokens=0))
+    t.observe_heartbeat(beat("ok", partition=15, kv_total_tokens=1000, kv_free_tokens=0))
+    assert t.view(NOW).models["llama-3.1-8b"].live_workers == 2
+    t.slots = frozenset(range(16))
+    capacity = t.view(NOW).models["llama-3.1-8b"]
+    assert (capacity.live_workers, capacity.max_usable_kv_tokens) == (1, 1000)
+    assert [hb.worker_id for hb in t.live_workers(NOW)] == ["ok"]

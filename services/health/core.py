@@ -40,7 +40,12 @@ gone        no (deregister) —            —
 ==========  ==============  ===========  =============================================
 
 A stale worker's check is failed explicitly rather than left to expire: the operator sees
-why (the note), and a TTL longer than the staleness window cannot keep it green. A drain
+why (the note), and a TTL longer than the staleness window cannot keep it green.
+
+A worker whose heartbeat names a slot that is not a partition of the assignments topic
+(``slots`` partitions, when the caller knows them) is registered with a **critical** check
+whatever its state: the schedulers refuse such a heartbeat and place nothing there, so it
+must not be discovered as serving (:func:`stray_note`). A drain
 command (``DrainWorker`` on ``llmq.control``) issued after the worker process started puts
 it in maintenance at once, before its draining heartbeat arrives.
 
@@ -147,6 +152,20 @@ def maintenance_reason(rec: WorkerRecord) -> str | None:
     return None
 
 
+def is_stray(hb: WorkerHeartbeat, slots: int | None) -> bool:
+    """The heartbeat names a slot the assignments topic (``slots`` partitions) lacks;
+    ``slots`` None: not known, nothing is a stray."""
+    return slots is not None and not 0 <= hb.partition < slots
+
+
+def stray_note(hb: WorkerHeartbeat, slots: int) -> str:
+    """Why a stray worker is refused, and what to do (the check's note, the status warning)."""
+    return (f"refused by the schedulers: slot {hb.partition} is not a partition of the "
+            f"assignments topic ({slots} partitions), so no work is placed on "
+            f"{hb.worker_id}; give it a slot below {slots}, or restart the schedulers if "
+            "partitions were added")
+
+
 def worker_registration(hb: WorkerHeartbeat, policy: HealthPolicy) -> ServiceRegistration:
     """The ``llmq-worker`` instance of a worker; tags carry pool, model and engine (and
     the role of a prefill or decode worker)."""
@@ -175,8 +194,11 @@ class Desired:
     maintenance: str | None = None
 
 
-def desired_state(rec: WorkerRecord, now: float, policy: HealthPolicy) -> Desired | None:
-    """The desired-state table of the module docstring; None means "not registered"."""
+def desired_state(
+    rec: WorkerRecord, now: float, policy: HealthPolicy, slots: int | None = None
+) -> Desired | None:
+    """The desired-state table of the module docstring; None means "not registered".
+    ``slots``: partitions of the assignments topic, when known (a stray's check fails)."""
     state = worker_state(rec, now, policy)
     if state == "gone":
         return None
@@ -191,6 +213,8 @@ def desired_state(rec: WorkerRecord, now: float, policy: HealthPolicy) -> Desire
     else:
         check = "passing"
         note = f"{state}: heartbeat seq {hb.seq}, {hb.running} running, {hb.waiting} waiting"
+    if check == "passing" and slots is not None and is_stray(hb, slots):
+        check, note = "critical", stray_note(hb, slots)
     return Desired(
         registration=worker_registration(hb, policy),
         check=check,
@@ -201,12 +225,13 @@ def desired_state(rec: WorkerRecord, now: float, policy: HealthPolicy) -> Desire
 
 
 def desired_fleet(
-    records: Mapping[str, WorkerRecord], now: float, policy: HealthPolicy
+    records: Mapping[str, WorkerRecord], now: float, policy: HealthPolicy,
+    slots: int | None = None,
 ) -> dict[str, Desired]:
     """Desired state of every worker that should be registered, by service id."""
     wanted: dict[str, Desired] = {}
     for worker_id, rec in records.items():
-        d = desired_state(rec, now, policy)
+        d = desired_state(rec, now, policy, slots)
         if d is not None:
             wanted[worker_id] = d
     return wanted

@@ -148,6 +148,11 @@ def slot_figures(
     )
 
 
+def assignment_slots(topics: Iterable[TopicFigures]) -> int | None:
+    """Partitions of the assignments topic among ``topics``; None when it is not there."""
+    return next((t.partitions for t in topics if t.role == "assignments"), None)
+
+
 def topic_role(prefix: str, topic: str) -> str:
     """``<prefix>.requests.high.short`` → ``requests``; ``<prefix>.intake`` → ``intake``."""
     return topic.removeprefix(prefix + ".").split(".", 1)[0]

@@ -21,6 +21,8 @@ says why not, and the feed is retried until the broker answers.
 
 Every ``lag_s`` the consumer lag of each catalog topic's owning group goes to
 ``llmq_consumer_lag_records`` (the same offsets ``/status`` reads, one inspector shared).
+The same round counts the assignments topic's partitions: a worker whose heartbeat names
+another slot is registered with a critical check (the schedulers refuse it).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ from services.health.core import (
     worker_state,
 )
 from services.health.fleet import FleetFeed, FleetTracker
-from services.health.lag import LagInspector, TopicFigures
+from services.health.lag import LagInspector, TopicFigures, assignment_slots
 from services.health.metrics import HealthMetrics, WorkerGauge
 from services.health.registry import Registry, RegistryError, ServiceRegistration
 from services.health.settings import BIND_HOST, HealthSettings
@@ -101,6 +103,10 @@ class HealthService:
         self._inspector: LagInspector | None = None
         self._inspector_lock = asyncio.Lock()
         self.own_id = f"{HEALTH_SERVICE}-{hs.resolved_instance_id()}"
+        #: Partitions of the assignments topic, from the newest lag round (None until one
+        #: found the topic): a worker beating another slot is refused by the schedulers,
+        #: and its check is failed (:func:`services.health.core.is_stray`).
+        self.slots: int | None = None
 
     # ---- readiness ---------------------------------------------------------------------
     @property
@@ -131,12 +137,14 @@ class HealthService:
                 await inspector.start()
                 self._inspector = inspector
             try:
-                return await asyncio.wait_for(self._inspector.figures(group), 10.0)
+                found = await asyncio.wait_for(self._inspector.figures(group), 10.0)
             except BaseException:
                 # Rebuild the clients on the next request rather than reuse broken ones.
                 inspector, self._inspector = self._inspector, None
                 await inspector.stop()
                 raise
+        self.slots = assignment_slots(found[0])
+        return found
 
     async def status(self, group: str | None = None) -> dict[str, Any]:
         """The ``llmq status --json`` document, from the tracker and fresh offsets.
@@ -257,7 +265,7 @@ class HealthService:
         self.metrics.ready.set(1 if self.ready() else 0)
         if self.registry is None or not self.caught_up:
             return
-        desired = desired_fleet(records, now, self.policy)
+        desired = desired_fleet(records, now, self.policy, self.slots)
         desired[self.own_id] = self._own_desired()
         await asyncio.to_thread(self._sync_and_apply, self.registry, desired)
 

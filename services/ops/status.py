@@ -24,9 +24,11 @@ The document (``schema`` 1)::
      "warnings": ["<one line an operator should act on>", ...],
      "metrics_urls": {"<service instance>": "http://127.0.0.1:PORT/metrics", ...}}
 
-``warnings`` (:func:`pairing_warnings`) names prefill and decode workers of a model whose
-engine has no worker of the other role: the scheduler hands a prompt's KV only between
-workers of one engine, so those workers sit idle or run requests whole.
+``warnings`` names workers whose heartbeat gives a slot the assignments topic does not
+have (:func:`stray_warnings`: the schedulers refuse them, nothing is placed there), then
+(:func:`pairing_warnings`) prefill and decode workers of a model whose engine has no worker
+of the other role: the scheduler hands a prompt's KV only between workers of one engine,
+so those workers sit idle or run requests whole.
 
 Worker states follow :func:`services.health.core.worker_state` (fail closed: a worker we
 cannot vouch for is ``stale``, never ``up``), under the policy the caller passes: the CLI
@@ -57,9 +59,16 @@ from aiokafka.errors import KafkaError
 from schemas.status import QueueStatus
 from services.common.kafka import broker_answers
 from services.common.settings import Settings
-from services.health.core import WORKER_STATES, HealthPolicy, WorkerRecord, worker_state
+from services.health.core import (
+    WORKER_STATES,
+    HealthPolicy,
+    WorkerRecord,
+    is_stray,
+    stray_note,
+    worker_state,
+)
 from services.health.fleet import FleetFeed, FleetTracker
-from services.health.lag import LagInspector, TopicFigures
+from services.health.lag import LagInspector, TopicFigures, assignment_slots
 from services.ops.errors import KafkaUnavailable
 
 _log = logging.getLogger(__name__)
@@ -146,6 +155,15 @@ def queue_row(qs: QueueStatus, now: float, stale_s: float = STATUS_STALE_S) -> d
     }
 
 
+def stray_warnings(records: Iterable[WorkerRecord], now: float, policy: HealthPolicy,
+                   slots: int | None) -> list[str]:
+    """One line per worker not gone whose slot is not a partition of the assignments topic
+    (``slots`` partitions; None: the topic was not read, nothing to say)."""
+    return [stray_note(r.heartbeat, slots) for r in sorted(records, key=lambda r: r.worker_id)
+            if slots is not None and is_stray(r.heartbeat, slots)
+            and worker_state(r, now, policy) != "gone"]
+
+
 def pairing_warnings(workers: Iterable[Mapping[str, Any]]) -> list[str]:
     """For each model, the prefill and decode workers (up, not draining) whose engine has
     no worker of the other role: their prompts' KV can reach no decode worker (the
@@ -187,6 +205,7 @@ def build_status(
     status_stale_s: float = STATUS_STALE_S,
 ) -> dict[str, Any]:
     """The status document of the module docstring (pure)."""
+    records = list(records)
     workers = sorted((worker_row(r, now, policy) for r in records),
                      key=lambda w: (w["slot"], w["worker_id"]))
     summary: dict[str, int] = {s: 0 for s in WORKER_STATES}
@@ -204,7 +223,8 @@ def build_status(
         "topics": [t.as_dict() for t in topics],
         "groups": dict(groups),
         "missing_topics": list(missing_topics),
-        "warnings": pairing_warnings(workers),
+        "warnings": (stray_warnings(records, now, policy, assignment_slots(topics))
+                     + pairing_warnings(workers)),
         "metrics_urls": dict(metrics_urls),
     }
 

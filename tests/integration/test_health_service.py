@@ -120,6 +120,21 @@ async def test_serves_probes_and_status_on_loopback_without_consul(
                 "w-live", "up", 1, 2)
             assert {t["topic"] for t in doc["topics"]} >= {f"{topic_prefix}.heartbeats"}
             assert doc["metrics_urls"] == {}
+            assert doc["warnings"] == []
+
+            # A worker beating slot 5 of the topic's 2: the schedulers refuse it, and the
+            # status the health service serves says so.
+            stray = FakeHeartbeatWorker(bootstrap, topic_prefix, "w-stray", slot=5,
+                                        interval_s=0.3)
+            await stray.start()
+            try:
+                while len((doc := (await client.get(f"{base}/status")).json())["workers"]) < 2:
+                    assert time.monotonic() < deadline, health.tail()
+                    await asyncio.sleep(0.3)
+            finally:
+                await stray.stop()
+            (warning,) = doc["warnings"]
+            assert "slot 5 is not a partition of the assignments topic (2 partitions)" in warning
 
             # The gauges refresh every tick (1 s): wait for the one that saw the worker.
             metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"

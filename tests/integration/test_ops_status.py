@@ -178,3 +178,22 @@ async def test_missing_topics_are_reported_not_created(bootstrap: str, tmp_path:
     assert f"{settings.topic_prefix}.heartbeats" in doc["missing_topics"]
     again = await cluster_status(settings)
     assert again["topics"] == []  # still absent: status created nothing
+
+
+async def test_a_worker_beating_a_slot_the_assignments_topic_lacks_is_a_warning(
+    cluster: Settings, bootstrap: str
+) -> None:
+    """The schedulers refuse a heartbeat naming partition 7 of 4; `llmq status` says so, with
+    the count it read from the broker, and what to do."""
+    now = time.time()
+    await publish(bootstrap, cluster.topic_prefix,
+                  heartbeat("w-ok", partition=3, ts=now, interval_s=5.0),
+                  heartbeat("w-stray", partition=7, ts=now, interval_s=5.0))
+    doc = await cluster_status(cluster)
+    assert {w["worker_id"] for w in doc["workers"]} == {"w-ok", "w-stray"}
+    (warning,) = doc["warnings"]
+    assert "slot 7 is not a partition of the assignments topic (4 partitions)" in warning
+    assert "w-stray" in warning
+    result = await asyncio.to_thread(CliRunner().invoke, status_command, [], obj=cluster)
+    assert result.exit_code == 0, result.output
+    assert "slot 7 is not a partition" in " ".join(result.output.split())

@@ -224,3 +224,24 @@ def test_desired_fleet_drops_gone_workers() -> None:
     fleet = desired_fleet(records, NOW, POLICY)
     assert sorted(fleet) == ["w1", "w3"]
     assert fleet["w3"].check == "critical"
+
+
+def test_a_worker_beating_a_slot_the_assignments_topic_lacks_is_critical() -> None:
+    """The schedulers refuse such a heartbeat: it must not be discovered as serving."""
+    stray = desired_state(rec(partition=5), NOW, POLICY, slots=4)
+    assert stray is not None and stray.check == "critical"
+    assert "slot 5 is not a partition of the assignments topic (4 partitions)" in stray.note
+    assert "restart the schedulers" in stray.note
+    placed = desired_state(rec(partition=3), NOW, POLICY, slots=4)
+    assert placed is not None and placed.check == "passing"
+    # Topic not read (slots None): as before, nothing is a stray.
+    unknown = desired_state(rec(partition=5), NOW, POLICY)
+    assert unknown is not None and unknown.check == "passing"
+    # A stale stray says it is stale (its beats stopped); a drain still puts it in maintenance.
+    stale = desired_state(rec(10.0, partition=5), NOW, POLICY, slots=4)
+    assert stale is not None and stale.check == "critical" and stale.note.startswith("stale")
+    draining = desired_state(rec(partition=5, draining=True), NOW, POLICY, slots=4)
+    assert draining is not None and draining.check == "critical"
+    assert draining.maintenance == "llmq: draining"
+    fleet = desired_fleet({"w1": rec(partition=5)}, NOW, POLICY, slots=4)
+    assert fleet["w1"].check == "critical"

@@ -208,3 +208,22 @@ async def test_gone_workers_leave_the_per_worker_gauges(clock: Clock) -> None:
     reg = svc.metrics.registry
     assert reg.get_sample_value("llmq_health_workers", {"state": "gone"}) == 1.0
     assert 'worker_id="w1"' not in generate_latest(reg).decode()
+
+
+async def test_a_worker_beating_a_slot_the_assignments_topic_lacks_fails_its_check(
+    service: HealthService, registry: InMemoryRegistry, clock: Clock
+) -> None:
+    """Once a lag round has counted the topic's partitions (4 here), a worker on slot 6 is
+    registered critical with why; before that (slots unknown) it passed, as before."""
+    beat(service, clock, "w-ok", 1, partition=2)
+    beat(service, clock, "w-stray", 1, partition=6)
+    service.heartbeats_caught_up.set()
+    await service.tick()
+    assert registry.instances["w-stray"].check == "passing"
+    service.slots = 4
+    clock.now += 1
+    beat(service, clock, "w-stray", 2, partition=6)
+    await service.tick()
+    assert registry.instances["w-ok"].check == "passing"
+    stray = registry.instances["w-stray"]
+    assert stray.check == "critical" and "slot 6 is not a partition" in stray.note

@@ -174,3 +174,15 @@ def test_render_full() -> None:
                    "llmq-scheduler", "1 slot group(s)", "http://127.0.0.1:9402/metrics",
                    "1 up, 0 draining, 1 stale"):
         assert needle in text, needle
+
+
+def test_status_warns_of_a_worker_beating_a_slot_the_assignments_topic_lacks() -> None:
+    topics = [TopicFigures("llmq.assignments", "assignments", 4, 0, 0, None, None)]
+    records = [rec("w-ok", 0.5, partition=3), rec("w-stray", 0.5, partition=4),
+               rec("w-gone", 500.0, partition=9)]
+    doc = status_doc(records, topics=topics)
+    assert len(doc["warnings"]) == 1
+    assert doc["warnings"][0].startswith("refused by the schedulers: slot 4 is not a partition")
+    assert "w-stray" in doc["warnings"][0]
+    # Without the assignments topic's figures nothing is said (not known, not refused).
+    assert status_doc(records)["warnings"] == []

@@ -202,6 +202,63 @@ def test_a_lone_surrogate_is_refused_naming_the_field(raw: bytes, kind: Kind, pa
     assert "surrogate" in err.message
 
 
+def _nested(depth: int, inner: str) -> str:
+    return "[" * depth + inner + "]" * depth
+
+
+def _deepest(template: str, inner: str) -> dict[str, Any]:
+    """The body of ``template`` with its value nested as deep as the JSON parser takes here
+    (the stack left depends on the caller): where the record's encoding, a level deeper,
+    used to overflow and answer 500."""
+    for depth in range(1000, 0, -1):
+        try:
+            return dict(parse_json((template % _nested(depth, inner)).encode()))
+        except ApiError:
+            continue
+    raise AssertionError("no depth parsed")
+
+
+@pytest.mark.parametrize(
+    ("body", "kind", "param"),
+    [
+        (_deepest('{"model": "m", "prompt": "x", "temperature": %s}', "1"), "completion",
+         "temperature"),
+        (_deepest('{"model": "m", "prompt": "x", "stop": %s}', '"\\ud800"'), "completion",
+         "stop"),
+        (dict(parse_json(b'{"model": "m", "prompt": "x", "stop": %s}'
+                         % _nested(20, '"a"').encode())), "completion", "stop"),
+        (dict(parse_json(b'{"model": "m", "messages": [{"role": "user", "content": "x", '
+                         b'"name": %s}]}' % _nested(30, '"a"').encode())), "chat",
+         "messages.0.name"),
+    ],
+)
+def test_a_field_nested_too_deep_is_refused_naming_it(
+    body: dict[str, Any], kind: Kind, param: str
+) -> None:
+    err = _refused(body, kind)
+    assert (err.status, err.param, err.code) == (400, param, "invalid")
+    assert "nested more than 16 levels deep" in err.message
+
+
+@pytest.mark.parametrize("field", ["tool_calls", "function_call", "tool_call_id"])
+def test_a_tool_call_in_the_history_is_refused_not_dropped(field: str) -> None:
+    """The wire has no tool calls: dropped, the model would see another conversation."""
+    value: Any = {"tool_calls": [{"id": "c1", "type": "function",
+                                  "function": {"name": "f", "arguments": "{}"}}],
+                  "function_call": {"name": "f", "arguments": "{}"},
+                  "tool_call_id": "c1"}[field]
+    messages = [{"role": "user", "content": "q"},
+                {"role": "assistant" if field != "tool_call_id" else "tool", "content": "42",
+                 field: value}]
+    err = _refused({"model": "m", "messages": messages}, "chat")
+    assert (err.status, err.param) == (400, f"messages.1.{field}")
+    assert "tool calls are not supported" in err.message
+    # Empty or null, as some SDKs send them, changes nothing.
+    messages[1] = {"role": "assistant", "content": "42", "tool_calls": [],
+                   "function_call": None}
+    assert _map({"model": "m", "messages": messages}, "chat").request.messages[1].content == "42"
+
+
 @pytest.mark.parametrize("raw", [b"{nope", b"[1, 2]", b"", b'"text"'])
 def test_body_must_be_a_json_object(raw: bytes) -> None:
     with pytest.raises(ApiError) as err:

@@ -11,7 +11,10 @@ Fields llmq cannot honour are refused by name unless set to a value that changes
 ``suffix``, ``response_format`` other than text, ``modalities`` other than text,
 ``audio``, and vLLM's extras — ``guided_*``, ``structured_outputs``, ``min_tokens``,
 ``ignore_eos``, ``repetition_penalty``, chat-template options, ...): each would change
-the answer, and a 200 without it would look honoured. Fields that do not change the
+the answer, and a 200 without it would look honoured; so is a message's ``tool_calls``,
+``function_call`` or ``tool_call_id`` (the wire carries none, and dropped they would
+change the prompt), and a field nested more than 16 arrays or objects deep. Fields that
+do not change the
 result (``user``, ``store``, ``metadata``, ``parallel_tool_calls``, ...) are ignored, as
 a vLLM server ignores fields it does not know, so any OpenAI SDK works.
 llmq extras: ``priority``, ``lane``, ``timeout`` (seconds) in the body or as headers
@@ -40,6 +43,8 @@ Kind = Literal["completion", "chat"]
 
 SSE_DONE: Final = b"data: [DONE]\n\n"
 _ROLES: Final = {"developer": "system"}  # OpenAI's newer name for the system role
+#: A message's tool-call fields: the wire has none, and ``tools`` are refused.
+_TOOL_FIELDS: Final = ("tool_calls", "function_call", "tool_call_id")
 _SAMPLING: Final = (
     "temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty", "seed",
 )
@@ -127,6 +132,12 @@ def to_inference_request(
     else:
         wire["prompt"] = _prompt(body["prompt"])
     wire = {k: v for k, v in wire.items() if v is not None}  # absent: the schema says so
+    deep = _too_deep(wire)
+    if deep is not None:
+        # Every field the wire takes is a few levels deep at most; past this, encoding the
+        # record (one level deeper than the body: sampling) would overflow the stack.
+        raise invalid(f"is nested more than {_MAX_DEPTH} levels deep",
+                      client_field(deep, max_field) or deep)
     try:
         # Not ASCII-escaped: the record limit is on bytes, and an escaped emoji takes 12
         # (\ud83d\ude00) where its UTF-8 takes 4.
@@ -161,6 +172,29 @@ def client_field(field: str, max_field: str = "max_tokens") -> str | None:
         "model_version": "model_version",
         "prefix_hash": "prefix_hash",
     }.get(head)
+
+
+#: Deepest nesting of arrays and objects a wire field may have (a chat message's text part
+#: is 4 levels down: messages, message, content, part).
+_MAX_DEPTH: Final = 16
+
+
+def _too_deep(value: Any) -> str | None:
+    """The dotted path, down to the first level past :data:`_MAX_DEPTH`, of a value nested
+    deeper than that (None: none is). Iterative: it must not overflow the stack itself."""
+    stack: list[tuple[Any, list[str]]] = [(value, [])]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, Mapping):
+            children: Iterable[tuple[Any, Any]] = item.items()
+        elif isinstance(item, list):
+            children = enumerate(item)
+        else:
+            continue
+        if len(path) > _MAX_DEPTH:
+            return ".".join(path[:3])
+        stack.extend((child, [*path, str(key)]) for key, child in children)
+    return None
 
 
 def _unencodable_field(value: Any, path: str = "") -> str | None:
@@ -285,6 +319,9 @@ def _messages(messages: Any) -> Any:
 
 
 def _message(message: Mapping[str, Any], index: int) -> dict[str, Any]:
+    for name in _TOOL_FIELDS:  # dropped, they would change the prompt the model sees
+        if message.get(name) not in (None, [], ""):
+            raise invalid("tool calls are not supported", f"messages.{index}.{name}")
     role = message.get("role")
     out: dict[str, Any] = {"role": _ROLES.get(role, role) if isinstance(role, str) else role}
     content = message.get("content")

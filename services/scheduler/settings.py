@@ -215,11 +215,8 @@ class SchedulerSettings(BaseSettings):
         """The placement profile mapping (``build_pipeline`` validates it), with the
         ``replica-turn`` filter when several replicas run: ``turns`` (replicas, index), or
         else :meth:`static_turns`."""
-        if self.profile_file is None:
-            profile: Mapping[str, object] = DEFAULT_PROFILE
-        else:
-            with self.profile_file.open("rb") as handle:
-                profile = tomllib.load(handle)
+        profile = (DEFAULT_PROFILE if self.profile_file is None
+                   else read_profile_file(self.profile_file))
         turns = turns or self.static_turns()
         if turns is None or turns[0] == 1:
             return profile
@@ -234,3 +231,12 @@ class SchedulerSettings(BaseSettings):
             "filters": [*(f for f in filters if f != "replica-turn"), "replica-turn"],
             "params": {**params, "replica-turn": turn},
         }
+
+
+def read_profile_file(path: Path) -> Mapping[str, object]:
+    """A placement profile file (TOML) as the mapping ``build_pipeline`` validates: the
+    scheduler's ``LLMQ_SCHEDULER_PROFILE_FILE``, and the simulator's ``llmq bench
+    policies --scheduler-profile``. ``OSError`` if unreadable, ``ValueError`` (a
+    ``tomllib.TOMLDecodeError``) if not TOML."""
+    with path.open("rb") as handle:
+        return tomllib.load(handle)

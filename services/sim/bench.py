@@ -78,6 +78,8 @@ class BenchConfig:
     #: The synthetic workload's mean prompt and output lengths, tokens.
     synthetic_prompt_mean: float = 1000.0
     synthetic_output_mean: float = 200.0
+    #: The file ``llmq.profile`` was read from (reported only; None: the default profile).
+    scheduler_profile: Path | None = None
 
     def __post_init__(self) -> None:
         unknown = [p for p in self.policies if p not in POLICIES]
@@ -248,5 +250,7 @@ def _config_doc(config: BenchConfig, workload: Workload) -> dict[str, Any]:
            if config.synthetic else {}),
         "fleet_capacity_rps": round(workload.capacity_rps, 6),
         "arrival_span_s": round(reqs[-1].arrival_s - reqs[0].arrival_s, 6),
+        **({"scheduler_profile": str(config.scheduler_profile)}
+           if config.scheduler_profile is not None else {}),
         "llmq": {k: (dict(v) if isinstance(v, dict) else v) for k, v in llmq.items()},
     }

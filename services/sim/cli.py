@@ -25,6 +25,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from services.common.settings import PROJECT_ROOT
+from services.scheduler.policies.profile import DEFAULT_PROFILE, build_pipeline
+from services.scheduler.settings import read_profile_file
 from services.sim.bench import BenchConfig, ProgressFactory, run_bench
 from services.sim.llmq import LlmqConfig
 from services.sim.policies import POLICIES
@@ -97,6 +99,12 @@ class FiniteFloat(click.FloatRange):
               show_default=True, help="Request timeout: admission horizon and queue deadline.")
 @click.option("--kv-margin", type=FiniteFloat(0.0, 1.0, max_open=True), default=0.05,
               show_default=True, help="llmq ledger's KV safety margin.")
+@click.option("--scheduler-profile", type=click.Path(dir_okay=False, path_type=Path),
+              default=None,
+              help="llmq's placement profile (TOML): the file the live scheduler reads from "
+                   "LLMQ_SCHEDULER_PROFILE_FILE (filters, scorers, picker, candidates, "
+                   "params, spill, pd_overflow_tokens; missing keys keep the defaults). "
+                   "Only llmq runs it; the baselines keep theirs.")
 @click.option("--engine-priority/--no-engine-priority", default=True, show_default=True,
               help="llmq's engines serve their waiting queue by class (vLLM's "
                    "--scheduling-policy priority) instead of FCFS.")
@@ -121,7 +129,7 @@ def policies(
     synthetic_output_mean: float, requests: int | None, policy_list: str, workers: int,
     profile: str, profiles_file: Path | None, load: float, seed: int, pools: str,
     kv_link_gbps: float, heartbeat_s: float, timeout_s: float, kv_margin: float,
-    engine_priority: bool,
+    scheduler_profile: Path | None, engine_priority: bool,
     max_tokens_slack: float, json_out: Path | None, plot: Path | None, matrix: bool,
     markdown: Path | None, seed_list: str | None, quiet: bool,
 ) -> None:
@@ -136,6 +144,7 @@ def policies(
         llmq bench policies --synthetic --synthetic-cv 4 --requests 20000 --workers 16
         llmq bench policies --matrix --markdown matrix.md
         llmq bench policies --matrix --seeds 1,2,3 --markdown seeds.md
+        llmq bench policies --pools pd --scheduler-profile my-profile.toml
     """
     ctx = click.get_current_context()
     _check_combination(ctx, matrix, synthetic, plot, markdown)
@@ -157,7 +166,8 @@ def policies(
     if not synthetic and not matrix and not trace.exists():
         raise click.BadParameter(f"{trace} does not exist", param_hint="--trace")
     llmq = LlmqConfig(heartbeat_s=heartbeat_s, timeout_s=timeout_s, kv_safety_margin=kv_margin,
-                      engine_priority=engine_priority)
+                      engine_priority=engine_priority,
+                      profile=_scheduler_profile(scheduler_profile))
     base = BenchConfig(
         trace=None if synthetic else trace, synthetic=synthetic, requests=requests,
         workers=workers, profile=profile, profiles_file=profiles_file, load=load, seed=seed,
@@ -165,7 +175,7 @@ def policies(
         pools=pools,  # type: ignore[arg-type]  # click.Choice guarantees a PoolMode
         kv_link_gbps=kv_link_gbps, max_tokens_slack=max_tokens_slack, llmq=llmq,
         synthetic_cv=synthetic_cv, synthetic_prompt_mean=synthetic_prompt_mean,
-        synthetic_output_mean=synthetic_output_mean,
+        synthetic_output_mean=synthetic_output_mean, scheduler_profile=scheduler_profile,
     )
     show = not quiet and sys.stderr.isatty()
     if matrix:
@@ -219,6 +229,20 @@ def _check_synthetic(ctx: click.Context, synthetic: bool) -> None:
         one = len(given) == 1
         raise click.UsageError(f"{', '.join(given)} only shape{'s' if one else ''} a synthetic "
                                f"workload: add --synthetic, or drop {'it' if one else 'them'}")
+
+
+def _scheduler_profile(path: Path | None) -> dict[str, object]:
+    """The profile llmq's scheduler runs: ``path`` read and checked as the live scheduler
+    checks it at start (every problem a usage error naming the file and the setting), or
+    the default profile."""
+    if path is None:
+        return dict(DEFAULT_PROFILE)
+    try:
+        raw = read_profile_file(path)
+        build_pipeline(raw)
+    except (OSError, ValueError) as exc:  # ConfigError and tomllib's errors are ValueErrors
+        raise click.BadParameter(f"{path}: {exc}", param_hint="--scheduler-profile") from None
+    return {**DEFAULT_PROFILE, **raw}  # as the pipeline merges it: the JSON shows it all
 
 
 def _policy_names(policy_list: str) -> tuple[str, ...]:

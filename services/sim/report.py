@@ -178,7 +178,9 @@ def render_markdown(cells: Sequence[Cell], base: BenchConfig) -> str:
         f"`{base.pools}`, heartbeat {base.llmq.heartbeat_s:g} s, timeout "
         f"{base.llmq.timeout_s:g} s, llmq's engines "
         f"{'by priority' if base.llmq.engine_priority else 'FCFS'} (the baselines' FCFS). "
-        "Baseline preemptions: fifo-rr / least-requests / vllm-random. Floor: the short "
+        + (f"llmq's scheduler profile `{base.scheduler_profile.name}`. "
+           if base.scheduler_profile is not None else "")
+        + "Baseline preemptions: fifo-rr / least-requests / vllm-random. Floor: the short "
         "lane's P99 latency alone on an idle engine ÷ fifo-rr's short P99, the lowest "
         "÷ fifo any policy can reach.\n"
     )

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from services.common.settings import PROJECT_ROOT
 from services.scheduler import DEFAULT_PROFILE, ConfigError, build_pipeline
-from services.scheduler.settings import SchedulerSettings
+from services.scheduler.settings import SchedulerSettings, read_profile_file
 
 
 def test_environment_and_aliases(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -47,3 +48,14 @@ def test_profile_file(tmp_path: Path) -> None:
     bad.write_text('filters = ["model-match"]\n')
     with pytest.raises(ConfigError):
         build_pipeline(SchedulerSettings(profile_file=bad).profile())
+
+
+def test_the_profiles_shipped_in_infra_are_valid() -> None:
+    """What docs/benchmarks.md and the README tell operators to run must start."""
+    shipped = sorted((PROJECT_ROOT / "infra" / "profiles").glob("*.toml"))
+    assert shipped, "infra/profiles/ has no profile"
+    for path in shipped:
+        pipeline = build_pipeline(SchedulerSettings(profile_file=path).profile())
+        assert pipeline.profile.filters  # the defaults fill in what the file leaves out
+    no_overflow = PROJECT_ROOT / "infra" / "profiles" / "pd-no-overflow.toml"
+    assert build_pipeline(read_profile_file(no_overflow)).pd_overflow_tokens == 0

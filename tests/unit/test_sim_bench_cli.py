@@ -196,3 +196,49 @@ def test_the_baselines_judge_max_tokens_not_the_true_output(name: str) -> None:
     # prompt + output = 131,050 fits, prompt + max_tokens (×2 slack) = 131,100 does not: vLLM
     # refuses what is asked for, before it knows the output.
     assert _rejected(name, [TraceRequest(0, 0.0, 131_000, 50)], slack=2.0) == [0]
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    ('filters = ["model-match"]\n', "filters: must include ['lane-pool'"),
+    ("pd_overflow_tokens = -3\n", "pd_overflow_tokens: must be an int >= 0, got -3"),
+    ("candidates = 8\nbogus = 1\n", "bogus: unknown profile key"),
+    ("x = [\n", "Invalid value (at end of document)"),
+])
+def test_a_bad_scheduler_profile_is_refused_before_the_run(
+    tmp_path: Path, text: str, says: str
+) -> None:
+    """As the live scheduler refuses it at start: one line naming the file and the setting."""
+    path = tmp_path / "profile.toml"
+    path.write_text(text)
+    code, output = _main(["--synthetic", "--requests", "20", "-q", "--scheduler-profile",
+                          str(path)])
+    assert code == 2, output
+    flat = " ".join(output.split())
+    assert "--scheduler-profile" in flat and str(path) in flat and says in flat
+    assert "Traceback" not in output
+    missing = tmp_path / "none.toml"
+    code, output = _main(["--synthetic", "--requests", "20", "-q", "--scheduler-profile",
+                          str(missing)])
+    assert code == 2 and "No such file" in output
+
+
+def test_the_scheduler_profile_runs_llmq_and_reaches_the_json(tmp_path: Path) -> None:
+    """The file's settings are llmq's (pd_overflow_tokens here: a long request goes whole to
+    the decode worker as soon as every prefill worker has a prompt waiting, or never), the
+    rest keep the defaults, and the JSON says which file it was."""
+    runs = {}
+    for name, overflow in (("eager", 1), ("never", 0)):
+        path, out = tmp_path / f"{name}.toml", tmp_path / f"{name}.json"
+        path.write_text(f"pd_overflow_tokens = {overflow}\n")
+        result = CliRunner().invoke(bench_policies, [
+            "--synthetic", "--requests", "400", "--workers", "3", "--pools", "pd", "--load",
+            "0.95", "--policies", "llmq", "-q", "--scheduler-profile", str(path),
+            "--json", str(out)])
+        assert result.exit_code == 0, result.output
+        doc = json.loads(out.read_text())
+        assert doc["config"]["scheduler_profile"] == str(path)
+        profile = doc["config"]["llmq"]["profile"]
+        assert profile["pd_overflow_tokens"] == overflow
+        assert profile["candidates"] == 8  # a key the file leaves out keeps its default
+        runs[name] = doc["policies"]["llmq"]["lanes"]
+    assert runs["eager"] != runs["never"]

@@ -82,8 +82,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = Settings()
         ingest = IngestSettings(**overrides)
         tenancy = load_tenancy(ingest.tenants_file)
+        # Read before anything is created on Kafka: a tokenizer that does not load is a
+        # configuration error, said in one line.
+        counters = _counters(tenancy.config.admission.registry)
     except (ValidationError, TenantsFileError) as exc:
         print(f"ingest: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    except (OSError, UnicodeDecodeError) as exc:
+        print(f"ingest: invalid configuration: a models.<name>.tokenizer file cannot be "
+              f"read: {exc}", file=sys.stderr)
         return 2
     if ingest.metrics_port is not None:
         try:
@@ -104,8 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ingest: cannot create topics on Kafka at {settings.bootstrap}: {exc!r}",
               file=sys.stderr)
         return 1
-    runtime = IngestRuntime(settings, ingest, tenancy, topics,
-                            _counters(tenancy.config.admission.registry))
+    runtime = IngestRuntime(settings, ingest, tenancy, topics, counters)
     built = build_app(runtime)
 
     api = create_api(HttpDeps(

@@ -35,7 +35,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Final
+from typing import Any, Final
 
 import yaml
 
@@ -166,17 +166,39 @@ def parse_tenants(path: Path, data: object) -> Tenancy:
     return Tenancy(config, MappingProxyType(keys), path)
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.safe_load`` that refuses a key given twice in one mapping: YAML keeps the last
+    silently, so a second ``tenants.a`` would replace the first's keys and limits."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                duplicate = key in seen
+                seen.add(key)
+            except TypeError:  # an unhashable key: the mapping's own check says so
+                continue
+            if duplicate:
+                raise yaml.constructor.ConstructorError(
+                    "while reading a mapping", node.start_mark,
+                    f"key {key!r} is given twice", key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
 def _read(path: Path) -> object:
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a BOM some editors write is fine
     except OSError as exc:
         raise TenantsFileError(path, "", f"cannot read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise TenantsFileError(path, "", f"must be UTF-8 text: {exc}") from None
     suffix = path.suffix.lower()
     try:
         if suffix == ".toml":
             return tomllib.loads(text)
         if suffix in (".yaml", ".yml"):
-            return yaml.safe_load(text)
+            return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: no object tags
     except tomllib.TOMLDecodeError as exc:
         raise TenantsFileError(path, "", f"not valid TOML: {exc}") from None
     except yaml.YAMLError as exc:

@@ -85,6 +85,10 @@ REJECTS = [
      make_state(POLICY, NOW, tokens=0.0), None, "rate_limited", "tokens", 0.2),
     ("request bucket", make_request(), POLICY, make_state(POLICY, NOW, requests=0.25), None,
      "rate_limited", "requests", 0.75),
+    # 1 token a minute, a bucket of a million: an exact wait of ~200 min, capped at an hour.
+    ("a bucket's wait past the ceiling", make_request(), make_policy(tpm=1.0, token_burst=1e6),
+     make_state(make_policy(tpm=1.0, token_burst=1e6), NOW, tokens=0.0), None,
+     "rate_limited", "tokens", 3600.0),
     ("rate limited before overloaded", make_request(), POLICY,
      make_state(POLICY, NOW, requests=0.0), make_cluster(make_capacity(live_workers=0)),
      "rate_limited", "requests", 1.0),

@@ -121,6 +121,14 @@ def test_open_mode_without_a_file() -> None:
         (f'[tenants.ingest-x]\napi_key_sha256 = "{ACME}"\nrpm = 1\ntpm = 1\n'
          "max_concurrency = 1\n", "tenants.ingest-x", "reserved"),
         ("tenants = [", "", "not valid TOML"),
+        # Found by an audit: these raised OverflowError, or were taken for a list.
+        (f'[tenants.acme]\napi_key_sha256 = "{ACME}"\nrpm = {"9" * 400}\ntpm = 1\n'
+         "max_concurrency = 1\n", "tenants.acme.rpm", "too large for a float"),
+        (f'overload = {{ max_retry_after_s = {"9" * 400} }}\n[tenants.acme]\n'
+         f'api_key_sha256 = "{ACME}"\nrpm = 1\ntpm = 1\nmax_concurrency = 1\n',
+         "overload.max_retry_after_s", "too large for a float"),
+        (f'[tenants.acme]\napi_key_sha256 = "{ACME}"\nrpm = 1\ntpm = 1\nmax_concurrency = 1\n'
+         "allowed_models = { a = 1 }\n", "tenants.acme.allowed_models", "a list of strings"),
     ],
 )
 def test_bad_files_name_the_setting(
@@ -141,3 +149,28 @@ def test_unreadable_or_unknown_format(tmp_path: Path) -> None:
         load_tenancy(_write(tmp_path, TOML, "tenants.json"))
     with pytest.raises(TenantsFileError, match="not valid YAML"):
         load_tenancy(_write(tmp_path, "tenants: [", "tenants.yml"))
+
+
+def test_a_file_that_is_not_utf8_is_one_error_and_a_bom_is_fine(tmp_path: Path) -> None:
+    path = tmp_path / "tenants.toml"
+    path.write_bytes(TOML.encode() + b"# caf\xe9\n")  # Latin-1
+    with pytest.raises(TenantsFileError, match="must be UTF-8 text"):
+        load_tenancy(path)
+    path.write_bytes(b"\xef\xbb\xbf" + TOML.encode())  # what some editors write first
+    assert load_tenancy(path).policy_for("acme") is not None
+
+
+def test_a_yaml_key_given_twice_is_refused_not_the_last_kept(tmp_path: Path) -> None:
+    """YAML keeps the last of two equal keys: the first tenant's keys and limits vanished."""
+    twice = YAML + f"""  acme:
+    api_key_sha256: {BETA}
+    rpm: 1
+    tpm: 1
+    max_concurrency: 1
+"""
+    with pytest.raises(TenantsFileError, match=r"(?s)not valid YAML.*'acme' is given twice"):
+        load_tenancy(_write(tmp_path, twice, "tenants.yaml"))
+    inner = YAML + "    rpm: 7\n"  # the same setting twice in one tenant
+    with pytest.raises(TenantsFileError, match="'rpm' is given twice"):
+        load_tenancy(_write(tmp_path, inner, "tenants.yaml"))
+    assert load_tenancy(_write(tmp_path, YAML, "tenants.yaml")).policy_for("acme") is not None

@@ -57,7 +57,7 @@ def string(value: object, setting: str) -> str:
 
 def strings(value: object, setting: str) -> tuple[str, ...]:
     """A list of non-empty strings (a bare string is refused: it would iterate by char)."""
-    if isinstance(value, str) or not isinstance(value, Iterable):
+    if isinstance(value, str | Mapping) or not isinstance(value, Iterable):
         raise ConfigError(setting, f"must be a list of strings, got {value!r}")
     return tuple(string(item, f"{setting}[{i}]") for i, item in enumerate(value))
 
@@ -94,7 +94,11 @@ def required(mapping: Mapping[str, object], key: str, prefix: str) -> object:
 def _finite(value: object, setting: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ConfigError(setting, f"must be a number, got {value!r}")
-    number = float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an integer of hundreds of digits
+        raise ConfigError(setting, "must be finite, got an integer too large for a "
+                                   "float") from None
     if not math.isfinite(number):
         raise ConfigError(setting, f"must be finite, got {number}")
     return number

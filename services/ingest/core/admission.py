@@ -16,7 +16,7 @@ data; the ingest agent publishes them). Checks, first failure wins:
    more tokens than the tenant's token bucket can ever hold (retrying would never help).
 4. ``rate_limited`` (429): concurrency cap (Retry-After ``CONCURRENCY_RETRY_AFTER_S``, 1 s:
    when a slot frees is unknown, so the client polls), request or token bucket (exact
-   Retry-After, see :mod:`.rate_limit`).
+   Retry-After, see :mod:`.rate_limit`, at most ``RETRY_AFTER_CEILING_S``, an hour).
 5. ``overloaded`` (503), fail closed: no live worker for the model (empty fleet =
    saturated); or a non-empty queue that the fleet could not start at once
    (``queued + need > kv_headroom_tokens``) and that, with no measured drain rate, gets
@@ -40,7 +40,7 @@ from typing import Literal
 
 from schemas.common import MAX_TOKENS, PRIORITIES, ErrorCode, Lane, Priority, priority_rank
 from services.ingest.core.classify import classify_lane
-from services.ingest.core.config import AdmissionConfig
+from services.ingest.core.config import RETRY_AFTER_CEILING_S, AdmissionConfig
 from services.ingest.core.models import ModelShape
 from services.ingest.core.rate_limit import TenantPolicy, TenantState, try_consume
 from services.ingest.core.tokens import kv_tokens_for
@@ -182,7 +182,11 @@ def admit(
     if throttle is not None:
         code: ErrorCode = "too_large" if throttle.limit == "burst" else "rate_limited"
         check: RejectCheck = "tenant_burst" if throttle.limit == "burst" else throttle.limit
-        return Reject(code, throttle.reason, throttle.retry_after_s, check)
+        # The bucket's wait is exact, but past the ceiling (an hour) the number means
+        # nothing to a client; one that retries sooner is refused again with the rest.
+        retry = throttle.retry_after_s
+        return Reject(code, throttle.reason,
+                      None if retry is None else min(retry, RETRY_AFTER_CEILING_S), check)
     overloaded = _overloaded(model, total, request.timeout_s, capacity, config)
     if overloaded is not None:
         return overloaded

@@ -151,10 +151,27 @@ def test_invalid_bodies_name_the_field(body: dict[str, Any], kind: Kind, param: 
     assert err.body()["error"]["param"] == param
 
 
+def test_a_null_stream_option_means_not_given_as_at_the_top() -> None:
+    call = _map({"model": "m", "prompt": "x", "stream": True,
+                 "stream_options": {"include_usage": None}})
+    assert call.stream and not call.include_usage
+    assert _refused({"model": "m", "prompt": "x", "stream_options": {"include_usage": "yes"}}
+                    ).param == "stream_options.include_usage"
+
+
 def test_bad_header_values_are_named() -> None:
     assert _refused({"model": "m", "prompt": "x"}, **{"x-llmq-timeout": "soon"}).param == (
         "x-llmq-timeout"
     )
+    # Values the schema refuses: named by the header they came from, not by a body field
+    # the client never sent (found by an audit); the body's own still by its field.
+    body = {"model": "m", "prompt": "x"}
+    assert _refused(body, **{"x-llmq-timeout": "-5"}).param == "x-llmq-timeout"
+    assert _refused(body, **{"x-llmq-priority": "urgent"}).param == "x-llmq-priority"
+    assert _refused(body, **{"x-llmq-lane": "middle"}).param == "x-llmq-lane"
+    assert _refused({**body, "priority": "urgent"}, **{"x-llmq-priority": "low"}).param == (
+        "priority")
+    assert _refused({**body, "timeout": -5}).param == "timeout"
     bad_id = Origin("not an id!", "acme", "llmq.replies.ingest-a", 1.0)
     with pytest.raises(ApiError) as err:
         to_inference_request({"model": "m", "prompt": "x"}, "completion", bad_id, {})

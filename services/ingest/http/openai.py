@@ -49,6 +49,8 @@ _SAMPLING: Final = (
     "temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty", "seed",
 )
 _HEADER_EXTRAS: Final = {"priority": "x-llmq-priority", "lane": "x-llmq-lane"}
+#: Each llmq extra's header, which the request's value came from when the body has none.
+_FROM_HEADER: Final = {**_HEADER_EXTRAS, "timeout": "x-llmq-timeout"}
 _SAMPLING_FIELD: Final = re.compile(r"^sampling\.([a-z_]+)(\..*)?$")
 
 
@@ -149,7 +151,10 @@ def to_inference_request(
     try:
         request = decode(raw, InferenceRequest)
     except SchemaError as exc:
-        raise from_schema_error(exc, client_field(exc.field, max_field)) from None
+        param = client_field(exc.field, max_field)
+        if param in _FROM_HEADER and param not in body:  # the value came from its header
+            param = _FROM_HEADER[param]
+        raise from_schema_error(exc, param) from None
     include_usage = _flag(options, "include_usage", "stream_options.include_usage")
     return ParsedCall(request, kind, stream, include_usage, origin.client_id or "")
 
@@ -264,7 +269,9 @@ def _same(value: Any, as_is: Any) -> bool:
 
 
 def _flag(body: Mapping[str, Any], name: str, param: str | None = None) -> bool:
-    value = body.get(name, False)
+    value = body.get(name)
+    if value is None:  # null means "not given", nested as at the top
+        return False
     if not isinstance(value, bool):
         raise invalid("must be true or false", param or name)
     return value

@@ -19,8 +19,9 @@ No Faust here, so tests drive it with dicts for tables and a list for the produc
 
 State, all keyed so it lives on the tenant's partition: ``buckets[tenant]`` =
 ``TenantState.to_dict()``; ``reservations[request_id]`` = ``{"tenant", "reply_topic",
-"reserved", "deadline"}``. Both are written only while handling a record of that tenant's partition,
-so a Faust changelog puts them where the tenant's records are.
+"reserved", "deadline"}`` and the admission as sent (``digest``, ``admitted_at``,
+``priority``, ``lane``, ``prompt_tokens``). Both are written only while handling a record
+of that tenant's partition, so a Faust changelog puts them where the tenant's records are.
 
 Observability: each intake record is handled inside an ``llmq.admission`` span, the child
 of the trace context its headers carry (the HTTP span for ingest.http's requests); what is
@@ -35,7 +36,11 @@ JSON names a request_id and a tenant with a policy: on that tenant's own reply t
 on an ingest instance's (``_salvage_target``). A request of a tenant with no
 policy (keyed mode: not in the tenants file) is dead-lettered the same way, with no reply:
 its reply topic would be created for it, and the tenant name is the sender's choice, so
-any client could make ingest create topics without bound. An exception while deciding or
+any client could make ingest create topics without bound. A request whose id is in flight
+for the same caller (tenant and reply topic) is a redelivery, and its held admission is
+sent again, only if its body's digest is the reservation's; with another body it is
+dead-lettered on field ``request_id`` with no reply (one under that id would reach the
+first request's listeners). An exception while deciding or
 while writing the decision to the tables (before anything was published for the request)
 sends an ``overloaded`` Error to the request's reply topic and re-raises (dead letter), so
 the client is never left waiting.
@@ -44,6 +49,7 @@ the client is never left waiting.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import re
@@ -234,6 +240,14 @@ class IntakeHandler:
         held = self._reservations.get(req.request_id)
         if held is not None:
             if _same_caller(held, req, self._topics.prefix):
+                if held.get("digest", _digest(req)) != _digest(req):
+                    # Not a redelivery: the same caller reusing an id in flight for another
+                    # body. Re-sending the held admission would publish this body on the
+                    # first one's reservation (its checks skipped); an Error under this id,
+                    # on the topic where the first one's answer goes, would end that one.
+                    span.set_attribute(tracing.LLMQ_OUTCOME, "invalid")
+                    _count_refusal("invalid")
+                    raise _reused_id(req.request_id)
                 span.set_attribute(tracing.LLMQ_OUTCOME, "duplicate")
                 again = _admission_again(req, held, self._topics.prefix)
                 if again is None:  # a reservation written before it kept its admission
@@ -332,7 +346,9 @@ class IntakeHandler:
             "reply_topic": target,
             "reserved": result.reserved_tokens,
             "deadline": max(now, req.created_at) + req.timeout_s + self._grace,
-            # The admission, to send it again for a redelivered record (_admission_again).
+            # The admission, to send it again for a redelivered record (_admission_again),
+            # and the request's digest, to tell a redelivery from a reused id.
+            "digest": _digest(req),
             "admitted_at": now,
             "priority": result.priority,
             "lane": result.lane,
@@ -579,6 +595,23 @@ def _unknown_tenant(tenant: str) -> SchemaError:
         f"unknown tenant {tenant!r}: no policy in the tenants file, so no reply "
         "(its reply topic is not created)",
     ),))
+
+
+def _reused_id(request_id: str) -> SchemaError:
+    """The dead-letter reason for a request whose id is in flight for another body from the
+    same caller (field ``request_id``; no reply: one under that id would reach the first
+    request's listeners)."""
+    return SchemaError((FieldError(
+        "request_id", "invalid",
+        f"request_id {request_id!r} is in flight for another request from the same caller; "
+        "not admitted and not answered (an answer under this id would end the first one): "
+        "request ids must be unique",
+    ),))
+
+
+def _digest(req: InferenceRequest) -> str:
+    """What tells a redelivery (the same record again) from another request with its id."""
+    return hashlib.sha256(encode(req)).hexdigest()
 
 
 def _same_caller(held: Mapping[str, Any], req: InferenceRequest, prefix: str) -> bool:

@@ -6,6 +6,7 @@ publish exactly one outcome; settle on terminal events; expire lost reservations
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,7 +115,10 @@ async def test_admitted_request_is_stored_and_published() -> None:
                                          "reply_topic": "llmq.replies.ingest-a",
                                          "deadline": NOW + 60.0 + 30.0, "admitted_at": NOW,
                                          "priority": "normal", "lane": "short",
-                                         "prompt_tokens": 10}
+                                         "prompt_tokens": 10,
+                                         "digest": hashlib.sha256(encode(request(
+                                             "cmpl-r1", reply_to="llmq.replies.ingest-a"
+                                         ))).hexdigest()}
 
 
 async def test_kafka_clients_get_their_tenant_reply_topic() -> None:
@@ -168,6 +172,28 @@ async def test_a_redelivered_request_in_flight_is_not_admitted_twice_but_sent_ag
     assert (t1, k1) == (t2, k2) == ("llmq.requests.normal.short", b"r1")
     assert decode(again, REQUEST_ADAPTER) == decode(first, REQUEST_ADAPTER)  # admitted_at too
     assert TenantState.from_dict(h.buckets["default"]).in_flight == 1
+
+
+async def test_the_same_caller_reusing_an_id_in_flight_for_another_body_is_dead_lettered(
+) -> None:
+    """Found by an audit: it was taken for a redelivery, and the held admission was sent
+    again with the new body (max_tokens 5,000 on a reservation of 10, its checks skipped).
+    Now nothing is published for it and nothing is answered under that id (the first
+    request's listeners would take it as the first one's end); the guard dead-letters it."""
+    h = Harness(load_tenancy(None))
+    await h.submit(request("r1", max_tokens=10))
+    with pytest.raises(SchemaError) as err:
+        await h.submit(request("r1", max_tokens=5000))
+    assert [e.field for e in err.value.errors] == ["request_id"]
+    assert "in flight for another request from the same caller" in str(err.value)
+    [(topic, _, value)] = h.sent  # only the first one's admission
+    assert topic == "llmq.requests.normal.short"
+    assert decode(value, REQUEST_ADAPTER).request.max_tokens == 10
+    assert TenantState.from_dict(h.buckets["default"]).in_flight == 1
+    # A reservation written before the digest was kept: a redelivery, as before.
+    del h.reservations["r1"]["digest"]
+    await h.submit(request("r1", max_tokens=10))
+    assert len(h.sent) == 2 and h.sent[1] == h.sent[0]
 
 
 async def test_a_reservation_whose_request_never_landed_is_completed_by_the_redelivery() -> None:

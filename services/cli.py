@@ -58,9 +58,10 @@ def operator_error(exc: BaseException, settings: Settings | None) -> str | None:
         if exc.title == Settings.__name__:
             return f"invalid setting: {describe_invalid(exc)}"
         return f"invalid input: {exc}"
-    if isinstance(exc, ValueError):
+    if isinstance(exc, ValueError | OverflowError):  # an input number past what floats hold
         return f"invalid input: {exc}"
-    if isinstance(exc, FileNotFoundError | PermissionError | IsADirectoryError):
+    if isinstance(exc, FileNotFoundError | PermissionError | IsADirectoryError
+                  | NotADirectoryError):
         return f"{exc.strerror}: {exc.filename}"
     return None
 

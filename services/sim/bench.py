@@ -10,7 +10,9 @@ seed fixes everything):
    ``requests`` of them.
 2. ``attach_classes``: Zipf tenants and 10/60/30 % high/normal/low.
 3. ``fleet_capacity_rps``: N · μ for this length mix; ``scale_to_load`` so the offered
-   load is ``load`` (λ = ρ · N · μ), keeping the trace's burstiness.
+   load is ``load`` (λ = ρ · N · μ), keeping the trace's burstiness. μ is measured on the
+   requests that fit an engine at all, and those are the ones that arrive at ρ · N · μ
+   (requests too large for any engine, refused by every policy, come on top).
 4. llmq's pools from each lane's work, or with ``pools = "pd"`` its prefill and decode
    roles from each phase's work (:mod:`.pools`); the baselines use every worker whole.
 5. Each policy runs on a fresh copy of the same jobs and a fresh fleet, with its own rng
@@ -44,6 +46,7 @@ from services.sim.workload import (
     attach_classes,
     fleet_capacity_rps,
     load_trace,
+    runnable_share,
     scale_to_load,
     synthetic,
 )
@@ -142,7 +145,7 @@ def prepare(config: BenchConfig) -> Workload:
         raw = raw[: config.requests]
     classed = attach_classes(raw, rng)
     capacity = fleet_capacity_rps(profile, config.workers, classed, rng)
-    scaled = scale_to_load(classed, config.load, capacity)
+    scaled = scale_to_load(classed, config.load, capacity, runnable_share(profile, classed))
     jobs = _jobs(scaled, profile, config)
     usable = int(profile.kv_total_tokens * (1 - config.llmq.kv_safety_margin))
     if config.pools == "pd":

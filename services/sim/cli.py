@@ -64,7 +64,7 @@ class FiniteFloat(click.FloatRange):
 @click.option("--synthetic", is_flag=True,
               help="Synthetic arrivals instead of a trace: gamma inter-arrival times (Poisson "
                    "by default, see --synthetic-cv), lognormal lengths.")
-@click.option("--synthetic-cv", type=FiniteFloat(min=0.0, min_open=True), default=1.0,
+@click.option("--synthetic-cv", type=FiniteFloat(min=0.001), default=1.0,
               show_default=True,
               help="With --synthetic: coefficient of variation of the inter-arrival times "
                    "(1 = Poisson, > 1 bursty, < 1 smoother than Poisson).")
@@ -151,9 +151,11 @@ def policies(
     seeds = _seeds(ctx, seed_list, matrix)
     _check_synthetic(ctx, synthetic)
     for path, hint in ((json_out, "--json"), (plot, "--plot"), (markdown, "--markdown")):
-        if path is not None and not os.access(path.parent, os.W_OK):
+        if path is not None and not _writable(path):
             # Found out now, not after minutes of simulation.
-            raise click.BadParameter(f"cannot write to {path.parent}/", param_hint=hint)
+            raise click.BadParameter(f"cannot write {path}: {path.parent}/ is not a folder "
+                                     "this user may write in, or the file is read-only",
+                                     param_hint=hint)
     if plot is not None and plot.suffix.lower() not in PLOT_FORMATS:
         raise click.BadParameter(
             f"{plot.name}: want a file ending in {', '.join(PLOT_FORMATS)} (the suffix picks "
@@ -229,6 +231,15 @@ def _check_synthetic(ctx: click.Context, synthetic: bool) -> None:
         one = len(given) == 1
         raise click.UsageError(f"{', '.join(given)} only shape{'s' if one else ''} a synthetic "
                                f"workload: add --synthetic, or drop {'it' if one else 'them'}")
+
+
+def _writable(path: Path) -> bool:
+    """Whether ``path`` can be written: its folder is one (not a file: ``a.json/x.json``)
+    and writable, and the file, if there, is writable too."""
+    parent = path.parent
+    if not (parent.is_dir() and os.access(parent, os.W_OK | os.X_OK)):
+        return False
+    return not path.exists() or (path.is_file() and os.access(path, os.W_OK))
 
 
 def _scheduler_profile(path: Path | None) -> dict[str, object]:

@@ -94,6 +94,11 @@ def _digits(text: str) -> int | None:
         return None
 
 
+#: The most tokens a trace's row may give for a prompt or an output: far past any model's
+#: context, and small enough for every cost and KV computation to stay exact.
+MAX_TRACE_TOKENS: Final = 2**31 - 1
+
+
 def _tokens(path: Path, line: int, column: str, raw: object) -> int:
     if isinstance(raw, str):
         value = _digits(raw.strip())
@@ -101,6 +106,9 @@ def _tokens(path: Path, line: int, column: str, raw: object) -> int:
         value = raw if isinstance(raw, int) and not isinstance(raw, bool) else None
     if value is None or value < 1:
         raise _fail(path, line, column, f"expected a positive integer, got {raw!r}")
+    if value > MAX_TRACE_TOKENS:
+        raise _fail(path, line, column, f"{value} tokens is more than the most a row may "
+                                        f"give ({MAX_TRACE_TOKENS:,})")
     return value
 
 
@@ -130,7 +138,8 @@ def _timestamp_ns(path: Path, line: int, raw: str, unit: str) -> tuple[int, str]
     if exact is not None:
         return _number_ns(path, line, CSV_COLUMNS[0], exact, unit), _NUMBER
     try:
-        value = float(text)
+        # ASCII only, as the token counts: float() also takes '１２', '١٢' and '1_000'.
+        value = float(text) if text.isascii() and "_" not in text else math.nan
     except ValueError:
         pass
     else:
@@ -255,11 +264,17 @@ def load_csv_trace(path: Path, *, time_unit: TimeUnit = "s") -> list[TraceReques
     differs from the first row's is an error naming it. The file must be UTF-8."""
     with path.open(encoding="utf-8-sig", newline="") as fh:
         records = iter(_CsvRows(path, fh))
-        _, head = next(records, (1, []))
+        # The header is the first line with anything on it (blank lines are skipped
+        # everywhere, as between rows).
+        head_line, head = next(((n, c) for n, c in records if any(x.strip() for x in c)),
+                               (1, []))
         header = [cell.strip() for cell in head]
         missing = [c for c in CSV_COLUMNS if c not in header]
         if missing:
-            raise _fail(path, 1, missing[0], f"header lacks it (found {header})")
+            raise _fail(path, head_line, missing[0], f"header lacks it (found {header})")
+        twice = [c for c in CSV_COLUMNS if header.count(c) > 1]
+        if twice:
+            raise _fail(path, head_line, twice[0], "the header names it more than once")
         ts_i, ctx_i, gen_i = (header.index(c) for c in CSV_COLUMNS)
         rows: list[tuple[int, int, int]] = []
         first_kind: tuple[int, str] | None = None
@@ -420,13 +435,29 @@ def scale_to_rate(requests: Sequence[TraceRequest], rate_rps: float) -> list[Tra
 
 
 def scale_to_load(
-    requests: Sequence[TraceRequest], load: float, fleet_capacity_rps: float
+    requests: Sequence[TraceRequest], load: float, fleet_capacity_rps: float,
+    runnable: float = 1.0,
 ) -> list[TraceRequest]:
     """Scale arrivals so the offered load is ``load`` × ``fleet_capacity_rps``
-    (λ = ρ · N · μ; ``fleet_capacity_rps`` = N · μ from :func:`fleet_capacity_rps`)."""
+    (λ = ρ · N · μ; ``fleet_capacity_rps`` = N · μ from :func:`fleet_capacity_rps`).
+    ``runnable``: the share of ``requests`` that can run at all (:func:`runnable_share`);
+    μ is measured on those, so they are the ones that arrive at ρ · N · μ (the rest, which
+    every policy refuses on arrival, come on top)."""
     if not load > 0 or not fleet_capacity_rps > 0:
         raise ValueError("load and fleet capacity must be > 0")
-    return scale_to_rate(requests, load * fleet_capacity_rps)
+    if not 0 < runnable <= 1:
+        raise ValueError(f"runnable must be in (0, 1], got {runnable!r}")
+    return scale_to_rate(requests, load * fleet_capacity_rps / runnable)
+
+
+def runnable_share(profile: EngineProfile, requests: Sequence[TraceRequest]) -> float:
+    """The share of ``requests`` whose prompt + output fits :func:`context_limit` (1.0 for
+    none at all: :func:`fleet_capacity_rps` refuses that workload)."""
+    if not requests:
+        return 1.0
+    limit = context_limit(profile)
+    fits = sum(1 for r in requests if r.prompt_tokens + r.output_tokens <= limit)
+    return fits / len(requests) if fits else 1.0
 
 
 def context_limit(profile: EngineProfile) -> int:

@@ -144,7 +144,9 @@ def test_synthetic_options_reach_the_json(tmp_path: Path) -> None:
     (["--synthetic-prompt-mean", "9", "--synthetic-output-mean", "9"],
      "--synthetic-prompt-mean, --synthetic-output-mean only shape a synthetic workload"),
     (["--synthetic", "--synthetic-prompt-mean", "9000"], "not in the range 1.0<=x<=8192"),
-    (["--synthetic", "--synthetic-cv", "0"], "'--synthetic-cv': 0.0 is not in the range x>0"),
+    (["--synthetic", "--synthetic-cv", "0"],
+     "'--synthetic-cv': 0.0 is not in the range x>=0.001"),
+    (["--synthetic", "--synthetic-cv", "1e-170"], "is not in the range x>=0.001"),
     (["--synthetic", "--policies", ","], "no policy given; known: fifo-rr"),
     (["--synthetic", "--policies", "llmq,fifo-rr,llmq"], "llmq given more than once"),
     (["--synthetic", "--policies", "llmq,nope,x"], "unknown nope, x; known"),
@@ -242,3 +244,25 @@ def test_the_scheduler_profile_runs_llmq_and_reaches_the_json(tmp_path: Path) ->
         assert profile["candidates"] == 8  # a key the file leaves out keeps its default
         runs[name] = doc["policies"]["llmq"]["lanes"]
     assert runs["eager"] != runs["never"]
+
+
+@pytest.mark.parametrize("option", ["--json", "--plot"])
+def test_an_output_path_inside_a_file_is_refused_before_the_run(
+    tmp_path: Path, option: str
+) -> None:
+    """Found by an audit: the folder check passed for a regular file ("a.json/x.json"), and
+    the run ended, results lost, in a NotADirectoryError traceback."""
+    a_file = tmp_path / "a.json"
+    a_file.write_text("{}")
+    target = a_file / ("x.png" if option == "--plot" else "x.json")
+    code, output = _main(["--synthetic", "--requests", "20", "-q", option, str(target)])
+    assert code == 2, output
+    assert "is not a folder this user may write in" in " ".join(output.split())
+
+
+def test_a_number_past_what_a_float_holds_is_one_line() -> None:
+    """--load 1e-300 stretches the arrivals past any float: an OverflowError traceback."""
+    code, output = _main(["--requests", "200", "--policies", "fifo-rr", "--load", "1e-300",
+                          "-q"])
+    assert code == 1, output
+    assert output.startswith("Error: invalid input:") and len(output.strip().splitlines()) == 1

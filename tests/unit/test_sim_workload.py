@@ -172,3 +172,44 @@ def test_capacity_is_measured_on_requests_within_the_models_context(tmp_path: Pa
     with pytest.raises(ValueError, match=r"131072-token context \(max_model_len\) of "
                                          r"profile 'llama3-8b-h100'"):
         fleet_capacity_rps(get_profile("llama3-8b-h100"), 1, requests, random.Random(1))
+
+
+@pytest.mark.parametrize(("rows", "line", "says"), [
+    (f"0,10,5\n1,10,{2**31}\n", 3, "more than the most a row may give (2,147,483,647)"),
+    ("0,10,5\n１２,10,5\n", 3, "TIMESTAMP"),  # full-width digits, as token counts refuse them
+    ("0,10,5\n1_000,10,5\n", 3, "TIMESTAMP"),
+])
+def test_numbers_past_what_a_row_may_give_are_refused_naming_the_line(
+    tmp_path: Path, rows: str, line: int, says: str
+) -> None:
+    """Found by an audit: a 300-digit output count ended in an OverflowError traceback;
+    float() read '１２' and '1_000' as timestamps that the token columns refuse."""
+    with pytest.raises(TraceFormatError) as err:
+        load_trace(_csv(tmp_path, rows))
+    assert f"t.csv:{line}:" in str(err.value) and says in str(err.value)
+
+
+def test_the_header_may_follow_blank_lines_but_not_name_a_column_twice(tmp_path: Path) -> None:
+    path = tmp_path / "t.csv"
+    path.write_text("\n\n" + HEADER + "0,10,5\n", encoding="utf-8")
+    assert _arrivals(path) == [(0.0, 10)]
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens,TIMESTAMP\n0,10,5,9\n")
+    with pytest.raises(TraceFormatError, match=r"t\.csv:1: column 'TIMESTAMP': the header "
+                                               r"names it more than once"):
+        load_trace(path)
+
+
+def test_the_load_is_that_of_the_requests_that_can_run(tmp_path: Path) -> None:
+    """μ is measured on the requests an engine can hold; found by an audit, λ counted the
+    others too, so with a tenth too large the runnable load was 0.9 ρ."""
+    rows = "".join(f"{i},{150_000 if i % 10 == 0 else 500},50\n" for i in range(200))
+    from services.sim.bench import BenchConfig, prepare
+
+    workload = prepare(BenchConfig(trace=_csv(tmp_path, rows), load=0.8))
+    limit = context_limit(workload.profile)
+    fits = [r for r in workload.requests if r.prompt_tokens + r.output_tokens <= limit]
+    assert len(fits) == 180
+    span = workload.requests[-1].arrival_s - workload.requests[0].arrival_s
+    offered = (len(workload.requests) - 1) / span
+    assert offered * len(fits) / len(workload.requests) == pytest.approx(
+        0.8 * workload.capacity_rps, rel=1e-6)

@@ -87,6 +87,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import time
@@ -236,6 +237,25 @@ def _token_count(value: object) -> TypeGuard[int]:
     return type(value) is int and 0 <= value <= MAX_TOKENS
 
 
+def _bad_delta(delta: object) -> str | None:
+    """What is wrong with an engine's output item (None: a delta the run can stream): not a
+    :class:`TokenDelta`, text that is not a string, or a token count that is not an int
+    >= 0 (added to the run's count, a negative one made its usage unsendable too)."""
+    if not isinstance(delta, TokenDelta):
+        return f"{type(delta).__name__}, not a delta"
+    if not isinstance(delta.text, str):
+        return f"a delta whose text is a {type(delta.text).__name__}"
+    if not _token_count(delta.tokens):
+        return f"a delta of {delta.tokens!r} tokens"
+    return None
+
+
+def _wire_text(text: str) -> str:
+    """``text`` with surrogate pairs joined and lone surrogates (a server that splits a
+    character between two events) as U+FFFD: the wire takes only valid Unicode."""
+    return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+
+
 @dataclass(frozen=True, slots=True)
 class _Failed:
     code: ErrorCode
@@ -333,6 +353,9 @@ class RequestRun:
         #: began and the broker did not refuse it): a decode stage may then pull the
         #: prompt's KV from this engine, acknowledged or not (a fence may cut the wait).
         self.handed_off = False
+        #: True once the run's terminal reply (or event.prefilled) was handed to the
+        #: producer: after that, a failure must not answer the client a second time.
+        self._terminal_sent = False
         req = assignment.request
         self.deadline = deadline_of(req.created_at, req.timeout_s, assignment.deadline)
 
@@ -407,7 +430,10 @@ class RequestRun:
             if pump is not None:
                 await asyncio.gather(pump, return_exceptions=True)
         if not isinstance(ending, _Ended):
-            await self.engine.abort(self.engine_id)
+            try:
+                await self.engine.abort(self.engine_id)
+            except Exception:  # best effort: the run still ends with its one terminal
+                _log.exception("request %s: the engine's abort failed", self.engine_id)
         return await self._terminal(ending)
 
     async def _pump(self) -> None:
@@ -415,10 +441,12 @@ class RequestRun:
         try:
             async for delta in self.engine.generate(engine_request(self.assignment,
                                                                    self.engine_id)):
-                if not isinstance(delta, TokenDelta):  # an engine bug: fail, answered
-                    self._inbox.put_nowait(_Failed(
-                        "worker_lost", f"engine yielded {type(delta).__name__}, not a delta"))
+                problem = _bad_delta(delta)
+                if problem is not None:  # an engine bug: fail, answered
+                    self._inbox.put_nowait(_Failed("worker_lost", f"engine yielded {problem}"))
                     return
+                if not delta.text.isascii():  # lone surrogates cannot go on the wire
+                    delta = dataclasses.replace(delta, text=_wire_text(delta.text))
                 last = delta
                 self._inbox.put_nowait(delta)
         except EngineError as exc:
@@ -434,6 +462,15 @@ class RequestRun:
             self._inbox.put_nowait(
                 _Failed("worker_lost", f"engine error: {type(exc).__name__}: {exc}")
             )
+            return
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # the run cancelled the pump: it has its ending already
+            # Raised by the engine itself, not a cancel of this run: an engine failure,
+            # answered now rather than at the deadline.
+            _log.error("request %s: the engine raised CancelledError", self.engine_id)
+            self._inbox.put_nowait(_Failed("worker_lost", "engine error: CancelledError"))
             return
         self._inbox.put_nowait(_Ended(last))
 
@@ -506,12 +543,14 @@ class RequestRun:
             _log.exception("request %s: could not send its terminal", self.engine_id)
             self._span.set_attribute(tracing.LLMQ_OUTCOME, "unsent")
             with contextlib.suppress(Exception):
-                unsent = self._event(EventFailed, code="worker_lost",
-                                     message=f"its terminal could not be sent: "
-                                             f"{type(exc).__name__}")
-                await self._until_acked(
-                    [_Sent(self.cfg.events_topic, unsent)], ask_first=False,
-                    give_up_at=self._event_give_up_at())
+                why = f"its terminal could not be sent: {type(exc).__name__}"
+                records = [_Sent(self.cfg.events_topic, self._event(
+                    EventFailed, code="worker_lost", message=why))]
+                if not self._terminal_sent:  # the client's one terminal, if none went yet
+                    records.insert(0, _Sent(self.assignment.admitted.reply_topic,
+                                            self._error("worker_lost", why, self._clock())))
+                await self._until_acked(records, ask_first=False,
+                                        give_up_at=self._event_give_up_at())
             # As after a given-up reply: an offset held open would stop the commit point.
             return Outcome("failed", self._tokens, acked=True)
 
@@ -539,6 +578,7 @@ class RequestRun:
         sent = await self._until_acked(unacked, ask_first=True) if unacked else "acked"
         if sent == "acked":
             self.handed_off = end.kind == "prefilled"
+            self._terminal_sent = True
             sent = await self._until_acked([end.first], ask_first=True)
             if sent == "refused" and end.kind == "prefilled":
                 self.handed_off = False
@@ -667,7 +707,7 @@ class RequestRun:
         except Exception as exc:  # ValidationError, or an engine's value of a wrong type
             _log.exception("request %s: its ending cannot go on the wire", self.engine_id)
             usage = Usage(prompt_tokens=self.assignment.admitted.prompt_tokens,
-                          completion_tokens=min(self._tokens, MAX_TOKENS))
+                          completion_tokens=max(0, min(self._tokens, MAX_TOKENS)))
             return self._ending(_Failed("worker_lost", "the engine's final output cannot go "
                                         f"on the wire: {type(exc).__name__}"), usage)
 

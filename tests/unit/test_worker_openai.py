@@ -269,6 +269,41 @@ async def test_delta_tokens_follow_the_servers_count(
                                                 "continuous_usage_stats": True}
 
 
+@pytest.mark.parametrize("usage", [True, False], ids=["with usage", "without usage"])
+async def test_a_character_split_between_two_events_is_joined(
+    server: tuple[str, FakeServer], usage: bool
+) -> None:
+    """A server slicing text by UTF-16 unit sends an emoji's halves in two events: the
+    first half is held for the second, and the tokens still add up."""
+    url, fake = server
+    fake.events = [text("hi ", usage=1 if usage else None),
+                   text("\ud83d", usage=2 if usage else None),
+                   text("\ude00", "stop", usage=3 if usage else None)]
+    engine = await started(url)
+    try:
+        deltas = await collect(engine)
+    finally:
+        await engine.close()
+    assert "".join(d.text for d in deltas).encode("utf-16-le", "surrogatepass").decode(
+        "utf-16-le") == "hi \U0001F600"
+    assert [d.text for d in deltas if d.text] == ["hi ", "\ud83d\ude00"]
+    assert sum(d.tokens for d in deltas) == 3
+
+
+async def test_a_half_character_at_the_end_is_kept_for_the_run(
+    server: tuple[str, FakeServer]
+) -> None:
+    url, fake = server
+    fake.events = [text("a", usage=1), text("\ud83d", "stop", usage=2)]
+    engine = await started(url)
+    try:
+        deltas = await collect(engine)
+    finally:
+        await engine.close()
+    assert deltas[-1].finish_reason == "stop" and deltas[-1].text == "\ud83d"
+    assert sum(d.tokens for d in deltas) == 2
+
+
 # ---- capacity -----------------------------------------------------------------------------
 NON_FINITE = {
     "NaN kv usage": "vllm:kv_cache_usage_perc NaN\n",

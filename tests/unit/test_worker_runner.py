@@ -430,3 +430,111 @@ async def test_a_terminal_event_is_given_up_after_its_own_long_bound() -> None:
     outcome = await asyncio.wait_for(run.run(), 5.0)
     assert (outcome.terminal, outcome.acked) == ("done", True)  # the offset is finished
     assert producer.terminals() == [("done", None)]
+
+
+class _ScriptedEngine(_BrokenEngine):
+    """Stand-in engine: yields ``script``'s items, then raises ``then`` if given."""
+
+    def __init__(self, *script: Any, then: BaseException | None = None,
+                 abort_fails: bool = False) -> None:
+        super().__init__(0)
+        self.script, self.then, self.abort_fails = script, then, abort_fails
+
+    async def abort(self, request_id: str) -> None:
+        if self.abort_fails:
+            raise RuntimeError("engine core died")
+        await super().abort(request_id)
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
+        for item in self.script:
+            await asyncio.sleep(0)
+            yield item
+        if self.then is not None:
+            raise self.then
+
+
+_STOP = TokenDelta("", 0, finish_reason="stop")
+
+
+@pytest.mark.parametrize(("script", "says"), [
+    ((TokenDelta("ab", 3), TokenDelta("c", -5)), "a delta of -5 tokens"),
+    ((TokenDelta("a", 1.5),), "a delta of 1.5 tokens"),  # type: ignore[arg-type]
+    ((TokenDelta(b"a", 1),), "a delta whose text is a bytes"),  # type: ignore[arg-type]
+])
+async def test_a_delta_the_wire_cannot_take_ends_the_request_answered(
+    script: tuple[TokenDelta, ...], says: str
+) -> None:
+    """Found by an audit: the bad count was added to the run's, the usage of its ending
+    then failed too, and only event.failed went out: the client was never answered."""
+    producer = _Producer()
+    await _run(_ScriptedEngine(*script, _STOP), producer)
+    assert producer.terminals() == [("error", "worker_lost"), ("event.failed", "worker_lost")]
+    [error] = [r for _, r in producer.records if r["kind"] == "error"]
+    assert says in error["message"]
+
+
+async def test_lone_surrogates_go_on_the_wire_as_replacement_characters() -> None:
+    """A server that slices text by UTF-16 unit: the run's whole-request batching joined
+    the halves into text the wire refuses, and the client got no reply at all."""
+    producer = _Producer()
+    cfg = replace(_CFG, chunk_tokens=16)
+    outcome = await _run(_ScriptedEngine(TokenDelta("ok \ud83d", 1), TokenDelta("\ude00", 1),
+                                         TokenDelta("x\udfff", 1), _STOP), producer, cfg)
+    assert outcome.terminal == "done"
+    assert producer.terminals() == [("done", None), ("event.done", None)]
+    text = "".join(r["text"] for _, r in producer.records if r["kind"] == "chunk")
+    assert text == "ok \ufffd\ufffdx\ufffd"  # two deltas: their halves do not meet here
+
+
+async def test_a_cancelled_error_from_the_engine_is_a_failure_answered_at_once() -> None:
+    """Not a cancel of the run: it waited for its deadline (600 s here) and answered
+    timeout; now worker_lost at once."""
+    producer = _Producer()
+    outcome = await _run(_ScriptedEngine(TokenDelta("a", 1), then=asyncio.CancelledError()),
+                         producer)
+    assert (outcome.kind, outcome.terminal) == ("failed", "worker_lost")
+    assert producer.terminals() == [("error", "worker_lost"), ("event.failed", "worker_lost")]
+
+
+class _HangingEngine(_ScriptedEngine):
+    """One token, then nothing until the run's deadline; its abort raises."""
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
+        yield TokenDelta("a", 1)
+        await asyncio.sleep(3600)
+
+
+async def test_an_abort_that_fails_still_ends_the_run_with_its_terminal() -> None:
+    """It raised out of the run: no reply, no event, and an offset never finished."""
+    producer = _Producer()
+    run = RequestRun(_assignment(timeout_s=0.2), _HangingEngine(abort_fails=True),
+                     Publisher(producer, 5.0), _CFG)
+    outcome = await asyncio.wait_for(run.run(), 10.0)
+    assert (outcome.kind, outcome.terminal, outcome.acked) == ("timeout", "timeout", True)
+    assert producer.terminals() == [("error", "timeout"), ("event.aborted", "timeout")]
+
+
+async def test_text_without_a_token_at_the_end_is_sent_not_lost() -> None:
+    producer = _Producer()
+    await _run(_ScriptedEngine(TokenDelta("Hello", 1), TokenDelta(" world", 0), _STOP),
+               producer)
+    text = "".join(r["text"] for _, r in producer.records if r["kind"] == "chunk")
+    assert text == "Hello world"
+    assert producer.terminals() == [("done", None), ("event.done", None)]
+
+
+async def test_a_terminal_that_cannot_be_built_still_answers_the_client(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The last resort: an exception while building the ending used to send only
+    event.failed; the client now gets Error(worker_lost) first, as its one terminal."""
+    producer = _Producer()
+    run = RequestRun(_assignment(), _FineEngine(0), Publisher(producer, 5.0), _CFG)
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("bug")
+
+    monkeypatch.setattr(run, "_answer", broken)
+    outcome = await asyncio.wait_for(run.run(), 10.0)
+    assert (outcome.kind, outcome.acked) == ("failed", True)
+    assert producer.terminals() == [("error", "worker_lost"), ("event.failed", "worker_lost")]

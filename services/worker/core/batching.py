@@ -13,7 +13,8 @@ both ``schemas.base.MAX_CHUNK_CHARS`` by default): :meth:`ChunkBatcher.add_all` 
 delta past either into consecutive pieces (an engine may count tens of thousands of
 reasoning tokens on one short text delta). Each piece carries at least one token (a chunk
 must), so a delta of more characters per token than a chunk holds is counted a few tokens
-high in its chunks; the ``Done``'s usage is the engine's own count.
+high in its chunks, and so is text left without a token at the stream's end (a chunk of
+one); the ``Done``'s usage is the engine's own count.
 """
 
 from __future__ import annotations
@@ -107,7 +108,11 @@ class ChunkBatcher:
         return out
 
     def flush(self, now: float, force: bool = False) -> Chunk | None:
-        """The pending chunk if its time ran out (or ``force``), else None."""
+        """The pending chunk if its time ran out (or ``force``), else None. Forced (the
+        stream's end), text that no token came with goes as a chunk of one token rather
+        than be lost (an engine's last text may come with its count already given)."""
+        if force and self._tokens == 0 and self._chars:
+            self._tokens = 1
         if self._tokens == 0 or not (force or self._expired(now)):
             return None
         return self._take()

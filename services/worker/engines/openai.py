@@ -353,6 +353,11 @@ class _Tally:
         self.finish: FinishReason | None = None
         self.prompt_tokens: int | None = None
         self.completion_tokens: int | None = None  # cumulative, as the server last said
+        #: The first half of a UTF-16 surrogate pair that ended an event's text (a server
+        #: that slices strings by UTF-16 unit splits an emoji so), held for the next one,
+        #: and the tokens of events held whole (counted one each when usage is absent).
+        self.held = ""
+        self.held_tokens = 0
 
     def take(self, event: dict[str, Any]) -> TokenDelta | None:
         """Account one SSE event; the delta to yield, if it carries text."""
@@ -372,7 +377,14 @@ class _Tally:
             self.finish = reason
         if not (isinstance(text, str) and text):
             return None  # its tokens, if any, go on the next delta (usage is cumulative)
-        tokens = 1 if reported is None else max(0, reported - self.tokens)
+        text, self.held = self.held + text, ""
+        if "\ud800" <= text[-1] <= "\udbff":  # its low half comes with the next event
+            text, self.held = text[:-1], text[-1]
+            if not text:
+                self.held_tokens += 1 if reported is None else 0
+                return None
+        tokens = (1 + self.held_tokens) if reported is None else max(0, reported - self.tokens)
+        self.held_tokens = 0
         self.tokens += tokens
         return TokenDelta(text, tokens)
 
@@ -381,7 +393,10 @@ class _Tally:
         if self.finish is None:
             raise EngineError("worker_lost", "stream ended without a finish reason")
         rest = max(0, (self.completion_tokens or 0) - self.tokens)
-        return TokenDelta("", rest, finish_reason=self.finish,
+        if self.completion_tokens is None:
+            rest = self.held_tokens
+        # A half pair never completed stays in the text (the run makes it U+FFFD).
+        return TokenDelta(self.held, rest, finish_reason=self.finish,
                           prompt_tokens=self.prompt_tokens,
                           completion_tokens=self.completion_tokens)
 

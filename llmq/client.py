@@ -35,6 +35,7 @@ once; ``cancel()`` and ``submit()`` on a stopped client raise ``RuntimeError``.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -49,6 +50,8 @@ from schemas.requests import ChatMessage, InferenceRequest, Role
 from schemas.topics import catalog, message_key, reply_spec
 from services.common.kafka import TopicRequest, ensure_topics, make_producer
 from services.common.replies import AttemptText, ReplyRouter, ReplyStream
+
+_log = logging.getLogger(__name__)
 
 #: How much longer than ``timeout_s`` a client waits for llmq's own terminal by default:
 #: the same as ingest.http's ``reply_grace_s`` (services/ingest/settings.py).
@@ -82,9 +85,13 @@ class RequestHandle:
         try:
             while self.result is None:
                 remaining = deadline - time.time()
-                if remaining <= 0:
-                    raise TimeoutError
-                msg = await self.stream.get(timeout=remaining)
+                if remaining > 0:
+                    msg = await self.stream.get(timeout=remaining)
+                else:  # what already came is still this request's, read late or not
+                    waiting = self.stream.get_nowait()
+                    if waiting is None:
+                        raise TimeoutError
+                    msg = waiting
                 if isinstance(msg, TokenChunk):
                     if self.first_token_at is None:
                         self.first_token_at = time.time()
@@ -95,7 +102,12 @@ class RequestHandle:
             # Given up: stop routing its replies here (a retry may reuse the id), and ask
             # llmq to drop it. (Leaving the loop early keeps the stream: iterate again.)
             self.client._router_close(self.request_id)
-            await self.cancel("client timeout")
+            if self.stream.closed is None:  # a stopped client has nothing to cancel with
+                try:
+                    await self.cancel("client timeout")
+                except Exception as exc:  # the timeout is the news, not the cancel's fate
+                    _log.warning("request %s: its cancel after the timeout failed: %r",
+                                 self.request_id, exc)
             raise TimeoutError(
                 f"no terminal reply for {self.request_id} within its timeout of "
                 f"{_seconds(self.timeout_s)} (and {_seconds(self.reply_grace_s)} of grace)"
@@ -189,7 +201,7 @@ class LlmqClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
 
-    async def submit(
+    def new_request(
         self,
         *,
         prompt: str | None = None,
@@ -200,12 +212,11 @@ class LlmqClient:
         lane: Lane | None = None,
         timeout_s: float = 600.0,
         request_id: str | None = None,
-    ) -> RequestHandle:
-        """Produce one request to ``llmq.intake``; returns its handle (not yet finished)."""
-        if self._producer is None:
-            raise RuntimeError("LlmqClient is not running (start() not called, or stopped)")
-        request = InferenceRequest(
-            request_id=request_id or f"req-{uuid.uuid4().hex}",
+    ) -> InferenceRequest:
+        """The request :meth:`submit` would send (a new id unless given), validated:
+        ``ValidationError`` naming the field the wire refuses. Needs no running client."""
+        return InferenceRequest(
+            request_id=f"req-{uuid.uuid4().hex}" if request_id is None else request_id,
             tenant=self.tenant,
             model=model or self.default_model,
             prompt=prompt,
@@ -221,6 +232,26 @@ class LlmqClient:
             reply_to=self._spec.name,
             created_at=time.time(),
         )
+
+    async def submit(
+        self,
+        *,
+        prompt: str | None = None,
+        messages: Sequence[tuple[Role, str]] | None = None,
+        max_tokens: int = 128,
+        model: str | None = None,
+        priority: Priority = "normal",
+        lane: Lane | None = None,
+        timeout_s: float = 600.0,
+        request_id: str | None = None,
+    ) -> RequestHandle:
+        """Produce one request to ``llmq.intake``; returns its handle (not yet finished).
+        ``ValidationError`` for arguments the wire refuses, before anything is sent."""
+        if self._producer is None:
+            raise RuntimeError("LlmqClient is not running (start() not called, or stopped)")
+        request = self.new_request(prompt=prompt, messages=messages, max_tokens=max_tokens,
+                                   model=model, priority=priority, lane=lane,
+                                   timeout_s=timeout_s, request_id=request_id)
         stream = self._router.open(request.request_id)
         try:
             await asyncio.wait_for(

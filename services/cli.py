@@ -57,7 +57,9 @@ def operator_error(exc: BaseException, settings: Settings | None) -> str | None:
     if isinstance(exc, ValidationError):
         if exc.title == Settings.__name__:
             return f"invalid setting: {describe_invalid(exc)}"
-        return f"invalid input: {exc}"
+        return "invalid input: " + "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or exc.title}: {e['msg']}"
+            for e in exc.errors())
     if isinstance(exc, ValueError | OverflowError):  # an input number past what floats hold
         return f"invalid input: {exc}"
     if isinstance(exc, FileNotFoundError | PermissionError | IsADirectoryError
@@ -90,6 +92,12 @@ def main(ctx: click.Context) -> None:
     Settings come from LLMQ_* environment variables (e.g. LLMQ_KAFKA_PORT=9092,
     LLMQ_TOPIC_PREFIX=llmq, LLMQ_HOME=.llmq). LLMQ_DEBUG=1 shows tracebacks.
     """
+    if not os.environ.get("LLMQ_DEBUG"):
+        # The commands say in one line when Kafka does not answer; aiokafka's own log of
+        # each failed connection would come first, on stderr with no handler set.
+        import logging
+
+        logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
     ctx.obj = Settings()
 
 
@@ -248,7 +256,8 @@ _register_commands()
 # -- submit ------------------------------------------------------------------------------
 @main.command("submit")
 @click.argument("prompt")
-@click.option("--max-tokens", default=128, show_default=True, type=click.IntRange(1))
+@click.option("--max-tokens", default=128, show_default=True,
+              type=click.IntRange(1, 1 << 20))
 @click.option("--priority", type=click.Choice(["high", "normal", "low"]), default="normal",
               show_default=True)
 @click.option("--lane", type=click.Choice(["short", "long"]), default=None,
@@ -279,15 +288,16 @@ async def _submit(settings: Settings, prompt: str, max_tokens: int, priority: st
     from schemas.replies import Done
     from services.common.replies import AttemptText
 
-    async with LlmqClient(settings.bootstrap, tenant=tenant, prefix=settings.topic_prefix,
-                          default_model=model) as client:
+    client = LlmqClient(settings.bootstrap, tenant=tenant, prefix=settings.topic_prefix,
+                        default_model=model)
+    ask: dict[str, Any] = {
+        "prompt": None if chat else prompt, "messages": [("user", prompt)] if chat else None,
+        "max_tokens": max_tokens, "priority": priority, "lane": lane, "timeout_s": timeout_s,
+    }
+    client.new_request(**ask)  # a bad input is one line now, before Kafka is reached
+    async with client:
         started = time.time()
-        handle = await client.submit(
-            prompt=None if chat else prompt,
-            messages=[("user", prompt)] if chat else None,
-            max_tokens=max_tokens, priority=priority, lane=lane,  # type: ignore[arg-type]  # click.Choice
-            timeout_s=timeout_s,
-        )
+        handle = await client.submit(**ask)
         text = AttemptText()
         try:
             async for chunk in handle:

@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 from click.testing import CliRunner
+from pydantic import ValidationError
 
 from llmq.client import LlmqClient
 from schemas.codec import decode
@@ -58,6 +62,40 @@ async def test_a_timed_out_request_is_cancelled_and_forgotten() -> None:
     assert not client._router.route(_chunk("r1", 0))  # a late reply goes nowhere
     again = await client.submit(prompt="hi", max_tokens=4, request_id="r1")  # id reusable
     assert again.request_id == "r1"
+
+
+async def test_a_reply_that_came_in_time_is_kept_when_read_after_the_deadline() -> None:
+    """Found by an audit: a handle read late raised TimeoutError (and sent a cancel) with
+    its Done already queued."""
+    client, producer = _client(reply_grace_s=0.0)
+    handle = await client.submit(prompt="hi", max_tokens=4, timeout_s=0.1, request_id="r1")
+    client._router.route(_chunk("r1", 0))
+    client._router.route(Done(request_id="r1", attempt=1, model="m", finish_reason="stop",
+                              usage=Usage(prompt_tokens=1, completion_tokens=1),
+                              timings=Timings(queued_s=0, ttft_s=0, e2e_s=0), ts=1.0))
+    await asyncio.sleep(0.15)  # read after the deadline
+    text, result = await handle.wait()
+    assert (text, result.kind) == ("t0", "done")
+    assert not [t for t, _ in producer.sent if t.endswith("control")]  # nothing cancelled
+
+
+async def test_a_failed_cancel_after_the_timeout_still_raises_the_timeout() -> None:
+    client, producer = _client(reply_grace_s=0.0)
+    handle = await client.submit(prompt="hi", max_tokens=4, timeout_s=0.05, request_id="r1")
+
+    async def broken(*args: Any, **kwargs: Any) -> None:
+        raise ConnectionError("broker gone")
+
+    producer.send_and_wait = broken  # type: ignore[method-assign]
+    with pytest.raises(TimeoutError, match="no terminal reply for r1"):
+        await handle.wait()
+
+
+async def test_an_empty_request_id_is_refused_not_replaced() -> None:
+    client, producer = _client()
+    with pytest.raises(ValidationError):
+        await client.submit(prompt="hi", max_tokens=4, request_id="")
+    assert producer.sent == []
 
 
 async def test_leaving_the_loop_early_keeps_the_stream_for_later() -> None:
@@ -228,3 +266,32 @@ def test_submit_keeps_only_the_newest_attempts_text(monkeypatch: pytest.MonkeyPa
     printed, _ = _submit_cli(monkeypatch, [], replies)  # printed text cannot be taken back
     assert printed.stdout == "old new"
     assert "restarted the request (attempt 2): the text above is void" in printed.stderr
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["submit", ""], "invalid input: prompt: String should have at least 1 character"),
+    (["submit", "hi", "--model", ""], "invalid input: model: String should match pattern"),
+])
+def test_submit_refuses_a_bad_input_in_one_line_before_kafka(
+    monkeypatch: pytest.MonkeyPatch, args: list[str], says: str
+) -> None:
+    """Found by an audit: checked only once connected (with Kafka down, the Kafka error
+    hid it), and printed as pydantic's four lines."""
+    monkeypatch.setenv("LLMQ_KAFKA_BOOTSTRAP", "127.0.0.1:1")  # never reached
+    monkeypatch.delenv("LLMQ_DEBUG", raising=False)
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1, result.output
+    assert says in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_kafka_down_is_one_line_without_aiokafkas_own() -> None:
+    """In a real process (pytest's log capture would hide it): aiokafka's log of the
+    failed connection came first, on stderr through logging's last-resort handler."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMQ_")}
+    env["LLMQ_KAFKA_BOOTSTRAP"] = "127.0.0.1:1"
+    done = subprocess.run([sys.executable, "-c", "from services.cli import main; main()", "dev",
+                           "topics"], env=env,
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()], done.stderr
+    assert done.stderr.startswith("Error: Kafka at 127.0.0.1:1 did not answer")

@@ -469,8 +469,8 @@ class Scheduler:
                          "first, %d found answered: the rest are ended or requeued as if "
                          "unanswered", len(wanted), self.rt.scheduler.send_timeout_s,
                          check.records_read, len(found))
-        out = self.state.settle_endings(effects, found)
         now = self.clock()
+        out = self.state.settle_endings(effects, found, now)
         for h in held:
             out.extend(self.state.release(h, h.check[:2] in found, now))
         self.outbox.submit(out)

@@ -96,13 +96,16 @@ def done(a: Assignment, worker: str) -> EventDone:
 def tick_and_release(state: SchedulerState, now: float, answered: frozenset[tuple[str, int]]
                      = frozenset(), *, handle_losses: bool = True) -> TickResult:
     """A dispatch cycle around a worker loss, as the app runs it: the tick, its held
-    requeues released once the reply-topic check is back (``answered``: the attempts found
-    answered), and the next tick, which places them. The first tick's result, with the
-    effects of all three."""
+    worker_lost endings settled and held requeues released once the reply-topic check is
+    back (``answered``: the attempts found answered), and the next tick, which places them.
+    The first tick's result, with the effects of all three."""
     first = state.tick(now, handle_losses=handle_losses)
+    checked = [e for e in first.effects if e.unless_answered is not None]
+    settled = state.settle_endings(checked, answered, now)  # the held worker_lost endings
     released = [e for h in first.held for e in state.release(h, h.check[:2] in answered, now)]
     second = state.tick(now, handle_losses=handle_losses)
-    return replace(first, effects=[*first.effects, *released, *second.effects],
+    return replace(first, effects=[*(e for e in first.effects if e.unless_answered is None),
+                                   *settled, *released, *second.effects],
                    placed=first.placed + second.placed)
 
 
@@ -875,7 +878,8 @@ def test_a_new_request_reusing_a_finished_ones_id_is_answered_invalid_once() -> 
 
 def _chatty_lost_on_w0() -> tuple[SchedulerState, list[Effect]]:
     """w0 dies holding one request that streamed: the leader's cycle decides its
-    worker_lost ending, held for the reply-topic check (the app's background task)."""
+    worker_lost ending, held for the reply-topic check (the app's background task): its
+    attempt marked lost, nothing sent or counted yet."""
     state = ready_state(("w0", 0))
     state.on_request(admitted("chatty"), ("tp", 1), T)
     (placed,) = [a for _, a in assignments(state.tick(T).effects)]
@@ -883,30 +887,52 @@ def _chatty_lost_on_w0() -> tuple[SchedulerState, list[Effect]]:
     state.observe_event(_first_token(placed, "w0"))
     result = state.tick(T + 5)
     checked = [e for e in result.effects if e.unless_answered is not None]
-    assert len(checked) == 1 and state.ended == {"worker_lost": 1}
+    assert len(checked) == 1 and replies(checked) == [] and events(checked) == []
+    assert state.log.status("chatty") == "lost" and state.ended == {}
+    assert state.tick(T + 5.5).effects == []  # held: no cycle decides it again
     return state, checked
 
 
 def test_a_worker_lost_ending_checked_while_leading_goes_out_as_decided() -> None:
     state, checked = _chatty_lost_on_w0()
-    out = state.settle_endings(checked, frozenset())
+    out = state.settle_endings(checked, frozenset(), T + 6)
     assert [r.code for r in replies(out)] == ["worker_lost"] and len(events(out)) == 1
-    answered = state.settle_endings(checked, frozenset({("chatty", 1)}))
+    assert state.ended == {"worker_lost": 1} and state.log.status("chatty") == "finished"
+    assert state.settle_endings(checked, frozenset(), T + 7) == []  # settled once
+    state, checked = _chatty_lost_on_w0()
+    answered = state.settle_endings(checked, frozenset({("chatty", 1)}), T + 6)
     assert replies(answered) == [] and len(events(answered)) == 1  # the event only
+    assert state.ended == {"worker_lost": 0}
 
 
-def test_a_replica_that_stops_leading_during_the_check_sends_no_worker_lost_ending() -> None:
+def test_a_worker_lost_ending_whose_worker_answered_meanwhile_is_not_sent() -> None:
+    state, checked = _chatty_lost_on_w0()
+    state.observe_event(EventDone(request_id="chatty", tenant="acme", attempt=1,
+                                  worker_id="w0", ts=T + 5.2, finish_reason="stop",
+                                  usage=Usage(prompt_tokens=1, completion_tokens=1)))
+    assert state.settle_endings(checked, frozenset(), T + 6) == []
+    assert state.ended == {}
+
+
+def test_a_replica_that_stops_leading_during_the_check_gives_the_loss_back() -> None:
     """docs/live-system.md: a replica that stops leading gives up any reply-topic check
-    still out. The new leader decides the same loss and sends its own ending: one
-    terminal, not two. Nothing stays booked here, and the leader's event is news to no
-    one (the log holds the attempt ended already)."""
+    still out, and the loss goes back to the log, active on its dead worker and booked,
+    for whoever leads. Found by an audit: the log kept it ended here, so with one replica
+    (whose leadership lapses at every rebalance) nobody ever answered it."""
     state, checked = _chatty_lost_on_w0()
     state.tick(T + 6, handle_losses=False)  # leadership moved while the check ran
-    assert state.settle_endings(checked, frozenset()) == []
-    assert state.settle_endings(checked, frozenset({("chatty", 1)})) == []
-    assert state.ended == {"worker_lost": 0}  # not a terminal this replica sent
-    assert state.reserved_kv("w0") == 0
-    # The new leader's ending, read back, releases nothing more and changes nothing.
+    assert state.settle_endings(checked, frozenset(), T + 6.5) == []
+    assert state.ended == {} and state.log.status("chatty") == "active"
+    assert state.reserved_kv("w0") > 0  # every active assignment is booked
+    # Leading again (the same replica, the only one): it decides the loss once more.
+    again = [e for e in state.tick(T + 7).effects if e.unless_answered is not None]
+    out = state.settle_endings(again, frozenset(), T + 8)
+    assert [r.code for r in replies(out)] == ["worker_lost"]
+    assert state.log.status("chatty") == "finished" and state.reserved_kv("w0") == 0
+    # Another leader's ending, read back instead, would have ended it just the same.
+    state, checked = _chatty_lost_on_w0()
+    state.tick(T + 6, handle_losses=False)
+    state.settle_endings(checked, frozenset(), T + 6.5)
     leader_event = EventFailed(request_id="chatty", tenant="acme", attempt=1,
                                worker_id="sched-other", ts=T + 7, code="worker_lost",
                                message="w0 lost mid-stream")

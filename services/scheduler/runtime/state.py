@@ -172,6 +172,9 @@ class SchedulerState:
         # Workers whose heartbeat showed a new process since the last loss check: work
         # stamped for an earlier process (Assignment.worker_started_at) is lost (tick).
         self._restarted: set[str] = set()
+        # worker_lost endings decided and held for their reply-topic check, by (request,
+        # attempt): the lost attempt's record and the core's fate (settle_endings).
+        self._held_endings: dict[tuple[str, int], tuple[Assignment, Reject]] = {}
         # Lease renewals asked since the last cycle (heartbeats with ``renew``), by worker,
         # and the incarnations (``started_at``) whose work was declared lost — by this
         # replica for a stale heartbeat, or by any, as a requeue read from the log shows:
@@ -838,11 +841,13 @@ class SchedulerState:
                 self.log.mark_lost(record.request_id, record.attempt)
                 requeues.append(HeldRequeue(record, fate, _reply_check(record)))
             else:
+                # Held, as a requeue is, until the reply-topic check is back: marked lost
+                # (its booking went with the worker's; no later cycle decides it again),
+                # recorded ended only when its ending goes (settle_endings).
                 record = held[fate.request_id]
-                effect = self._end(record.admitted, record.attempt, fate.code, fate.reason,
-                                   now, (),
-                                   trace=self._active_trace.get(record.request_id, ()))
-                effects.append(replace(effect, unless_answered=_reply_check(record)))
+                self.log.mark_lost(record.request_id, record.attempt)
+                self._held_endings[(record.request_id, record.attempt)] = (record, fate)
+                effects.append(Effect(unless_answered=_reply_check(record)))
         return requeues
 
     def _give_up_requeues(self, now: float) -> None:
@@ -878,6 +883,12 @@ class SchedulerState:
         self.log.unmark_lost(record.request_id, record.attempt)
         if self.ledger.worker_of(record.request_id, record.attempt) is None:
             self._book(record)  # every active assignment is booked
+        hb = self.fleet.get(record.worker_id)
+        if hb is not None and record.worker_started_at is not None \
+                and record.worker_started_at < hb.started_at:
+            # Lost to a restart, which no later heartbeat shows again (a stale worker is
+            # found stale again): whoever leads next must see it (_replaced_work).
+            self._restarted.add(record.worker_id)
 
     def _lost_incarnation(self, worker_id: str, started_at: float | None) -> None:
         if started_at is not None:
@@ -903,39 +914,52 @@ class SchedulerState:
         self._track(_Tracked(record.admitted, request, "requeue", since=now, trace=trace))
         return []
 
-    def settle_endings(self, effects: list[Effect],
-                       answered: Collection[tuple[str, int]]) -> list[Effect]:
+    def settle_endings(self, effects: list[Effect], answered: Collection[tuple[str, int]],
+                       now: float) -> list[Effect]:
         """The reply-topic check of ``worker_lost`` endings (:attr:`Effect.unless_answered`)
         is back, ``answered`` holding the attempts found answered: what to send of them.
+        Until now each was held, its attempt marked lost in the log (:meth:`_lose_worker`).
 
-        - This replica no longer leads (leadership moved during the check): none. The new
-          leader decides the same lost attempts and sends its own endings; sending these too
-          would give the request two terminals. They leave the count of terminals sent.
-          The log keeps them ended here and that is not undone: their bookings went when
-          the loss was decided (``requeue_lost`` drops the worker's), so nothing leaks, and
-          the new leader's terminal event, read later, only repeats what the log holds.
-          (Undoing would need the log to forget an ending, and the assignment it dropped;
-          the entry is active nowhere meanwhile, which is what the leader's event makes it.)
+        - Ended meanwhile (its worker's terminal event was read after all, or another
+          leader's ending or requeue): nothing.
+        - This replica no longer leads (leadership moved during the check): nothing, and
+          the loss is given back, as a held requeue's is (:meth:`_undo_loss`): active on
+          its worker again and booked, so whoever leads decides it, this replica included
+          once it leads again. (Before, the log kept it ended here: with one replica, whose
+          leadership lapses at a rebalance, or when leadership came back before another
+          replica's ending was read, nobody ever answered it.)
         - An answered attempt (its worker answered and died before its event): its event
           only, no second reply.
-        - Otherwise the ending as decided. Effects without a check pass through."""
+        - Otherwise the ending, recorded in the log now. Effects without a check pass
+          through."""
         out: list[Effect] = []
         for effect in effects:
             check = effect.unless_answered
             if check is None:
                 out.append(effect)
                 continue
+            held = self._held_endings.pop((check[0], check[1]), None)
+            if held is None:
+                continue  # settled already
+            record, fate = held
+            request_id, attempt = record.request_id, record.attempt
+            if self.log.status(request_id) == "finished" \
+                    or self.log.reached(request_id, attempt + 1):
+                continue
             if not self.leading:
                 _log.info("scheduler: no longer leading; the worker_lost ending of %s#%d is "
-                          "left to the leader", *check[:2])
-                self.answered_after_all("worker_lost")
+                          "left to the leader", request_id, attempt)
+                self._undo_loss(record)
                 continue
-            if check[:2] in answered:
+            ending = self._end(record.admitted, attempt, fate.code, fate.reason, now, (),
+                               trace=self._active_trace.get(request_id, ()))
+            if (request_id, attempt) in answered:
                 _log.warning("scheduler: %s#%d was answered before its worker was lost (its "
-                             "terminal event is missing): no worker_lost reply", *check[:2])
-                effect = Effect(then=effect.then, tickets=effect.tickets)  # the event only
+                             "terminal event is missing): no worker_lost reply", request_id,
+                             attempt)
+                ending = Effect(then=ending.then)  # the event only
                 self.answered_after_all("worker_lost")
-            out.append(effect)
+            out.append(ending)
         return out
 
     def answered_after_all(self, code: ErrorCode) -> None:

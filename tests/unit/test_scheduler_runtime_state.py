@@ -938,3 +938,24 @@ def test_a_replica_that_stops_leading_during_the_check_gives_the_loss_back() -> 
                                message="w0 lost mid-stream")
     state.observe_event(leader_event)
     assert state.log.status("chatty") == "finished" and state.reserved_kv("w0") == 0
+
+
+def test_a_restart_loss_given_back_at_a_rebalance_is_decided_again() -> None:
+    """Found by an audit: a requeue of a restart loss, given back because the replica
+    stopped leading during its reply-topic check, left the attempt active on a worker whose
+    heartbeats are fresh; the restart rule had fired once, so no cycle found it again, and
+    the request was never answered (one replica is enough: its leadership lapses at each
+    rebalance). The restart is put back among those to decide."""
+    state = ready_state(("w0", 0))
+    state.on_request(admitted("r1"), ("tp", 0), T)
+    [(_, first)] = assignments(state.tick(T).effects)
+    state.observe_heartbeat(beat("w0", 0, ts=T + 0.5, started_at=T + 0.5, seq=0))  # restart
+    decided = state.tick(T + 1)
+    assert decided.restarted_workers == ["w0"] and len(decided.held) == 1
+    state.tick(T + 1.1, handle_losses=False)  # a rebalance while the check runs
+    assert state.release(decided.held[0], False, T + 1.2) == []
+    assert state.log.status("r1") == "active"  # given back
+    again = tick_and_release(state, T + 2)  # leading again: decided once more
+    assert again.restarted_workers == ["w0"] and again.requeued == 1
+    [(_, second)] = assignments(again.effects)
+    assert (second.attempt, second.worker_started_at) == (first.attempt + 1, T + 0.5)

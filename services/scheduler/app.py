@@ -738,7 +738,7 @@ class Scheduler:
     def _on_event(self, record: Any) -> None:
         # Headers too: a scheduler's terminal event names the admission it ended there.
         self.state.observe_event(decode(record.value, EVENT_ADAPTER),
-                                 tuple(tracing.headers_of(record)))
+                                 tuple(tracing.headers_of(record)), read_at=self.clock())
 
     def _on_control(self, record: Any) -> None:
         # Every replica reads every cancel: the one holding the request pending ends it,

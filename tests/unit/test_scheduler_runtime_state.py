@@ -82,14 +82,14 @@ def tickets(effects: list[Effect]) -> list[Any]:
     return [t for e in effects for t in e.tickets]
 
 
-def started(a: Assignment, worker: str) -> EventStarted:
+def started(a: Assignment, worker: str, ts: float = T + 1) -> EventStarted:
     return EventStarted(request_id=a.request_id, tenant="acme", attempt=a.attempt,
-                        worker_id=worker, ts=T + 1)
+                        worker_id=worker, ts=ts)
 
 
-def done(a: Assignment, worker: str) -> EventDone:
+def done(a: Assignment, worker: str, ts: float = T + 2) -> EventDone:
     return EventDone(request_id=a.request_id, tenant="acme", attempt=a.attempt,
-                     worker_id=worker, ts=T + 2, finish_reason="stop",
+                     worker_id=worker, ts=ts, finish_reason="stop",
                      usage=Usage(prompt_tokens=1_000, completion_tokens=20))
 
 
@@ -959,3 +959,26 @@ def test_a_restart_loss_given_back_at_a_rebalance_is_decided_again() -> None:
     assert again.restarted_workers == ["w0"] and again.requeued == 1
     [(_, second)] = assignments(again.effects)
     assert (second.attempt, second.worker_started_at) == (first.attempt + 1, T + 0.5)
+
+
+def test_a_terminal_event_stamped_far_ahead_counts_when_it_was_read() -> None:
+    """Found by an audit: one event a day ahead (a worker's clock far off), first in the
+    drain meter's window, kept every later sample in it, and the drain rate ingest
+    divides the queue by grew without bound (34 → 10,274 tokens/s in five minutes)."""
+    def rates(skew: float) -> list[float]:
+        state = ready_state(("w0", 0))
+        out = []
+        for step in range(181):  # one request finished a second for three minutes
+            now = T + step
+            state.observe_heartbeat(beat("w0", 0, ts=now))
+            state.on_request(admitted(f"r{step}", at=now), ("tp", step), now)
+            [(_, a)] = assignments(state.tick(now).effects)
+            state.observe_event(started(a, "w0", ts=now), read_at=now)
+            ts = now + (skew if step == 0 else 0.5)
+            state.observe_event(done(a, "w0", ts=ts), read_at=now + 0.5)
+            if step % 60 == 0:
+                [status] = state.statuses(now + 0.9)
+                out.append(status.drain_tokens_per_s)
+        return out
+
+    assert rates(86_400.0) == rates(0.5)

@@ -245,10 +245,18 @@ class SchedulerState:
                 self._another_replica(record)
         return [] if withdrawn is None else [withdrawn]
 
-    def observe_event(self, event: LifecycleEvent, headers: TraceHeaders = ()) -> bool:
+    def observe_event(self, event: LifecycleEvent, headers: TraceHeaders = (),
+                      read_at: float | None = None) -> bool:
         """A lifecycle event, with the headers its record carried (a scheduler's terminal
-        event names the admission it ended: ``messages.admission_of``); True when it freed
-        capacity (worth a dispatch cycle)."""
+        event names the admission it ended: ``messages.admission_of``), read at
+        ``read_at`` on this scheduler's clock (None: its ``ts``); True when it freed
+        capacity (worth a dispatch cycle).
+
+        A terminal event's time counts no later than it was read: stamped ahead (a worker's
+        clock far off), it kept the ledger's credit of its KV for good and, first in the
+        drain meter's window, stopped every later sample from leaving it (the drain rate
+        then grew without bound)."""
+        ended_at = event.ts if read_at is None else min(event.ts, read_at)
         self._note_ending(event)
         ran = self.log.latest(event.request_id)  # before a terminal drops it from the log
         admitted_at, deadline = admission_of(headers) if headers else (None, None)
@@ -278,7 +286,7 @@ class SchedulerState:
             return True
         if not isinstance(event, EventDone | EventFailed | EventAborted):
             return False
-        freed = self.ledger.release(event.request_id, event.attempt, at=event.ts) > 0
+        freed = self.ledger.release(event.request_id, event.attempt, at=ended_at) > 0
         for older in range(1, event.attempt):
             # A later attempt ended, so every earlier one is over too: a follower that read
             # no assignment of it (requeue ended while queued, or the record comes later)
@@ -292,7 +300,7 @@ class SchedulerState:
             # figures count a request), not the tokens generated: ingest divides the queued
             # tokens by this rate, and a fleet whose answers stop well short of max_tokens
             # would otherwise look max_tokens ÷ generated times slower than it drains.
-            self.drain.add(ran.admitted.request.model, event.ts,
+            self.drain.add(ran.admitted.request.model, ended_at,
                            ran.admitted.prompt_tokens + ran.admitted.request.max_tokens)
         return freed
 

@@ -982,3 +982,29 @@ def test_a_terminal_event_stamped_far_ahead_counts_when_it_was_read() -> None:
         return out
 
     assert rates(86_400.0) == rates(0.5)
+
+
+def test_a_reuse_read_before_the_first_ones_ending_is_refused_once_it_is_read() -> None:
+    """Found by an audit: ingest admits a reuse of an id once it read the first request's
+    ending; this scheduler's log may read that ending later, and the reuse, found with the
+    id still active, was acked unanswered: its client waited for ever. Now it is held,
+    unacked, and refused invalid (attempt 0) once the log shows the first one ended."""
+    state = ready_state(("w0", 0))
+    state.on_request(admitted("dup"), ("tp", 0), T)
+    [(_, first)] = assignments(state.tick(T).effects)
+    state.observe_event(started(first, "w0"))
+    assert state.on_request(admitted("dup", at=T + 3), ("tp", 1), T + 3) == []  # held
+    assert replies(state.tick(T + 3.5).effects) == []  # the first one has not ended here
+    state.observe_event(done(first, "w0", ts=T + 2.5))
+    result = state.tick(T + 4)
+    [error] = replies(result.effects)
+    assert (error.request_id, error.attempt, error.code) == ("dup", 0, "invalid")
+    assert ("tp", 1) in tickets(result.effects)
+    # Its partition revoked while held instead: it is the new owner's, dropped here.
+    state = ready_state(("w0", 0))
+    state.on_request(admitted("dup"), ("tp", 0), T)
+    [(_, first)] = assignments(state.tick(T).effects)
+    state.on_request(admitted("dup", at=T + 3), ("tp", 1), T + 3)
+    state.drop_sources({"tp"}, T + 3.2)
+    state.observe_event(done(first, "w0", ts=T + 2.5))
+    assert replies(state.tick(T + 4).effects) == []

@@ -250,6 +250,15 @@ class AssignmentLog:
         return entry is not None and entry.status() == "finished" \
             and bool(entry.admissions) and admitted_at not in entry.admissions
 
+    def is_new_admission(self, request_id: str, admitted_at: float) -> bool:
+        """Whether an admission (``admitted_at``) of a request the log shows not finished
+        is another request with its id: the log knows the id's admissions and this is none
+        of them (ingest admits a reuse once it read the first one's ending, which this log
+        may not have read yet). False when it knows none."""
+        entry = self._entries.get(request_id)
+        return entry is not None and entry.status() in ("active", "lost", "handoff") \
+            and bool(entry.admissions) and admitted_at not in entry.admissions
+
     def reached(self, request_id: str, attempt: int) -> bool:
         """Whether the log shows ``attempt``, or a later one, assigned, started, streamed,
         prefilled, ended or lost: that attempt was placed (or ended) already, whichever

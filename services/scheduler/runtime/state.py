@@ -172,6 +172,9 @@ class SchedulerState:
         # Workers whose heartbeat showed a new process since the last loss check: work
         # stamped for an earlier process (Assignment.worker_started_at) is lost (tick).
         self._restarted: set[str] = set()
+        # Records of new requests reusing the id of one the log shows not ended yet, by id:
+        # held unacked until it does, then refused as any reuse is (on_request, tick).
+        self._reuses: dict[str, list[tuple[AdmittedRequest, Ticket, TraceHeaders]]] = {}
         # worker_lost endings decided and held for their reply-topic check, by (request,
         # attempt): the lost attempt's record and the core's fate (settle_endings).
         self._held_endings: dict[tuple[str, int], tuple[Assignment, Reject]] = {}
@@ -392,6 +395,12 @@ class SchedulerState:
                               f"request_id {request_id!r} was used by a request that already "
                               "finished; request ids must be unique: send it with a new one",
                               now, (ticket,), reply_attempt=0, trace=trace)]
+        if self.log.is_new_admission(request_id, admitted.admitted_at):
+            # The same, read before the first one's ending (ingest admits the reuse once it
+            # read that ending; this log may not have yet): acked now it would be answered
+            # never. Held, unacked, until the log shows the first one ended (tick).
+            self._reuses.setdefault(request_id, []).append((admitted, ticket, trace))
+            return []
         if status != "unknown" or self.log.reached(request_id, 1):
             # Assigned and running (its reservation is booked), finished, or requeued
             # after a worker loss (pending at its next attempt), or placed by another
@@ -449,6 +458,12 @@ class SchedulerState:
         every worker remembers it too, so whoever places it next gets ``cancelled``."""
         dropped = 0
         self._settled = [t for t in self._settled if t[0] not in revoked]
+        for request_id, waiting in list(self._reuses.items()):
+            ours = [w for w in waiting if w[1][0] not in revoked]  # the rest: the new owner's
+            if ours:
+                self._reuses[request_id] = ours
+            else:
+                del self._reuses[request_id]
         for request_id, tracked in list(self._tracked.items()):
             kept = [t for t in tracked.tickets if t[0] not in revoked]
             if len(kept) == len(tracked.tickets):
@@ -517,6 +532,11 @@ class SchedulerState:
         if self._settled:
             effects.append(Effect(tickets=tuple(self._settled)))
             self._settled = []
+        for request_id, waiting in list(self._reuses.items()):
+            if self.log.status(request_id) not in ("active", "lost", "handoff"):
+                del self._reuses[request_id]  # the first one ended: decided as any record
+                for admitted, ticket, trace in waiting:
+                    effects.extend(self.on_request(admitted, ticket, now, trace))
         if self.leading and not handle_losses:
             self._give_up_requeues(now)
         if handle_losses and not self.leading:

@@ -353,9 +353,9 @@ class RequestRun:
         #: began and the broker did not refuse it): a decode stage may then pull the
         #: prompt's KV from this engine, acknowledged or not (a fence may cut the wait).
         self.handed_off = False
-        #: True once the run's terminal reply (or event.prefilled) was handed to the
-        #: producer: after that, a failure must not answer the client a second time.
-        self._terminal_sent = False
+        #: The run's terminal reply (or event.prefilled) once its sending began: after the
+        #: producer took it (its ``future`` set), a failure must not answer the client again.
+        self._reply: _Sent | None = None
         req = assignment.request
         self.deadline = deadline_of(req.created_at, req.timeout_s, assignment.deadline)
 
@@ -546,7 +546,10 @@ class RequestRun:
                 why = f"its terminal could not be sent: {type(exc).__name__}"
                 records = [_Sent(self.cfg.events_topic, self._event(
                     EventFailed, code="worker_lost", message=why))]
-                if not self._terminal_sent:  # the client's one terminal, if none went yet
+                # The client's one terminal, if the producer took none yet and the lease
+                # still allows a reply (only the terminal event goes without asking).
+                replied = self._reply is not None and self._reply.future is not None
+                if not replied and (self._may_send is None or await self._may_send()):
                     records.insert(0, _Sent(self.assignment.admitted.reply_topic,
                                             self._error("worker_lost", why, self._clock())))
                 await self._until_acked(records, ask_first=False,
@@ -578,7 +581,7 @@ class RequestRun:
         sent = await self._until_acked(unacked, ask_first=True) if unacked else "acked"
         if sent == "acked":
             self.handed_off = end.kind == "prefilled"
-            self._terminal_sent = True
+            self._reply = end.first
             sent = await self._until_acked([end.first], ask_first=True)
             if sent == "refused" and end.kind == "prefilled":
                 self.handed_off = False
@@ -589,6 +592,7 @@ class RequestRun:
                                            "event.prefilled"), end.usage)
                 self._annotate(end.outcome, end.usage)
                 e2e = max(0.0, self._clock() - self.assignment.request.created_at)
+                self._reply = end.first
                 sent = await self._until_acked([end.first], ask_first=True)
         if sent == "superseded":
             return Outcome("superseded", self._tokens, acked=True)

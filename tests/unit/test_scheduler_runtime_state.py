@@ -1008,3 +1008,19 @@ def test_a_reuse_read_before_the_first_ones_ending_is_refused_once_it_is_read() 
     state.drop_sources({"tp"}, T + 3.2)
     state.observe_event(done(first, "w0", ts=T + 2.5))
     assert replies(state.tick(T + 4).effects) == []
+
+
+def test_a_held_worker_lost_ending_keeps_its_trace_through_a_prune() -> None:
+    """A review of 9e29a3d: prune() (every status interval) drops the trace headers of
+    requests not active, and a held ending's attempt is marked lost meanwhile."""
+    trace = (("traceparent", b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"),)
+    state = ready_state(("w0", 0))
+    state.on_request(admitted("chatty"), ("tp", 1), T, trace)
+    (placed,) = [a for _, a in assignments(state.tick(T).effects)]
+    state.observe_event(started(placed, "w0"))
+    state.observe_event(_first_token(placed, "w0"))
+    checked = [e for e in state.tick(T + 5).effects if e.unless_answered is not None]
+    state.prune(T + 5.2)  # while the check runs
+    out = state.settle_endings(checked, frozenset(), T + 6)
+    headers = [dict(o.headers or ()) for e in out for o in (*e.first, *e.then)]
+    assert len(headers) == 2 and all("traceparent" in h for h in headers)

@@ -538,3 +538,40 @@ async def test_a_terminal_that_cannot_be_built_still_answers_the_client(
     outcome = await asyncio.wait_for(run.run(), 10.0)
     assert (outcome.kind, outcome.acked) == ("failed", True)
     assert producer.terminals() == [("error", "worker_lost"), ("event.failed", "worker_lost")]
+
+
+async def test_the_last_resort_reply_asks_the_lease_first() -> None:
+    """A review of the last resort: its Error went out without asking may_send, after the
+    lease was refused (the scheduler has placed or ended the request elsewhere by then)."""
+    producer, lease = _Producer(), {"ok": True}
+
+    async def may_send() -> bool:
+        return lease["ok"]
+
+    run = RequestRun(_assignment(), _FineEngine(0), Publisher(producer, 5.0), _CFG,
+                     may_send=may_send)
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        lease["ok"] = False  # the lease lapses, then the ending cannot be built
+        raise RuntimeError("bug")
+
+    run._answer = broken  # type: ignore[method-assign]
+    await asyncio.wait_for(run.run(), 10.0)
+    assert producer.terminals() == [("event.failed", "worker_lost")]  # no reply
+
+
+async def test_a_reply_the_producer_never_took_is_replaced_by_the_last_resorts() -> None:
+    """A review: the flag saying a terminal reply went was set before the producer took it;
+    one whose send raised at once left the client with no reply."""
+
+    class Flaky(_Producer):
+        async def send(self, topic: str, value: bytes, *, key: Any,
+                       headers: Any = None) -> Any:
+            if json.loads(value)["kind"] == "done" and not getattr(self, "failed", False):
+                self.failed = True
+                raise RuntimeError("a client bug before the hand-over")
+            return await super().send(topic, value, key=key, headers=headers)
+
+    producer = Flaky()
+    await _run(_FineEngine(0), producer)
+    assert producer.terminals() == [("error", "worker_lost"), ("event.failed", "worker_lost")]

@@ -176,8 +176,10 @@ class SchedulerState:
         # held unacked until it does, then refused as any reuse is (on_request, tick).
         self._reuses: dict[str, list[tuple[AdmittedRequest, Ticket, TraceHeaders]]] = {}
         # worker_lost endings decided and held for their reply-topic check, by (request,
-        # attempt): the lost attempt's record and the core's fate (settle_endings).
-        self._held_endings: dict[tuple[str, int], tuple[Assignment, Reject]] = {}
+        # attempt): the lost attempt's record, the core's fate and the trace headers of its
+        # placement (kept here: prune() drops those of requests not active meanwhile).
+        self._held_endings: dict[tuple[str, int],
+                                 tuple[Assignment, Reject, TraceHeaders]] = {}
         # Lease renewals asked since the last cycle (heartbeats with ``renew``), by worker,
         # and the incarnations (``started_at``) whose work was declared lost — by this
         # replica for a stale heartbeat, or by any, as a requeue read from the log shows:
@@ -874,7 +876,8 @@ class SchedulerState:
                 # recorded ended only when its ending goes (settle_endings).
                 record = held[fate.request_id]
                 self.log.mark_lost(record.request_id, record.attempt)
-                self._held_endings[(record.request_id, record.attempt)] = (record, fate)
+                self._held_endings[(record.request_id, record.attempt)] = (
+                    record, fate, self._active_trace.get(record.request_id, ()))
                 effects.append(Effect(unless_answered=_reply_check(record)))
         return requeues
 
@@ -969,7 +972,7 @@ class SchedulerState:
             held = self._held_endings.pop((check[0], check[1]), None)
             if held is None:
                 continue  # settled already
-            record, fate = held
+            record, fate, trace = held
             request_id, attempt = record.request_id, record.attempt
             if self.log.status(request_id) == "finished" \
                     or self.log.reached(request_id, attempt + 1):
@@ -980,7 +983,7 @@ class SchedulerState:
                 self._undo_loss(record)
                 continue
             ending = self._end(record.admitted, attempt, fate.code, fate.reason, now, (),
-                               trace=self._active_trace.get(request_id, ()))
+                               trace=trace)
             if (request_id, attempt) in answered:
                 _log.warning("scheduler: %s#%d was answered before its worker was lost (its "
                              "terminal event is missing): no worker_lost reply", request_id,

@@ -491,16 +491,20 @@ def up(ctx: click.Context, detach: bool, short_workers: int, long_workers: int,
     # through the `finally` below (and the broker's and Jaeger's own failure handling), so
     # nothing this run started is left behind: their default action would kill it outright.
     previous = {sig: signal.signal(sig, _exit_on_signal) for sig in _STOP_SIGNALS}
+    started = False  # detached and started: the broker and Jaeger stay for `llmq down`
     try:
         if not settings.kafka_bootstrap:
             ctx.invoke(kafka_up, timeout=90.0, as_json=False)
         started_jaeger = with_jaeger and _start_jaeger(settings)
         _up(ctx, settings, detach, cfg, kafka_only)
+        started = True
     finally:
         for sig in _STOP_SIGNALS:  # the clean-up below is bounded: let it finish
             signal.signal(sig, signal.SIG_IGN)
-        _stop_what_up_started(ctx, settings, detach, kafka_only, started_kafka,
-                              started_jaeger, keep_kafka)
+        # A detached start that failed stopped its children; what this run started before
+        # them goes too, as the error says ("everything started was stopped").
+        _stop_what_up_started(ctx, settings, detach and started, kafka_only and started,
+                              started_kafka, started_jaeger, keep_kafka)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Final
 
 from services.common.settings import Settings
 from services.dev import process
@@ -124,7 +124,10 @@ def stack_services(cfg: StackConfig) -> list[ServiceSpec]:
         ServiceSpec(
             "ingest",
             (py, "-m", "services.ingest"),
-            (("LLMQ_HTTP_PORT", str(cfg.http_port)), ("LLMQ_METRICS_PORT", str(next(port)))),
+            # Both names: ingest reads LLMQ_INGEST_HTTP_PORT first, and one inherited from
+            # the caller's environment would otherwise win over --http-port.
+            (("LLMQ_INGEST_HTTP_PORT", str(cfg.http_port)), ("LLMQ_HTTP_PORT", str(cfg.http_port)),
+             ("LLMQ_METRICS_PORT", str(next(port)))),
         ),
         ServiceSpec(
             "health",
@@ -151,6 +154,11 @@ def stack_services(cfg: StackConfig) -> list[ServiceSpec]:
             )
             slot += 1
     return specs
+
+
+#: Settings the stack gives each child itself, not inherited from the caller's environment:
+#: one worker id for every worker (LLMQ_WORKER_WORKER_ID) would make them one worker.
+_NAMED_BY_THE_STACK: Final = frozenset({"LLMQ_WORKER_WORKER_ID"})
 
 
 def _pump(name: str, colour: str, stream: IO[bytes], out: IO[str], tty: bool) -> None:
@@ -182,7 +190,8 @@ class Stack:
     def _start(self, log_dir: Path | None) -> None:
         tty = sys.stdout.isatty()
         for i, spec in enumerate(self.specs):
-            env = {**os.environ, **self.env, **dict(spec.env), "PYTHONUNBUFFERED": "1"}
+            inherited = {k: v for k, v in os.environ.items() if k not in _NAMED_BY_THE_STACK}
+            env = {**inherited, **self.env, **dict(spec.env), "PYTHONUNBUFFERED": "1"}
             if log_dir is not None:
                 log_dir.mkdir(parents=True, exist_ok=True)
                 with (log_dir / f"{spec.name}.log").open("ab") as log:
@@ -190,7 +199,7 @@ class Stack:
                         spec.argv, env=env, stdout=log, stderr=subprocess.STDOUT,
                         stdin=subprocess.DEVNULL, start_new_session=True,
                     )
-                self.procs.append((spec, proc))
+                    self.procs.append((spec, proc))  # known at once: stop() reaches it
                 continue
             # Own session: Ctrl-C reaches only this supervisor, which then sends each child
             # one SIGTERM (workers drain) instead of the terminal signalling them all twice.
@@ -198,6 +207,9 @@ class Stack:
                 spec.argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, start_new_session=True,
             )
+            # Known before anything else can fail (the log thread's start, a Ctrl-C): in
+            # its own session, a child stop() does not know of would outlive the stack.
+            self.procs.append((spec, proc))
             assert proc.stdout is not None
             thread = threading.Thread(
                 target=_pump,
@@ -205,7 +217,6 @@ class Stack:
                 daemon=True,
             )
             thread.start()
-            self.procs.append((spec, proc))
             self._threads.append(thread)
             if spec.settle_s:
                 time.sleep(spec.settle_s)
@@ -297,6 +308,7 @@ def run_foreground(stack: Stack, on_started: Callable[[], object] | None = None)
     # the children run in their own sessions, so nothing else would ever stop them.
     handled = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
     previous = {sig: signal.signal(sig, _on_signal) for sig in handled}
+    previous[signal.SIGINT] = signal.getsignal(signal.SIGINT)  # ignored while stopping
     status = 0
     try:
         stack.start()
@@ -322,10 +334,14 @@ def run_foreground(stack: Stack, on_started: Callable[[], object] | None = None)
     except KeyboardInterrupt:
         pass
     finally:
+        # A second Ctrl-C from here on must not cut the stop short (stop() ignores SIGINT
+        # too, but only once it runs).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         print("llmq up: stopping…", file=sys.stderr)
         stack.stop()
         for sig, handler in previous.items():
-            signal.signal(sig, handler)
+            if handler is not None:  # None: not set from Python (it cannot be put back)
+                signal.signal(sig, handler)
     return status
 
 

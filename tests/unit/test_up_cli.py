@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -94,3 +95,49 @@ def test_a_second_stack_is_refused_while_one_runs(
     assert calls == []  # nothing started, the first stack's record kept
     assert (stack_dir(Settings(home=home)) / "services.json").exists()
     assert first_stack.poll() is None
+
+
+def test_a_detached_start_that_fails_stops_the_broker_it_started(
+    calls: list[str], home: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by an audit: the error said "everything started was stopped", but the broker
+    this run had started kept running (the foreground path stopped it)."""
+    import services.stack as stack
+
+    async def no_topics(settings: Settings) -> list[str]:
+        return []
+
+    monkeypatch.setattr(cli, "create_catalog_topics", no_topics)
+    monkeypatch.setattr(cli, "_DETACH_SETTLE_S", 0.5)
+    monkeypatch.setattr(stack, "stack_services", lambda cfg: [
+        stack.ServiceSpec("scheduler", (sys.executable, "-c", "raise SystemExit(3)"))])
+    result = CliRunner().invoke(cli.main, ["up", "--detach"])
+    assert result.exit_code != 0 and "exited with status 3" in result.output
+    assert calls == ["kafka up", "kafka down"]
+
+
+def test_the_childrens_environment_does_not_override_what_the_stack_gives_them(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+) -> None:
+    """LLMQ_INGEST_HTTP_PORT in the caller's environment won over --http-port (ingest reads
+    it first), and LLMQ_WORKER_WORKER_ID gave every worker one id."""
+    import services.stack as stack
+
+    monkeypatch.setenv("LLMQ_INGEST_HTTP_PORT", "8081")
+    monkeypatch.setenv("LLMQ_WORKER_WORKER_ID", "w-same")
+    seen: dict[str, dict[str, str]] = {}
+
+    class Recorded:
+        def __init__(self, argv: Any, env: dict[str, str], **kwargs: Any) -> None:
+            seen[argv[2]] = env
+            self.stdout = None
+
+        def poll(self) -> int:
+            return 0
+
+    monkeypatch.setattr(stack.subprocess, "Popen", Recorded)
+    specs = stack.stack_services(stack.StackConfig(http_port=8080))
+    stack.Stack([s for s in specs if s.name in ("ingest", "worker-0")], {}).start(
+        log_dir=tmp_path)
+    assert seen["services.ingest"]["LLMQ_INGEST_HTTP_PORT"] == "8080"
+    assert "LLMQ_WORKER_WORKER_ID" not in seen["services.worker"]

@@ -10,9 +10,11 @@ record cannot make a consumer allocate without limit.
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Final, Self
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, Strict
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, JsonValue, Strict
+from pydantic_core import PydanticCustomError
 
 from schemas.common import MAX_ATTEMPT, MAX_TOKENS, SCHEMA_VERSION
 
@@ -59,7 +61,15 @@ RequestId = Annotated[str, Field(max_length=128, pattern=ID_PATTERN)]
 WorkerId = Annotated[str, Field(max_length=128, pattern=ID_PATTERN)]
 Tenant = Annotated[str, Field(max_length=64, pattern=TENANT_PATTERN)]
 ModelName = Annotated[str, Field(max_length=256, pattern=MODEL_PATTERN)]
-TopicName = Annotated[str, Field(max_length=MAX_TOPIC_CHARS, pattern=TOPIC_PATTERN)]
+def _kafka_topic(name: str) -> str:
+    """Kafka refuses the names ``.`` and ``..`` that the pattern lets through."""
+    if name in (".", ".."):
+        raise PydanticCustomError("topic_name", "'.' and '..' are not Kafka topic names")
+    return name
+
+
+TopicName = Annotated[str, Field(max_length=MAX_TOPIC_CHARS, pattern=TOPIC_PATTERN),
+                      AfterValidator(_kafka_topic)]
 ShortName = Annotated[str, Field(max_length=64, pattern=NAME_PATTERN)]
 Text = Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
 
@@ -77,7 +87,23 @@ Count = Annotated[int, Field(ge=0, le=(1 << 63) - 1)]
 Attempt = Annotated[int, Field(ge=1, le=MAX_ATTEMPT)]
 #: An engine's KV-transfer parameters, passed through as they are (vLLM's
 #: ``kv_transfer_params``: the prefill instance's engine id, host, port and block ids).
-KvTransfer = Annotated[dict[str, JsonValue], Field(max_length=64)]
+def _finite_json(value: dict[str, JsonValue]) -> dict[str, JsonValue]:
+    """No NaN or infinity anywhere inside: JSON parsing lets ``1e999`` into a ``JsonValue``
+    (the models' ``allow_inf_nan=False`` does not reach it), encoding then writes null, and
+    a scheduler rebuilding the assignment from it failed every cycle."""
+    stack: list[Any] = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            raise PydanticCustomError("finite_number", "Input should be a finite number")
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return value
+
+
+KvTransfer = Annotated[dict[str, JsonValue], Field(max_length=64), AfterValidator(_finite_json)]
 #: Kafka partition numbers.
 Partition = Annotated[int, Field(ge=0, le=100_000)]
 Fraction = Annotated[float, Field(ge=0.0, le=1.0)]

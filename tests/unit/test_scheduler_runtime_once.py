@@ -301,6 +301,9 @@ def test_a_schedulers_terminal_event_names_the_admission_it_ended() -> None:
     assert admission_of([(ADMITTED_AT_HEADER, b"junk"), (DEADLINE_HEADER, b"nan")]) == (
         None, None)
     assert admission_of([]) == (None, None)
+    # A header with no value (Kafka allows it): raised AttributeError and the guard
+    # dead-lettered a valid event (found by an audit).
+    assert admission_of([(ADMITTED_AT_HEADER, None)]) == (None, None)  # type: ignore[list-item]
 
 
 def _ended_unplaced_by_another_replica() -> tuple[SchedulerState, SchedulerState]:

@@ -680,3 +680,25 @@ def test_builders_cover_every_kind() -> None:
     assert b.make_cancel(reason="r").reason == "r"
     with pytest.raises(ValidationError):
         b.make_chunk(tokens=0)
+
+
+def test_kv_transfer_refuses_nan_and_infinity_anywhere_inside() -> None:
+    """Found by an audit: JSON parsing let 1e999 into kv_transfer (a JsonValue), encoding
+    wrote it back as null, and the scheduler rebuilding the decode stage's assignment from
+    it failed every cycle; now the record is refused naming the field."""
+    ok = example_assignment()
+    for bad in (b"1e999", b"-1e999", b"NaN", b"Infinity", b'{"deep": [1, 1e999]}'):
+        wire = encode(ok).replace(b'"kv_transfer":null', b'"kv_transfer":{"x":' + bad + b"}")
+        if wire == encode(ok):  # the example has parameters: put the bad one first
+            wire = encode(ok).replace(b'"kv_transfer":{', b'"kv_transfer":{"x":' + bad + b",")
+        with pytest.raises(SchemaError) as err:
+            decode(wire, Assignment)
+        assert err.value.field.startswith("kv_transfer") and "finite" in str(err.value)
+    finite = encode(ok).replace(b'"kv_transfer":null', b'"kv_transfer":{"x":[1.5,{"y":2}]}')
+    assert decode(finite, Assignment) == decode(encode(decode(finite, Assignment)), Assignment)
+
+
+@pytest.mark.parametrize("name", [".", ".."])
+def test_a_topic_name_kafka_refuses_is_refused(name: str) -> None:
+    with pytest.raises(ValidationError, match="not Kafka topic names"):
+        InferenceRequest.model_validate({**example_request().model_dump(), "reply_to": name})

@@ -214,8 +214,8 @@ def admission_of(headers: Iterable[tuple[str, bytes]]) -> tuple[float | None, fl
         if key in (ADMITTED_AT_HEADER, DEADLINE_HEADER):
             try:
                 number = float(value.decode("ascii"))
-            except (UnicodeDecodeError, ValueError):
-                continue
+            except (AttributeError, UnicodeDecodeError, ValueError):  # None: a header with
+                continue  # no value (Kafka allows it), or not a number
             if math.isfinite(number):
                 found[key] = number
     return found.get(ADMITTED_AT_HEADER), found.get(DEADLINE_HEADER)

@@ -66,6 +66,8 @@ _log = logging.getLogger(__name__)
 
 #: Consul service name of the health service's own instance.
 HEALTH_SERVICE = "llmq-health"
+#: Every this many ticks (30 s at the default tick) the registry is listed again.
+_RESYNC_TICKS = 30
 
 
 class FleetNotRead(Exception):
@@ -285,13 +287,21 @@ class HealthService:
     # Runs in a worker thread: only registry calls and dict updates of ``applied``, which
     # nothing else touches while a tick is in flight (ticks run one after the other).
     def _sync_and_apply(self, registry: Registry, desired: dict[str, Desired]) -> None:
-        if not self._synced:
+        if not self._synced or self._ticks % _RESYNC_TICKS == 0:
+            # At start, and every so often: what the registry holds. An agent that
+            # restarted forgot instances whose checks no tick sends again (a critical one
+            # is sent only when it changes): those are registered again.
             try:
-                for service_id in registry.service_ids(WORKER_SERVICE):
-                    self.applied.setdefault(service_id, UNKNOWN)
+                # Our own instance, not another health service's (each keeps its own).
+                own = registry.service_ids(HEALTH_SERVICE) & {self.own_id}
+                listed = registry.service_ids(WORKER_SERVICE) | own
             except RegistryError as exc:
                 self._registry_error(exc)
                 return
+            for service_id in listed:
+                self.applied.setdefault(service_id, UNKNOWN)
+            for service_id in [s for s in self.applied if s not in listed]:
+                del self.applied[service_id]
             self._synced = True
         self.apply(registry, reconcile(desired, self.applied))
 

@@ -227,3 +227,25 @@ async def test_a_worker_beating_a_slot_the_assignments_topic_lacks_fails_its_che
     assert registry.instances["w-ok"].check == "passing"
     stray = registry.instances["w-stray"]
     assert stray.check == "critical" and "slot 6 is not a partition" in stray.note
+
+
+async def test_an_agent_that_forgot_its_instances_gets_them_again(
+    service: HealthService, registry: InMemoryRegistry, clock: Clock
+) -> None:
+    """Found by an audit: after a Consul agent restart, instances whose check is critical
+    (a stale worker; the service itself while not ready) were never registered again: a
+    critical check is sent only when it changes, so no call failed to tell. The registry
+    is listed again every 30 ticks."""
+    beat(service, clock, "w-stale", 1)
+    service.heartbeats_caught_up.set()
+    service.kafka_ok = False  # not ready: its own check is critical
+    await service.tick()
+    clock.now += 5  # w-stale's window (3 s) is over: critical
+    await service.tick()
+    assert registry.instances["w-stale"].check == "critical"
+    registry.forget()  # the agent restarted
+    for _ in range(31):
+        clock.now += 1
+        await service.tick()
+    assert registry.instances["w-stale"].check == "critical"
+    assert registry.instances[service.own_id].check == "critical"

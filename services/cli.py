@@ -473,7 +473,17 @@ def up(ctx: click.Context, detach: bool, short_workers: int, long_workers: int,
         schedulers=schedulers, http_port=http_port,
         health_port=health_port, metrics_base_port=metrics_base_port,
         profile=profile, model=model)
-    problem = None if kafka_only else config_problem(cfg, settings.assignment_partitions)
+    taken: dict[int, str] = {}
+    if not settings.kafka_bootstrap:  # the embedded broker this command may start
+        taken[settings.kafka_port] = "Kafka's port (LLMQ_KAFKA_PORT)"
+        taken[settings.kafka_controller_port] = ("Kafka's controller port "
+                                                 "(LLMQ_KAFKA_CONTROLLER_PORT)")
+    if with_jaeger:
+        from services.dev.jaeger import PORTS as JAEGER_PORTS
+
+        taken.update({port: f"Jaeger's {name} port" for name, port in JAEGER_PORTS.items()})
+    problem = None if kafka_only else config_problem(cfg, settings.assignment_partitions,
+                                                     taken)
     if problem is not None:
         option, message = problem
         raise click.BadParameter(message, param_hint=option)

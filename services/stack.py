@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Final
@@ -79,10 +79,12 @@ def metrics_ports(cfg: StackConfig) -> range:
     return range(cfg.metrics_base_port, cfg.metrics_base_port + count)
 
 
-def config_problem(cfg: StackConfig, slots: int) -> tuple[str, str] | None:
+def config_problem(cfg: StackConfig, slots: int,
+                   taken: Mapping[int, str] | None = None) -> tuple[str, str] | None:
     """``(option, what is wrong)`` when the stack cannot run as configured, else None: found
     before anything starts, not in a child after Kafka did. ``slots``: partitions of the
-    assignments topic (LLMQ_ASSIGNMENT_PARTITIONS), one per worker."""
+    assignments topic (LLMQ_ASSIGNMENT_PARTITIONS), one per worker. ``taken``: ports the
+    same command starts something else on (the embedded broker, Jaeger), by port: whose."""
     workers = worker_count(cfg)
     if workers > slots:
         return ("--short-workers/--long-workers/--any-workers/--prefill-workers/"
@@ -100,6 +102,12 @@ def config_problem(cfg: StackConfig, slots: int) -> tuple[str, str] | None:
         if port in ports:
             return (option, f"{port} is one of the metrics ports {ports[0]}-{ports[-1]} "
                             "(--metrics-base-port and up): give another port")
+    for port, whose in sorted((taken or {}).items()):
+        for option, mine in (("--http-port", range(cfg.http_port, cfg.http_port + 1)),
+                             ("--health-port", range(cfg.health_port, cfg.health_port + 1)),
+                             ("--metrics-base-port", ports)):
+            if port in mine:
+                return option, f"{port} is {whose}: give another port"
     return None
 
 

@@ -61,3 +61,35 @@ def test_scheduler_replicas_get_an_id_each_and_ports_after_the_workers() -> None
     assert config_problem(cfg(schedulers=3, http_port=9407), slots=16) == (
         "--http-port", "9407 is one of the metrics ports 9400-9407 (--metrics-base-port and "
         "up): give another port")
+
+
+@pytest.mark.parametrize(("config", "option", "says"), [
+    (cfg(http_port=9092), "--http-port", "9092 is Kafka's port"),
+    (cfg(health_port=16686), "--health-port", "16686 is Jaeger's query_http port"),
+    (cfg(metrics_base_port=9090), "--metrics-base-port", "9092 is Kafka's port"),
+])
+def test_a_port_the_broker_or_jaeger_takes_is_refused_before_anything_starts(
+    config: StackConfig, option: str, says: str
+) -> None:
+    """Found by an audit: these collided only once the broker had started."""
+    taken = {9092: "Kafka's port (LLMQ_KAFKA_PORT)", 16686: "Jaeger's query_http port"}
+    problem = config_problem(config, slots=16, taken=taken)
+    assert problem is not None and problem[0] == option and says in problem[1]
+    assert config_problem(config, slots=16) is None  # an external broker, no Jaeger
+
+
+def test_up_refuses_kafkas_port_for_ingest(monkeypatch: pytest.MonkeyPatch) -> None:
+    from click.testing import CliRunner
+
+    from services.cli import main
+    from services.dev.kafka_broker import KafkaBroker
+
+    def no_broker(self: KafkaBroker, *args: object, **kwargs: object) -> None:
+        raise AssertionError("refused before anything starts: no broker")
+
+    monkeypatch.setattr(KafkaBroker, "up", no_broker)
+    monkeypatch.setattr(KafkaBroker, "status", no_broker)
+    monkeypatch.delenv("LLMQ_KAFKA_BOOTSTRAP", raising=False)
+    monkeypatch.setenv("LLMQ_KAFKA_PORT", "1")  # nothing listens there either
+    result = CliRunner().invoke(main, ["up", "--http-port", "1"])
+    assert result.exit_code == 2 and "1 is Kafka's port" in " ".join(result.output.split())

@@ -371,7 +371,8 @@ def write_services_file(settings: Settings, stack: Stack) -> Path:
     path = stack_dir(settings) / "services.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     data = {
-        spec.name: {"pid": proc.pid, "metrics_url": metrics_url(spec), "argv": list(spec.argv)}
+        spec.name: {"pid": proc.pid, "metrics_url": metrics_url(spec), "argv": list(spec.argv),
+                    "started": process_started(proc.pid)}
         for spec, proc in stack.procs
     }
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
@@ -389,6 +390,9 @@ class RecordedService:
     name: str
     pid: int
     argv: tuple[str, ...]
+    #: When the process started (:func:`process_started`); None in a file written before
+    #: it was recorded.
+    started: int | None = None
 
 
 def _warn(message: str) -> None:
@@ -419,7 +423,9 @@ def read_services_file(path: Path) -> list[RecordedService]:
         if why is not None:
             _warn(f"ignoring entry {name!r} of {path}: {why} (stop it by hand if it runs)")
             continue
-        found.append(RecordedService(name, entry["pid"], tuple(entry["argv"])))
+        started = entry.get("started")
+        found.append(RecordedService(name, entry["pid"], tuple(entry["argv"]),
+                                     started if type(started) is int else None))
     return found
 
 
@@ -442,7 +448,7 @@ def stop_detached(settings: Settings, grace_s: float = 20.0) -> list[str]:
     object; bad entries are skipped (:func:`read_services_file`).
     """
     path = stack_dir(settings) / "services.json"
-    alive = {s.name: s for s in read_services_file(path) if _is_ours(s.pid, s.argv)}
+    alive = {s.name: s for s in read_services_file(path) if _is_ours(s)}
     # As Stack.stop: the workers drain first, then the services that stream their answers.
     for names in stop_stages([(s.name, s.argv) for s in alive.values()]):
         stage = [alive[n].pid for n in names]
@@ -465,13 +471,27 @@ def running_services(settings: Settings) -> list[str]:
     is unknown then.
     """
     path = stack_dir(settings) / "services.json"
-    return [s.name for s in read_services_file(path) if _is_ours(s.pid, s.argv)]
+    return [s.name for s in read_services_file(path) if _is_ours(s)]
 
 
-def _is_ours(pid: int, argv: Sequence[str]) -> bool:
-    """The pid still runs the command we started (not a reused pid)."""
+def _is_ours(service: RecordedService) -> bool:
+    """The pid still runs the process we started: the same command and, when recorded, the
+    same start time (the same argv alone is every stack's, whatever its LLMQ_HOME: a pid
+    reused by another stack's service would be stopped)."""
     try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        cmdline = Path(f"/proc/{service.pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return False
-    return [c.decode(errors="replace") for c in cmdline if c] == list(argv)
+    if [c.decode(errors="replace") for c in cmdline if c] != list(service.argv):
+        return False
+    return service.started is None or process_started(service.pid) == service.started
+
+
+def process_started(pid: int) -> int | None:
+    """When ``pid`` started, in clock ticks since boot (``/proc/<pid>/stat``, field 22):
+    with the pid, one process's identity. None when it cannot be read."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat[stat.rindex(")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None

@@ -108,3 +108,20 @@ def test_llmq_down_says_what_to_do_with_a_file_that_is_not_an_object(
     assert result.exception is None or isinstance(result.exception, SystemExit)
     (line,) = result.output.splitlines()
     assert str(path) in line and "not a JSON object" in line and "delete it" in line
+
+
+def test_llmq_down_leaves_a_process_that_only_has_the_same_command(
+    home: Settings, child: subprocess.Popen[bytes]
+) -> None:
+    """Found by an audit: identity was the command line alone, which every stack's service
+    shares whatever its LLMQ_HOME, so a pid reused by another stack's service was stopped.
+    The start time recorded with the pid tells them apart."""
+    from services.stack import process_started
+
+    started = process_started(child.pid)
+    assert started is not None
+    _write(home, {"ingest": {"pid": child.pid, "argv": _SLEEPER, "started": started + 1}})
+    assert running_services(home) == []
+    assert stop_detached(home, grace_s=1.0) == [] and child.poll() is None  # left alone
+    _write(home, {"ingest": {"pid": child.pid, "argv": _SLEEPER, "started": started}})
+    assert running_services(home) == ["ingest"]

@@ -154,6 +154,8 @@ def _part(part: object) -> str:
     """One step of a field path, printable and short: an unknown key is the sender's
     choice (a 5 MiB key would make a 10 MiB dead letter; a newline, a forged log line)."""
     text = str(part)
+    if not text:
+        return '""'  # an empty key: the path must still name it, not read as the record
     short = text[:_MAX_PART_CHARS]
     if not short.isprintable():
         short = ascii(short)[1:-1]

@@ -702,3 +702,10 @@ def test_kv_transfer_refuses_nan_and_infinity_anywhere_inside() -> None:
 def test_a_topic_name_kafka_refuses_is_refused(name: str) -> None:
     with pytest.raises(ValidationError, match="not Kafka topic names"):
         InferenceRequest.model_validate({**example_request().model_dump(), "reply_to": name})
+
+
+def test_an_unknown_empty_key_is_named_not_read_as_the_whole_record() -> None:
+    chunk = TokenChunk(request_id="r1", attempt=1, seq=0, text="a", tokens=1, ts=1.0)
+    with pytest.raises(SchemaError) as err:
+        decode(encode(chunk)[:-1] + b',"":1}', TokenChunk)
+    assert err.value.field == '""' and err.value.error_code == "invalid"

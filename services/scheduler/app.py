@@ -328,6 +328,9 @@ class Scheduler:
             took.append(f"tasks {time.monotonic() - start:.1f} s")
         if self._checks:  # the endings they hold would otherwise wait for the next scheduler
             await phase("reply-topic checks", asyncio.wait(self._checks))
+            for check in list(self._checks):  # past the bound: they must not outlive the
+                check.cancel()  # producer (their effects would go to a dead outbox)
+            await asyncio.gather(*self._checks, return_exceptions=True)
         # Unacked requests are redelivered if this does not get through.
         await phase("final flush", self._flush())
         await phase("reply topics", self.reply_topics.stop())
@@ -678,14 +681,15 @@ class Scheduler:
             _log.warning("scheduler: flush at rebalance incomplete", exc_info=True)
         if (took := time.monotonic() - began) >= 1.0:
             _log.info("scheduler: the flush at the rebalance took %.1f s", took)
-        unsent, dropped = await self.outbox.withdraw(mine)
+        unsent, uncertain = await self.outbox.withdraw(mine, self.rt.scheduler.send_timeout_s)
         now = self.clock()
         taken_back = sum(self.state.withdraw(effect, now) for effect in unsent)
-        if unsent or dropped:
+        if unsent:
             _log.warning("scheduler: %d decision(s) for revoked partitions did not get through "
-                         "before the rebalance: %d never sent (%d taken back), %d sent but not "
-                         "acknowledged (may yet land); their requests go to the new owner",
-                         len(unsent) + dropped, len(unsent), taken_back, dropped)
+                         "before the rebalance (%d taken back; %d of them sent but not "
+                         "acknowledged, so they may yet land: such a request may run twice); "
+                         "their requests go to the new owner", len(unsent), taken_back,
+                         uncertain)
 
     async def on_assigned(self, sender: Any, *args: Any, signal: Any, **_: Any) -> None:
         """Before the next request: read assignments and events up to their end now."""

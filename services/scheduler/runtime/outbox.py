@@ -149,16 +149,27 @@ class Outbox:
             pending.advance()
             self._queue.append(pending)
 
-    async def withdraw(self, sources: Container[Hashable]) -> tuple[list[Effect], int]:
+    async def withdraw(self, sources: Container[Hashable],
+                       wait_s: float = 0.0) -> tuple[list[Effect], int]:
         """Take out the effects whose every ticket is on ``sources`` (partitions revoked:
         their records go to a new owner, who must not find these written later) and whose
-        first stage is not known written. Returns those certainly not written — nothing
-        handed to the producer, or every hand-over failed; or a reply given up and its
-        event not handed yet — for the caller to take back what it recorded of them; and
-        how many others were dropped: handed over and not acknowledged yet, so perhaps
-        written (the producer may still deliver them; they are not sent again). One whose
-        first stage was written goes on (a terminal event follows its durable reply)."""
+        first stage is not known written, for the caller to take back what it recorded of
+        them. Deliveries still in flight are awaited up to ``wait_s`` first. Returns those
+        effects — nothing handed to the producer, every hand-over failed, or still not
+        acknowledged after the wait; or a reply given up and its event not handed yet — and
+        how many of them were handed over and are still unacknowledged, so perhaps written
+        (the producer may still deliver them; they are not sent again). Taken back, such
+        a request may run twice, at worst; kept as decided, a delivery that then failed
+        left it with no terminal at all when its partition came back to this replica (its
+        redelivered record, found placed, was acked). One whose first stage was written
+        goes on (a terminal event follows its durable reply)."""
         async with self._lock:
+            if wait_s > 0:
+                flying = [d for p in self._queue if p.stage == 0 and p.effect.tickets
+                          and all(tp in sources for tp, _ in p.effect.tickets)
+                          for d in p.deliveries if not d.done()]
+                if flying:  # asyncio.wait: a timeout must not cancel deliveries in flight
+                    await asyncio.wait(flying, timeout=wait_s)
             unsent: list[Effect] = []
             dropped = 0
             kept: list[_Pending] = []
@@ -172,6 +183,7 @@ class Outbox:
                         kept.append(pending)
                 elif pending.stage == 0 and any(not d.done() for d in pending.deliveries):
                     dropped += 1
+                    unsent.append(pending.effect)
                 elif pending.stage == 0 or (pending.stage == 1 and not pending.wrote_first
                                             and not pending.deliveries):
                     unsent.append(pending.effect)
@@ -281,9 +293,15 @@ class Outbox:
                 self.failed_topics.add(out.topic)
                 if self._expendable(out.topic) and self._refused(error):
                     self._drop(pending, out, f"refused for good: {error!r}")
-        if tried and not got_through:
-            # Nothing got through: the broker is in trouble, not one topic. Its outage is
-            # not counted against a record's time to give up (module docstring).
+        failed = {out.topic for errs in errors.values() for out, _ in errs}
+        if tried and not got_through and (
+                len(failed) > 1 or any(not self._expendable(t) for t in failed)):
+            # Nothing got through, on more than one topic or on one of llmq's own: the
+            # broker is in trouble, not one topic. Its outage is not counted against a
+            # record's time to give up (module docstring). One reply topic failing alone
+            # (a quiet system, or its backoff never meeting other traffic) is not an
+            # outage: counted so, its give-up clock restarted every try, and it was
+            # retried for ever while its ticket held its request partition's commits.
             for pending in self._queue:
                 if pending.stuck_since is not None:
                     pending.stuck_since = now

@@ -49,6 +49,7 @@ the client is never left waiting.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -209,6 +210,7 @@ class IntakeHandler:
             span.set_attribute(tracing.LLMQ_OUTCOME, exc.error_code)
             await self._refuse_undecodable(record.value, exc)
             raise
+        digest = _digest(bytes(record.value))
         span.set_attributes(tracing.request_attributes(**{
             tracing.LLMQ_REQUEST_ID: req.request_id, tracing.LLMQ_TENANT: req.tenant,
             tracing.GEN_AI_MODEL: req.model, tracing.GEN_AI_MAX_TOKENS: req.max_tokens,
@@ -240,7 +242,7 @@ class IntakeHandler:
         held = self._reservations.get(req.request_id)
         if held is not None:
             if _same_caller(held, req, self._topics.prefix):
-                if held.get("digest", _digest(req)) != _digest(req):
+                if held.get("digest", digest) != digest:
                     # Not a redelivery: the same caller reusing an id in flight for another
                     # body. Re-sending the held admission would publish this body on the
                     # first one's reservation (its checks skipped); an Error under this id,
@@ -279,7 +281,7 @@ class IntakeHandler:
             ))
             return
         try:
-            decision = self._decide(req, policy, now)
+            decision = self._decide(req, policy, now, digest)
             self._record(req, decision)
         except Exception:
             # Nothing was published for it yet: this Error is its one terminal reply.
@@ -303,7 +305,8 @@ class IntakeHandler:
             record.partition == self._owner_partition(tenant_key)
         )
 
-    def _decide(self, req: InferenceRequest, policy: TenantPolicy, now: float) -> _Decision:
+    def _decide(self, req: InferenceRequest, policy: TenantPolicy, now: float,
+                digest: str) -> _Decision:
         prefix = self._topics.prefix
         target = authorized_reply_topic(req, prefix)
         if target is None:
@@ -328,10 +331,10 @@ class IntakeHandler:
         )
         if isinstance(result, Reject):
             return _Decision(target, rejection(req.request_id, result, now))
-        return self._admitted(req, result, target, now)
+        return self._admitted(req, result, target, now, digest)
 
     def _admitted(
-        self, req: InferenceRequest, result: Admit, target: str, now: float
+        self, req: InferenceRequest, result: Admit, target: str, now: float, digest: str
     ) -> _Decision:
         message = AdmittedRequest(
             request=req, priority=result.priority, lane=result.lane,
@@ -348,7 +351,7 @@ class IntakeHandler:
             "deadline": max(now, req.created_at) + req.timeout_s + self._grace,
             # The admission, to send it again for a redelivered record (_admission_again),
             # and the request's digest, to tell a redelivery from a reused id.
-            "digest": _digest(req),
+            "digest": digest,
             "admitted_at": now,
             "priority": result.priority,
             "lane": result.lane,
@@ -358,11 +361,19 @@ class IntakeHandler:
                          message, result.new_state, reservation)
 
     def _record(self, req: InferenceRequest, decision: _Decision) -> None:
-        """Write the decision's tenant state and reservation (tables), count it."""
-        if decision.state is not None:
-            self._buckets[req.tenant] = decision.state.to_dict()
+        """Write the decision's reservation and tenant state (tables), count it. A write
+        that fails leaves neither (the caller answers ``overloaded``): a bucket charged
+        with no reservation to settle it held the tenant's slot for good."""
         if decision.reservation is not None:
             self._reservations[req.request_id] = dict(decision.reservation)
+        if decision.state is not None:
+            try:
+                self._buckets[req.tenant] = decision.state.to_dict()
+            except BaseException:
+                if decision.reservation is not None:
+                    with contextlib.suppress(Exception):
+                        del self._reservations[req.request_id]
+                raise
         message = decision.message
         if isinstance(message, Error):
             _count_refusal(message.code)
@@ -393,19 +404,24 @@ class IntakeHandler:
     async def on_settle(self, record: SourceRecord) -> None:
         """Settle one reservation (a no-op when it was settled already)."""
         rec = decode(record.value, SettleRecord)
-        reservation = self._reservations.pop(rec.request_id, None)
+        reservation = self._reservations.get(rec.request_id)
         if reservation is None:
             return
         tenant = str(reservation["tenant"])
         policy = self._tenancy.policy_for(tenant)
         if policy is None:
             _log.warning("settle %s: tenant %r has no policy any more", rec.request_id, tenant)
+            self._buckets.pop(tenant, None)  # a tenant added again starts with nothing held
+            del self._reservations[rec.request_id]
             return
         now = self._clock()
         reserved = int(reservation["reserved"])
         used = reserved if rec.used_tokens is None else rec.used_tokens
         state = settle(self._state(tenant, policy, now), policy, reserved, used, now)
+        # The bucket first, then the reservation goes: a failure between leaves it for the
+        # redelivered settle record (or expiry) to settle, not the slot held for good.
         self._buckets[tenant] = state.to_dict()
+        del self._reservations[rec.request_id]
 
     async def on_event(self, record: SourceRecord) -> None:
         """Forward a terminal lifecycle event as a settle record keyed by tenant."""
@@ -609,9 +625,11 @@ def _reused_id(request_id: str) -> SchemaError:
     ),))
 
 
-def _digest(req: InferenceRequest) -> str:
-    """What tells a redelivery (the same record again) from another request with its id."""
-    return hashlib.sha256(encode(req)).hexdigest()
+def _digest(raw: bytes) -> str:
+    """What tells a redelivery (the same record again) from another request with its id:
+    the record's own bytes (re-encoded, a record of an older version read by a newer one
+    would not match its own admission)."""
+    return hashlib.sha256(raw).hexdigest()
 
 
 def _same_caller(held: Mapping[str, Any], req: InferenceRequest, prefix: str) -> bool:

@@ -168,3 +168,22 @@ async def test_a_failed_send_of_a_client_chosen_id_is_not_cancelled() -> None:
     await asyncio.sleep(0.05)
     assert producer.cancels == []
     assert gateway._router is not None and gateway._router.open_requests == 0
+
+
+async def test_a_client_chosen_id_whose_send_the_client_left_is_refused_for_a_while() -> None:
+    """Found by an audit: cancelled as the client left (the copy likely landed), the id was
+    not marked ended, so a retry with it was accepted and got the first copy's
+    `cancelled` (replies go by id). It is refused 409 for a while, as after any call."""
+    producer = _FailingProducer(None)
+    gateway = _gateway(producer)
+    sending = asyncio.create_task(gateway.submit(
+        make_prompt_request(request_id="acme:job-1", tenant="acme"), client_id=True))
+    await asyncio.sleep(0.05)
+    sending.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await sending
+    assert await _cancels(producer) == ["acme:job-1"]
+    with pytest.raises(ApiError) as refused:
+        await gateway.submit(make_prompt_request(request_id="acme:job-1", tenant="acme"),
+                             client_id=True)
+    assert refused.value.status == 409

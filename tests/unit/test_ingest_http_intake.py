@@ -421,6 +421,53 @@ async def test_settle_refunds_releases_and_is_idempotent() -> None:
     assert h.buckets["default"] == settled.to_dict()
 
 
+class BucketsFailOnce(dict[str, Any]):
+    """A buckets table whose next write fails once."""
+
+    fail = False
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if self.fail:
+            self.fail = False
+            raise RuntimeError("changelog write failed")
+        super().__setitem__(key, value)
+
+
+async def test_a_failed_table_write_leaves_the_tenant_nothing_held() -> None:
+    """Found by an audit: the bucket (in_flight + 1) was written before the reservation;
+    the reservation's write failing left a charge nothing would ever settle, and four such
+    failures locked a tenant of max_concurrency 4 out for good."""
+    h = Harness(load_tenancy(None))
+    h.handler._reservations = RefusingTable()
+    with pytest.raises(RuntimeError):
+        await h.submit(request("r1"))
+    assert "default" not in h.buckets  # nothing charged
+    h = Harness(load_tenancy(None))
+    buckets = h.handler._buckets = BucketsFailOnce()
+    buckets.fail = True
+    with pytest.raises(RuntimeError):
+        await h.submit(request("r1"))
+    assert "r1" not in h.reservations and "default" not in buckets  # nor reserved
+
+
+async def test_a_settle_that_fails_half_way_is_settled_by_its_redelivery() -> None:
+    """Found by an audit: the reservation was popped before the bucket was credited; a
+    failure between left in_flight charged for good (the redelivered settle found
+    nothing)."""
+    h = Harness(load_tenancy(None))
+    buckets = h.handler._buckets = BucketsFailOnce()
+    await h.submit(request("r1"))
+    settle = SettleRecord(tenant="default", request_id="r1", used_tokens=12, reason="done",
+                          ts=NOW)
+    buckets.fail = True
+    with pytest.raises(RuntimeError):
+        await h.handler.on_settle(Record(encode(settle), b"default", TOPICS.settle))
+    assert "r1" in h.reservations  # still there for the redelivery
+    await h.handler.on_settle(Record(encode(settle), b"default", TOPICS.settle))
+    assert "r1" not in h.reservations
+    assert TenantState.from_dict(buckets["default"]).in_flight == 0
+
+
 async def test_expired_reservations_are_found() -> None:
     h = Harness(load_tenancy(None))
     await h.submit(request("r1", timeout_s=10.0))

@@ -138,6 +138,11 @@ class Gateway:
             raise unavailable("could not queue the request on Kafka; retry") from None
         except BaseException:
             self._unsure(request, "the client left while it was being queued")
+            if client_id:
+                # Cancelled, and the copy has likely landed: a retry with the same id
+                # would get that copy's `cancelled` (replies go by id). Refused (409) for
+                # a while, as after any call that ended (found by an audit).
+                self.ended(request.request_id, client_id=True)
             raise
         return stream
 

@@ -43,7 +43,8 @@ dead-lettered on field ``request_id`` with no reply (one under that id would rea
 first request's listeners). An exception while deciding or
 while writing the decision to the tables (before anything was published for the request)
 sends an ``overloaded`` Error to the request's reply topic and re-raises (dead letter), so
-the client is never left waiting.
+the client is never left waiting; so does a send of the admitted request that the producer
+refuses (nothing was written), after undoing the reservation and the bucket's charge.
 """
 
 from __future__ import annotations
@@ -280,20 +281,41 @@ class IntakeHandler:
                 "topic; request ids must be unique: send it with a new one", now,
             ))
             return
+        prior = self._buckets.get(req.tenant)  # to undo an admission that never left
         try:
             decision = self._decide(req, policy, now, digest)
             self._record(req, decision)
         except Exception:
             # Nothing was published for it yet: this Error is its one terminal reply.
-            _count_refusal("overloaded")
-            await self._send(_fallback_target(req, self._topics.prefix), _error(
-                req.request_id, "overloaded",
-                "ingest failed to admit this request (an internal error, logged by ingest); "
-                "retry", now, retry_after_s=1.0,
-            ))
+            await self._overloaded(req, now)
             raise
         _annotate(span, decision)
-        await self._send(decision.topic, decision.message)
+        try:
+            await self._send(decision.topic, decision.message)
+        except Exception:
+            if decision.reservation is None:
+                raise  # a refusal's own reply: nothing was reserved
+            # The producer refused the admitted request (a send that raises was not
+            # taken: a full buffer in a broker stall). Dead-lettered and committed, the
+            # record would not come back: its client got no reply and its slot stayed
+            # held until expiry (found by an audit). Undone, and answered overloaded.
+            with contextlib.suppress(Exception):
+                del self._reservations[req.request_id]
+                if prior is None:
+                    self._buckets.pop(req.tenant, None)
+                else:
+                    self._buckets[req.tenant] = prior
+            await self._overloaded(req, now)
+            raise
+
+    async def _overloaded(self, req: InferenceRequest, now: float) -> None:
+        """The one terminal of a request ingest failed to admit (an internal error)."""
+        _count_refusal("overloaded")
+        await self._send(_fallback_target(req, self._topics.prefix), _error(
+            req.request_id, "overloaded",
+            "ingest failed to admit this request (an internal error, logged by ingest); "
+            "retry", now, retry_after_s=1.0,
+        ))
 
     def _owns(self, record: SourceRecord, tenant_key: bytes) -> bool:
         """Whether the record sits where its tenant's state is: keyed by the tenant, on the

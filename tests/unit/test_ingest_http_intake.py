@@ -547,3 +547,25 @@ async def test_a_reply_to_naming_no_running_ingest_instance_is_refused_not_creat
     h.now += 11.0  # a missing one is asked about again after a while (it may have started)
     await h.submit(request("cmpl-r5", reply_to="llmq.replies.ingest-forged1"))
     assert h.checked[-1] == "llmq.replies.ingest-forged1" and len(h.checked) == 3
+
+
+async def test_an_admission_the_producer_refuses_is_undone_and_answered() -> None:
+    """Found by an audit: the send of the admitted request raising (a full buffer in a
+    broker stall) dead-lettered the record with its reservation kept: no reply ever, and
+    the slot held until expiry. Undone now, and answered overloaded."""
+    h = Harness(load_tenancy(None))
+    await h.submit(request("r0"))  # another request of the tenant, in flight
+    before = dict(h.buckets["default"])
+    publish = h.handler._publish
+
+    async def refusing(topic: str, key: bytes, value: bytes, headers: Any = None) -> None:
+        if topic.startswith("llmq.requests."):
+            raise KafkaTimeoutError()
+        await publish(topic, key, value, headers)
+
+    h.handler._publish = refusing
+    with pytest.raises(KafkaTimeoutError):
+        await h.submit(request("r1"))
+    assert "r1" not in h.reservations and h.buckets["default"] == before
+    [refusal] = [e for e in h.replies() if e.request_id == "r1"]
+    assert refusal.code == "overloaded"

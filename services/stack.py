@@ -103,8 +103,8 @@ def config_problem(cfg: StackConfig, slots: int,
             return (option, f"{port} is one of the metrics ports {ports[0]}-{ports[-1]} "
                             "(--metrics-base-port and up): give another port")
     for port, whose in sorted((taken or {}).items()):
-        for option, mine in (("--http-port", range(cfg.http_port, cfg.http_port + 1)),
-                             ("--health-port", range(cfg.health_port, cfg.health_port + 1)),
+        for option, mine in (("--http-port", (cfg.http_port,)),
+                             ("--health-port", (cfg.health_port,)),
                              ("--metrics-base-port", ports)):
             if port in mine:
                 return option, f"{port} is {whose}: give another port"
@@ -197,8 +197,8 @@ class Stack:
 
     def _start(self, log_dir: Path | None) -> None:
         tty = sys.stdout.isatty()
+        inherited = {k: v for k, v in os.environ.items() if k not in _NAMED_BY_THE_STACK}
         for i, spec in enumerate(self.specs):
-            inherited = {k: v for k, v in os.environ.items() if k not in _NAMED_BY_THE_STACK}
             env = {**inherited, **self.env, **dict(spec.env), "PYTHONUNBUFFERED": "1"}
             if log_dir is not None:
                 log_dir.mkdir(parents=True, exist_ok=True)

@@ -231,6 +231,74 @@ def test_a_requeue_check_answered_after_leadership_moved_keeps_no_booking_on_the
     assert a.reserved_by_worker() == {"w0": 0, "w1": second.kv_tokens}
 
 
+# -- a new leader's takeover ------------------------------------------------------------------
+
+def _lost_on_w0(streamed: bool) -> tuple[SchedulerState, SchedulerState, Assignment]:
+    """Leader ``a`` placed q on w0, which then died; ``b`` (``takeover_s`` 15 s) read the
+    placement (and q's first token, when ``streamed``), and nothing of a's loss yet."""
+    a = ready_state(("w0", 0))
+    b = ready_state(("w0", 0), takeover_s=15.0)
+    a.on_request(admitted("q"), ("tp", 0), T)
+    ((_, first),) = assignments(a.tick(T).effects)
+    b.observe_assignment(first)
+    if streamed:
+        for state in (a, b):
+            state.observe_event(first_token(first))
+    for state in (a, b):
+        state.observe_heartbeat(beat("w1", 1, ts=T + 5))
+    return a, b, first
+
+
+def test_a_new_leader_does_not_requeue_a_loss_the_last_leader_requeued_before_it_read_that(
+) -> None:
+    # b began to lead before reading a's requeue of q (q#2 on w1): deciding from its log at
+    # once, it found q#1 on dead w0 still, requeued it and placed q a second time (found
+    # by the scheduler audit; a constructed run sent two queue_timeout replies).
+    a, b, _ = _lost_on_w0(streamed=False)
+    ((_, second),) = assignments(tick_and_release(a, T + 5).effects)
+    a.tick(T + 6, handle_losses=False)  # a rebalance: b leads now
+    b.observe_heartbeat(beat("w1", 1, ts=T + 6))
+    effects = tick_and_release(b, T + 6).effects  # q#2 not read yet
+    b.observe_assignment(second)  # read within the takeover
+    for at in (T + 10, T + 21, T + 22):
+        b.observe_heartbeat(beat("w1", 1, ts=at))
+        effects += tick_and_release(b, at).effects
+    assert assignments(effects) == [] and replies(effects) == []
+    assert len(b.pending) == b.tracked() == 0
+    assert b.reserved_by_worker() == {"w0": 0, "w1": second.kv_tokens}
+
+
+def test_a_new_leader_does_not_end_again_a_streamed_loss_the_last_leader_ended() -> None:
+    # The same with q streamed: a ended it worker_lost; b, deciding at once, sent a second.
+    a, b, _ = _lost_on_w0(streamed=True)
+    ending = tick_and_release(a, T + 5).effects
+    assert [r.code for r in replies(ending)] == ["worker_lost"]
+    a.tick(T + 6, handle_losses=False)
+    b.observe_heartbeat(beat("w1", 1, ts=T + 6))
+    effects = tick_and_release(b, T + 6).effects
+    for event, headers in read_events(ending):
+        b.observe_event(event, headers)
+    for at in (T + 10, T + 21, T + 22):
+        b.observe_heartbeat(beat("w1", 1, ts=at))
+        effects += tick_and_release(b, at).effects
+    assert replies(effects) == [] and read_events(effects) == []
+    assert b.reserved_by_worker() == {"w0": 0, "w1": 0}
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["requeued", "ended worker_lost"])
+def test_a_new_leader_decides_a_loss_nobody_decided_once_it_has_led_takeover_s(
+        streamed: bool) -> None:
+    _, b, first = _lost_on_w0(streamed)  # a stopped before deciding anything
+    decided = {}
+    for offset in (6.0, 10.0, 20.5, 21.0, 22.0):  # leading from T + 6
+        b.observe_heartbeat(beat("w1", 1, ts=T + offset))
+        effects = tick_and_release(b, T + offset).effects
+        decided[offset] = ([(r.code, r.attempt) for r in replies(effects)]
+                           + [(a.worker_id, a.attempt) for _, a in assignments(effects)])
+    loss = [("worker_lost", first.attempt)] if streamed else [("w1", first.attempt + 1)]
+    assert decided == {6.0: [], 10.0: [], 20.5: [], 21.0: loss, 22.0: []}
+
+
 # -- a cancelled hand-off whose prefill worker goes ---------------------------------------
 
 @pytest.mark.parametrize("mixed_free", [True, False], ids=["mixed worker free", "all full"])

@@ -38,6 +38,10 @@ SCHED = "sched-1"
 
 
 def new_state(**config: Any) -> SchedulerState:
+    """A state whose first leading cycle may decide losses and hand-offs at once
+    (``takeover_s`` 0 unless given: it has led for long; the takeover has tests of its
+    own in ``test_scheduler_runtime_once``)."""
+    config.setdefault("takeover_s", 0.0)
     cfg = RuntimeConfig(scheduler_id=SCHED, assignments_topic="p.assignments",
                         events_topic="p.events", status_topic="p.status", **config)
     return SchedulerState(cfg, QueueConfig(), build_pipeline(DEFAULT_PROFILE), random.Random(1))

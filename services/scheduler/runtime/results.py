@@ -132,10 +132,10 @@ class RuntimeConfig:
     #: another replica's placement in this one's turn when it is read back.
     turn_slot_s: float = 0.5
     turn_guard_s: float = 0.05
-    #: A replica that begins to lead waits this long before it places hand-offs, so that
-    #: it reads the decode stages the previous leader placed first (hand-offs, unlike
-    #: requeues, wait for no reply-topic check): past the previous leader's send timeout
-    #: (10 s), which may still deliver a placement it made.
+    #: A replica that begins to lead waits this long before it decides worker losses and
+    #: places hand-offs, so that it reads first the requeues, endings and decode stages
+    #: the previous leader sent: past the previous leader's send timeout (10 s), which may
+    #: still deliver a decision it made.
     takeover_s: float = 15.0
     #: How long a prefill worker's KV connector keeps an unread prompt's KV (None: as long
     #: as the worker lives). A decode stage still queued this long after its hand-off would

@@ -523,7 +523,9 @@ class SchedulerState:
         ``handle_losses``: this replica acts on lost workers. Every replica reads every
         assignment, so every one would requeue or fail the same lost work: only one (the
         app's leader) may. The others learn the outcome from what it produces (the next
-        attempt's assignment or the terminal event), which releases their bookings.
+        attempt's assignment or the terminal event), which releases their bookings. It
+        decides losses and hand-offs once it has led for ``takeover_s``: its log then has
+        what the previous leader decided last.
 
         ``log_read_at``: every assignment written before this wall time has been read
         (:attr:`Snapshot.log_read_at`; one of several replicas places on a worker in its
@@ -544,19 +546,21 @@ class SchedulerState:
         if handle_losses and not self.leading:
             self._leading_since = now
         self.leading = handle_losses
-        if handle_losses and now - self._leading_since >= self.config.takeover_s:
+        taken_over = handle_losses and now - self._leading_since >= self.config.takeover_s
+        if taken_over:
             effects.extend(self._adopt_handoffs(now))
         lost = [w for w in self.log.workers() if not self.fleet.may_be_alive(w, now)] \
-            if handle_losses else []
+            if taken_over else []
         held: list[HeldRequeue] = []
         for worker_id in lost:
             held.extend(self._lose_worker(worker_id, now, effects))
         restarted: list[str] = []
         leases: list[tuple[str, bool]] = []
-        if handle_losses:
+        if taken_over:
             for worker_id, records in self._replaced_work():
                 held.extend(self._lose_worker(worker_id, now, effects, records))
                 restarted.append(worker_id)
+        if handle_losses:
             leases = self._answer_renewals(now, effects)
         else:
             self._renewals.clear()  # the leader answers; a worker asks on every beat

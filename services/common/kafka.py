@@ -304,6 +304,9 @@ async def ensure_topics(
                 # Another process created some of them between list and create: fine.
                 log.debug("topics created concurrently: %s", [t.name for t in missing])
         await asyncio.wait_for(_until_led(admin, [t.name for t in wanted]), timeout_s)
+        if missing:
+            await asyncio.wait_for(
+                _until_served(bootstrap, admin, [t.name for t in missing]), timeout_s)
         found = [t for t in wanted if t not in missing]
         if found:
             described = await asyncio.wait_for(
@@ -376,6 +379,23 @@ def _raise_topic_errors(response: Any) -> None:
         if code not in (0, TopicAlreadyExistsError.errno) and not error.retriable:
             detail = entry[2] if len(entry) > 2 and entry[2] else "refused"
             raise error(f"creating topic {name!r}: {detail}")
+
+
+async def _until_served(bootstrap: str, admin: AIOKafkaAdminClient, names: list[str]) -> None:
+    """Wait until the leader of every partition of topics ``names`` (led: ``_until_led``)
+    answers for it. The broker names a new partition's leader in its metadata a moment
+    before that leader serves it: services started then logged aiokafka's
+    ``NotLeaderForPartitionError`` (as an error, retried) for their first offset lookups.
+    aiokafka's ``end_offsets`` retries it quietly."""
+    described = await admin.describe_topics(names)
+    tps = [TopicPartition(d["topic"], p["partition"]) for d in described
+           for p in d["partitions"]]
+    consumer = make_consumer(bootstrap)
+    await consumer.start()
+    try:
+        await consumer.end_offsets(tps)
+    finally:
+        await consumer.stop()
 
 
 async def _until_led(admin: AIOKafkaAdminClient, names: list[str]) -> None:

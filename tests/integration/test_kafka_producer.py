@@ -20,6 +20,7 @@ from services.common.kafka import (
     TopicRequest,
     ensure_topics,
     fetch_forever,
+    make_consumer,
     make_producer,
 )
 from tests.fakes.sender_fault.sitecustomize import out_of_order
@@ -102,6 +103,28 @@ async def test_topics_get_the_replication_factor_asked_for(
     with pytest.raises(InvalidReplicationFactorError):
         await ensure_topics(bootstrap, [TopicRequest(f"{topic_prefix}.two", 1)],
                             replication_factor=2)
+
+
+async def test_topics_just_made_are_served_before_ensure_topics_returns(
+    bootstrap: str, topic_prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Their leaders were named before they served them: every service `make up` started
+    # logged aiokafka's "Failed fetch offsets ... NotLeaderForPartitionError" errors for
+    # its first offset lookups.
+    names = [f"{topic_prefix}.fresh-{i}" for i in range(12)]
+    await ensure_topics(bootstrap, [TopicRequest(name, 4) for name in names])
+    caplog.set_level(logging.ERROR, logger="aiokafka")
+    consumer = make_consumer(bootstrap, *names, group_id=f"{topic_prefix}.fresh")
+    await consumer.start()
+    try:
+        async with asyncio.timeout(30):
+            while len(consumer.assignment()) < 4 * len(names):
+                await consumer.getmany(timeout_ms=100)
+            for tp in consumer.assignment():
+                await consumer.position(tp)  # its offset looked up, as a service's first
+    finally:
+        await consumer.stop()
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
 async def test_a_topic_with_fewer_replicas_than_asked_for_is_warned_of(

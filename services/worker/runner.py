@@ -543,13 +543,15 @@ class RequestRun:
             _log.exception("request %s: could not send its terminal", self.engine_id)
             self._span.set_attribute(tracing.LLMQ_OUTCOME, "unsent")
             with contextlib.suppress(Exception):
+                if self._may_send is not None and not await self._may_send():
+                    # Fenced after all: the scheduler holds its own ending or requeue of
+                    # the attempt, which an event signed by this worker would cancel.
+                    return Outcome("superseded", self._tokens, acked=True)
                 why = f"its terminal could not be sent: {type(exc).__name__}"
                 records = [_Sent(self.cfg.events_topic, self._event(
                     EventFailed, code="worker_lost", message=why))]
-                # The client's one terminal, if the producer took none yet and the lease
-                # still allows a reply (only the terminal event goes without asking).
-                replied = self._reply is not None and self._reply.future is not None
-                if not replied and (self._may_send is None or await self._may_send()):
+                # The client's one terminal, unless a reply is acknowledged or on its way.
+                if self._reply is None or self._reply.lost:
                     records.insert(0, _Sent(self.assignment.admitted.reply_topic,
                                             self._error("worker_lost", why, self._clock())))
                 await self._until_acked(records, ask_first=False,

@@ -540,9 +540,12 @@ async def test_a_terminal_that_cannot_be_built_still_answers_the_client(
     assert producer.terminals() == [("error", "worker_lost"), ("event.failed", "worker_lost")]
 
 
-async def test_the_last_resort_reply_asks_the_lease_first() -> None:
+async def test_the_last_resort_asks_the_lease_first_and_sends_nothing_when_fenced() -> None:
     """A review of the last resort: its Error went out without asking may_send, after the
-    lease was refused (the scheduler has placed or ended the request elsewhere by then)."""
+    lease was refused (the scheduler has placed or ended the request elsewhere by then).
+    Its event.failed, signed by this worker, went out still: read by the scheduler, it
+    cancelled the requeue or worker_lost ending the scheduler held for the attempt, and
+    the client got no terminal at all (found by a review)."""
     producer, lease = _Producer(), {"ok": True}
 
     async def may_send() -> bool:
@@ -556,8 +559,30 @@ async def test_the_last_resort_reply_asks_the_lease_first() -> None:
         raise RuntimeError("bug")
 
     run._answer = broken  # type: ignore[method-assign]
-    await asyncio.wait_for(run.run(), 10.0)
-    assert producer.terminals() == [("event.failed", "worker_lost")]  # no reply
+    outcome = await asyncio.wait_for(run.run(), 10.0)
+    assert producer.terminals() == []  # the scheduler's to end: fenced
+    assert (outcome.kind, outcome.acked) == ("superseded", True)
+
+
+async def test_a_reply_whose_delivery_failed_is_replaced_by_the_last_resorts() -> None:
+    """A review: a reply the producer took whose delivery then failed counted as sent, so
+    when its resend raised (not a Kafka error), the client got no reply."""
+
+    class Refusing(_Producer):
+        async def send(self, topic: str, value: bytes, *, key: Any,
+                       headers: Any = None) -> Any:
+            if json.loads(value)["kind"] == "done":
+                self.dones = getattr(self, "dones", 0) + 1
+                if self.dones == 1:  # taken, then its delivery fails
+                    failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+                    failed.set_exception(KafkaTimeoutError())
+                    return failed
+                raise RuntimeError("a client bug on the resend")
+            return await super().send(topic, value, key=key, headers=headers)
+
+    producer = Refusing()
+    await _run(_FineEngine(0), producer)
+    assert producer.terminals() == [("error", "worker_lost"), ("event.failed", "worker_lost")]
 
 
 async def test_a_reply_the_producer_never_took_is_replaced_by_the_last_resorts() -> None:

@@ -209,6 +209,7 @@ class Scheduler:
                 turn_guard_s=cfg.turn_guard_s,
                 heartbeat_staleness=cfg.heartbeat_staleness,
                 handoff_ttl_s=cfg.handoff_ttl_s,
+                takeover_s=cfg.takeover_s,
                 drain_window_s=cfg.drain_window_s,
                 cancel_memory_s=cfg.cancel_memory_s,
                 finished_memory_s=cfg.finished_memory_s,

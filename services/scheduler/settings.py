@@ -151,6 +151,13 @@ class SchedulerSettings(BaseSettings):
         "broker refuses it for good (the topic cannot be made, a record too large); its "
         "terminal event still goes. One tenant's reply topic never holds back the rest.",
     )
+    takeover_s: float = Field(
+        default=15.0, ge=0.0, le=3600.0,
+        description="A replica that begins to lead (a rebalance, a start) decides worker "
+        "losses and hand-offs, and grants lease renewals, only after leading this long, so "
+        "that its log has what the previous leader sent last: keep it above "
+        "send_timeout_s.",
+    )
     catchup_timeout_s: float = Field(
         default=120.0, gt=0.0, le=3600.0,
         description="Start fails if heartbeats, assignments and events cannot be read up to "

@@ -718,12 +718,14 @@ async def test_the_scheduler_renews_a_lapsed_lease_only_while_the_work_is_the_wo
 ) -> None:
     """A worker whose lease lapsed asks with a renewing heartbeat. Before the scheduler
     declared it dead, the answer on llmq.control is granted (and its work stays put); once
-    its heartbeat went stale and its work was requeued, the same incarnation is refused."""
-    await cluster.start()
+    its heartbeat went stale and its work was requeued, the same incarnation is refused.
+    (A scheduler refuses every renewal for takeover_s after it begins to lead: 1 s here.)"""
+    await cluster.start(LLMQ_SCHEDULER_TAKEOVER_S="1")
     a = await cluster.worker("fake-a", 0)
     await cluster.admit("r1")
     obs = cluster.observer
     await eventually(lambda: bool(obs.assigned("r1")), what="r1 on a")
+    await asyncio.sleep(1.5)  # it led before it placed r1
     await a.beat(renew=True)
     await eventually(lambda: bool(obs.leases), what="an answer")
     (granted,) = obs.leases

@@ -41,6 +41,7 @@ from tests.unit.test_scheduler_runtime_state import (
     cancel,
     done,
     events,
+    lease_answers,
     new_state,
     ready_state,
     replies,
@@ -297,6 +298,29 @@ def test_a_new_leader_decides_a_loss_nobody_decided_once_it_has_led_takeover_s(
                            + [(a.worker_id, a.attempt) for _, a in assignments(effects)])
     loss = [("worker_lost", first.attempt)] if streamed else [("w1", first.attempt + 1)]
     assert decided == {6.0: [], 10.0: [], 20.5: [], 21.0: loss, 22.0: []}
+
+
+def test_a_new_leader_refuses_leases_until_it_has_led_takeover_s() -> None:
+    # a declared w0 dead and requeued r1 on w1; b led before reading that, and granted w0's
+    # renewal (w0 not among its lost incarnations): attempt 1 ran on under a valid lease
+    # beside attempt 2 (found by a review).
+    a = ready_state(("w0", 0), control_topic="p.control")
+    b = ready_state(("w0", 0), control_topic="p.control", takeover_s=15.0)
+    a.on_request(admitted("r1"), ("tp", 0), T)
+    ((_, first),) = assignments(a.tick(T).effects)
+    b.observe_assignment(first)
+    for state in (a, b):
+        state.observe_heartbeat(beat("w1", 1, ts=T + 3.5))
+    assert len(assignments(tick_and_release(a, T + 3.6).effects)) == 1  # r1#2 on w1
+    a.tick(T + 3.7, handle_losses=False)  # a rebalance: b leads, a's requeue not read yet
+    b.tick(T + 3.8)
+    b.observe_heartbeat(beat("w0", 0, ts=T + 4.0, seq=9, renew=True))
+    (answer,) = lease_answers(b.tick(T + 4.0).effects)
+    assert not answer.granted and "takeover_s (15 s)" in answer.reason
+    # Past the takeover a renewal is answered as before: granted to a worker never lost.
+    b.observe_heartbeat(beat("w1", 1, ts=T + 19.0, seq=30, renew=True))
+    (answer,) = lease_answers(b.tick(T + 19.0).effects)
+    assert (answer.worker_id, answer.granted) == ("w1", True)
 
 
 # -- a cancelled hand-off whose prefill worker goes ---------------------------------------

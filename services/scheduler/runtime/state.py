@@ -561,7 +561,7 @@ class SchedulerState:
                 held.extend(self._lose_worker(worker_id, now, effects, records))
                 restarted.append(worker_id)
         if handle_losses:
-            leases = self._answer_renewals(now, effects)
+            leases = self._answer_renewals(now, effects, taken_over)
         else:
             self._renewals.clear()  # the leader answers; a worker asks on every beat
         snapshot = self.fleet.snapshot(now, log_read_at)
@@ -677,19 +677,27 @@ class SchedulerState:
         tracked.queued, tracked.kv_transfer = whole, None
         self.ledger.release(prefill.request_id, prefill.attempt)  # the KV it held is gone
 
-    def _answer_renewals(self, now: float, effects: list[Effect]) -> list[tuple[str, bool]]:
+    def _answer_renewals(self, now: float, effects: list[Effect],
+                         taken_over: bool) -> list[tuple[str, bool]]:
         """Answer each worker that asked to renew its lapsed lease (a heartbeat with
         ``renew``; ``services.worker.core.lease``) as the core's :func:`lease_refusal`
         decides. Losses were decided just before, from the same fleet view; "lost" counts
         a stale heartbeat here, or, read from the log (whichever replica led then), a requeue
         or an ending that the attempt's worker did not send (:meth:`_note_ending`). A
         granted worker is alive (its asking heartbeat is fresh), so no later cycle declares
-        it lost for the gap."""
+        it lost for the gap. Before ``taken_over`` (``takeover_s`` of leading) the log may
+        not show yet that the previous leader declared the incarnation dead: refused (the
+        worker carries on as a new incarnation, and what the old one held is decided as a
+        restart's loss once taken over)."""
         answered: list[tuple[str, bool]] = []
         for worker_id, hb in self._renewals.items():
             current = self.fleet.get(worker_id)
             reason = lease_refusal(hb.started_at, self._lost_incarnations.get(worker_id, ()),
-                                   None if current is None else current.started_at)
+                                   None if current is None else current.started_at) \
+                if taken_over else (
+                    f"this scheduler began to lead less than takeover_s "
+                    f"({self.config.takeover_s:g} s) ago: the previous leader may have "
+                    "declared this incarnation dead")
             answer = LeaseAnswer(worker_id=worker_id, started_at=hb.started_at, seq=hb.seq,
                                  granted=not reason, reason=reason,
                                  issued_by=self.config.scheduler_id, issued_at=now)

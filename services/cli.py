@@ -594,9 +594,19 @@ def _up(ctx: click.Context, settings: Settings, detach: bool, cfg: StackConfig,
                + (f" ; {cfg.schedulers} scheduler replicas" if cfg.schedulers > 1 else ""))
     if detach:
         stack.start(log_dir=stack_dir(settings))
-        path = write_services_file(settings, stack)
-        time.sleep(_DETACH_SETTLE_S)  # a child that fails at once (a port taken, a bad setting)
-        dead = stack.failed()
+        path = stack_dir(settings) / "services.json"
+        try:
+            path = write_services_file(settings, stack)
+            time.sleep(_DETACH_SETTLE_S)  # a child that fails at once (a port taken, ...)
+            dead = stack.failed()
+        except BaseException:
+            # A stop signal, or services.json not written, before the stack is handed to
+            # `llmq down`: its children go, as the broker and Jaeger will (the caller).
+            for sig in _STOP_SIGNALS:
+                signal.signal(sig, signal.SIG_IGN)  # the caller puts them back
+            stack.stop(grace_s=10.0)
+            path.unlink(missing_ok=True)
+            raise
         if dead:
             stack.stop(grace_s=10.0)
             path.unlink(missing_ok=True)

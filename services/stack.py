@@ -154,7 +154,7 @@ def stack_services(cfg: StackConfig) -> list[ServiceSpec]:
                 ServiceSpec(
                     f"worker-{slot}",
                     (py, "-m", "services.worker", "--slot", str(slot), "--pool", pool,
-                     *(("--role", role) if role != "mixed" else ()),
+                     "--role", role,  # said even for mixed: LLMQ_WORKER_ROLE may be set
                      "--engine", "sim", "--profile", cfg.profile, "--model", cfg.model,
                      "--time-scale", str(cfg.time_scale)),
                     (("LLMQ_METRICS_PORT", str(next(port))),),
@@ -165,8 +165,11 @@ def stack_services(cfg: StackConfig) -> list[ServiceSpec]:
 
 
 #: Settings the stack gives each child itself, not inherited from the caller's environment:
-#: one worker id for every worker (LLMQ_WORKER_WORKER_ID) would make them one worker.
-_NAMED_BY_THE_STACK: Final = frozenset({"LLMQ_WORKER_WORKER_ID"})
+#: one worker id for every worker (LLMQ_WORKER_WORKER_ID) would make them one worker, and a
+#: fixed count of scheduler replicas and index would give every replica one turn (the
+#: stack's replicas take theirs from the consumer group).
+_NAMED_BY_THE_STACK: Final = frozenset({
+    "LLMQ_WORKER_WORKER_ID", "LLMQ_SCHEDULER_REPLICAS", "LLMQ_SCHEDULER_REPLICA_INDEX"})
 
 
 def _pump(name: str, colour: str, stream: IO[bytes], out: IO[str], tty: bool) -> None:
@@ -451,15 +454,15 @@ def stop_detached(settings: Settings, grace_s: float = 20.0) -> list[str]:
     alive = {s.name: s for s in read_services_file(path) if _is_ours(s)}
     # As Stack.stop: the workers drain first, then the services that stream their answers.
     for names in stop_stages([(s.name, s.argv) for s in alive.values()]):
-        stage = [alive[n].pid for n in names]
-        for pid in stage:
-            process.send(pid, signal.SIGTERM)
+        stage = [alive[n] for n in names]
+        for service in stage:
+            process.send(service.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        while any(process.alive(pid) for pid in stage) and time.monotonic() < deadline:
+        while any(process.alive(s.pid) for s in stage) and time.monotonic() < deadline:
             time.sleep(0.1)
-        for pid in stage:
-            if process.alive(pid):
-                process.send(pid, signal.SIGKILL)
+        for service in stage:
+            if process.alive(service.pid) and _is_ours(service):  # not a pid reused since
+                process.send(service.pid, signal.SIGKILL)
     path.unlink(missing_ok=True)
     return list(alive)
 

@@ -125,3 +125,27 @@ def test_llmq_down_leaves_a_process_that_only_has_the_same_command(
     assert stop_detached(home, grace_s=1.0) == [] and child.poll() is None  # left alone
     _write(home, {"ingest": {"pid": child.pid, "argv": _SLEEPER, "started": started}})
     assert running_services(home) == ["ingest"]
+
+
+def test_a_pid_reused_during_the_grace_is_not_killed(
+    home: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review: identity was checked once, before the SIGTERM; the SIGKILL after
+    the grace went to whatever held the pid then (here: the same pid, no longer ours)."""
+    import services.stack as stack
+
+    stubborn = [sys.executable, "-c",
+                "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                "print('ready', flush=True); time.sleep(60)"]
+    proc = subprocess.Popen(stubborn, start_new_session=True, stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
+        _write(home, {"ingest": {"pid": proc.pid, "argv": stubborn}})
+        checks = iter([True])  # ours when chosen; another process's by the end of the grace
+        monkeypatch.setattr(stack, "_is_ours", lambda service: next(checks, False))
+        assert stop_detached(home, grace_s=0.3) == ["ingest"]
+        assert proc.poll() is None  # not killed
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()  # type: ignore[union-attr]

@@ -19,6 +19,7 @@ from click.testing import CliRunner
 
 import services.cli as cli
 from services.common.settings import Settings
+from services.dev import process
 from services.dev.jaeger import Jaeger, JaegerStatus
 from services.dev.kafka_broker import BrokerStatus, KafkaBroker
 from services.stack import stack_dir
@@ -116,28 +117,89 @@ def test_a_detached_start_that_fails_stops_the_broker_it_started(
     assert calls == ["kafka up", "kafka down"]
 
 
+@pytest.mark.parametrize("cut", ["sigterm", "services.json unwritable"])
+def test_a_detached_start_cut_short_after_its_children_started_stops_them(
+    calls: list[str], home: Path, monkeypatch: pytest.MonkeyPatch, cut: str,
+) -> None:
+    """Found by a review: a SIGTERM while a detached start waited to see its children
+    settle (a closed terminal, `timeout make up`), or services.json failing to be written,
+    stopped the broker and left the children running, without a broker (and, in the
+    second case, unknown to `llmq down`)."""
+    import services.stack as stack
+
+    async def no_topics(settings: Settings) -> list[str]:
+        return []
+
+    started: list[int] = []
+    real_start = stack.Stack.start
+
+    def start(self: stack.Stack, log_dir: Path | None = None) -> None:
+        real_start(self, log_dir)
+        started.extend(p.pid for _, p in self.procs)
+
+    monkeypatch.setattr(stack.Stack, "start", start)
+    monkeypatch.setattr(cli, "create_catalog_topics", no_topics)
+    monkeypatch.setattr(stack, "stack_services", lambda cfg: [
+        stack.ServiceSpec("scheduler", (sys.executable, "-c", "import time; time.sleep(60)"))])
+    if cut == "sigterm":
+        monkeypatch.setattr(cli, "_DETACH_SETTLE_S", 30.0)
+        real_sleep = time.sleep
+
+        def sleep(seconds: float) -> None:
+            if seconds == 30.0:
+                os.kill(os.getpid(), signal.SIGTERM)
+            real_sleep(0.05)
+
+        monkeypatch.setattr(cli.time, "sleep", sleep)
+    else:
+        def unwritable(*args: object) -> Path:
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(stack, "write_services_file", unwritable)
+    result = CliRunner().invoke(cli.main, ["up", "--detach"])
+    assert result.exit_code != 0
+    assert calls == ["kafka up", "kafka down"]
+    (pid,) = started
+    left = process.alive(pid)
+    if left:
+        os.kill(pid, signal.SIGKILL)  # not left behind by a failing run
+    assert not left  # stopped (and reaped) before the command ended
+    assert not (stack_dir(Settings(home=home)) / "services.json").exists()
+
+
 def test_the_childrens_environment_does_not_override_what_the_stack_gives_them(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
 ) -> None:
     """LLMQ_INGEST_HTTP_PORT in the caller's environment won over --http-port (ingest reads
-    it first), and LLMQ_WORKER_WORKER_ID gave every worker one id."""
+    it first), and LLMQ_WORKER_WORKER_ID gave every worker one id. Found by a review since:
+    LLMQ_WORKER_ROLE made every mixed worker (given no --role) a prefill worker, and
+    LLMQ_SCHEDULER_REPLICAS / _REPLICA_INDEX gave every replica the same turn."""
     import services.stack as stack
 
     monkeypatch.setenv("LLMQ_INGEST_HTTP_PORT", "8081")
     monkeypatch.setenv("LLMQ_WORKER_WORKER_ID", "w-same")
+    monkeypatch.setenv("LLMQ_WORKER_ROLE", "prefill")
+    monkeypatch.setenv("LLMQ_SCHEDULER_REPLICAS", "1")
+    monkeypatch.setenv("LLMQ_SCHEDULER_REPLICA_INDEX", "0")
     seen: dict[str, dict[str, str]] = {}
+    argvs: dict[str, list[str]] = {}
 
     class Recorded:
         def __init__(self, argv: Any, env: dict[str, str], **kwargs: Any) -> None:
             seen[argv[2]] = env
+            argvs[argv[2]] = list(argv)
             self.stdout = None
 
         def poll(self) -> int:
             return 0
 
     monkeypatch.setattr(stack.subprocess, "Popen", Recorded)
-    specs = stack.stack_services(stack.StackConfig(http_port=8080))
-    stack.Stack([s for s in specs if s.name in ("ingest", "worker-0")], {}).start(
-        log_dir=tmp_path)
+    specs = stack.stack_services(stack.StackConfig(http_port=8080, schedulers=2))
+    stack.Stack([s for s in specs if s.name in ("ingest", "worker-0", "scheduler-2")],
+                {}).start(log_dir=tmp_path)
     assert seen["services.ingest"]["LLMQ_INGEST_HTTP_PORT"] == "8080"
     assert "LLMQ_WORKER_WORKER_ID" not in seen["services.worker"]
+    worker = argvs["services.worker"]
+    assert worker[worker.index("--role") + 1] == "mixed"  # an option wins over the env
+    assert not {"LLMQ_SCHEDULER_REPLICAS", "LLMQ_SCHEDULER_REPLICA_INDEX"} \
+        & set(seen["services.scheduler"])

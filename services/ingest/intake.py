@@ -440,10 +440,16 @@ class IntakeHandler:
         reserved = int(reservation["reserved"])
         used = reserved if rec.used_tokens is None else rec.used_tokens
         state = settle(self._state(tenant, policy, now), policy, reserved, used, now)
-        # The bucket first, then the reservation goes: a failure between leaves it for the
-        # redelivered settle record (or expiry) to settle, not the slot held for good.
-        self._buckets[tenant] = state.to_dict()
+        # The reservation goes first and comes back if the bucket's write fails, so a
+        # failed write leaves both as they were, for expiry to settle once (the guard
+        # dead-letters this record: it is not redelivered). Crediting the bucket first, a
+        # failure between left the reservation for expiry to credit a second time.
         del self._reservations[rec.request_id]
+        try:
+            self._buckets[tenant] = state.to_dict()
+        except BaseException:
+            self._reservations[rec.request_id] = reservation
+            raise
 
     async def on_event(self, record: SourceRecord) -> None:
         """Forward a terminal lifecycle event as a settle record keyed by tenant."""

@@ -450,22 +450,45 @@ async def test_a_failed_table_write_leaves_the_tenant_nothing_held() -> None:
     assert "r1" not in h.reservations and "default" not in buckets  # nor reserved
 
 
-async def test_a_settle_that_fails_half_way_is_settled_by_its_redelivery() -> None:
-    """Found by an audit: the reservation was popped before the bucket was credited; a
-    failure between left in_flight charged for good (the redelivered settle found
-    nothing)."""
+class ReservationsFailOnce(dict[str, Any]):
+    """A reservations table whose next delete fails once."""
+
+    fail = False
+
+    def __delitem__(self, key: str) -> None:
+        if self.fail:
+            self.fail = False
+            raise RuntimeError("changelog write failed")
+        super().__delitem__(key)
+
+
+@pytest.mark.parametrize("failing", ["the bucket's write", "the reservation's delete"])
+async def test_a_settle_whose_table_write_fails_is_settled_once_at_expiry(failing: str) -> None:
+    """Found by audits. The reservation popped before the bucket was credited: a failure
+    between left in_flight charged for good. Then the bucket credited first: a failure
+    between left the reservation, and its expiry (the failed settle record is dead-lettered,
+    never redelivered) credited the bucket a second time, one slot more than the tenant's
+    concurrency for good."""
     h = Harness(load_tenancy(None))
     buckets = h.handler._buckets = BucketsFailOnce()
-    await h.submit(request("r1"))
+    reservations = h.handler._reservations = h.reservations = ReservationsFailOnce()
+    await h.submit(request("r1", timeout_s=10.0))
+    await h.submit(request("r2", timeout_s=600.0))
+    assert TenantState.from_dict(buckets["default"]).in_flight == 2
     settle = SettleRecord(tenant="default", request_id="r1", used_tokens=12, reason="done",
                           ts=NOW)
-    buckets.fail = True
+    if failing == "the bucket's write":
+        buckets.fail = True
+    else:
+        reservations.fail = True
     with pytest.raises(RuntimeError):
         await h.handler.on_settle(Record(encode(settle), b"default", TOPICS.settle))
-    assert "r1" in h.reservations  # still there for the redelivery
-    await h.handler.on_settle(Record(encode(settle), b"default", TOPICS.settle))
-    assert "r1" not in h.reservations
-    assert TenantState.from_dict(buckets["default"]).in_flight == 0
+    assert "r1" in reservations
+    assert TenantState.from_dict(buckets["default"]).in_flight == 2  # as before
+    (expired,) = h.handler.expired(NOW + 41)
+    await h.handler.on_settle(Record(encode(expired), b"default", TOPICS.settle))
+    assert sorted(reservations) == ["r2"]
+    assert TenantState.from_dict(buckets["default"]).in_flight == 1  # r2's
 
 
 async def test_expired_reservations_are_found() -> None:

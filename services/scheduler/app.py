@@ -257,6 +257,9 @@ class Scheduler:
         self._main_task: asyncio.Task[None] | None = None
         self._turns_task: asyncio.Task[None] | None = None
         self._turns_read: asyncio.Future[None] | None = None  # started at the last rebalance
+        # Reads of the turns overlap (one per rebalance, one every _TURNS_EVERY_S): each is
+        # numbered as it starts, and one started before the last applied is not applied.
+        self._turns_reads = self._turns_read_applied = 0
         # Set, or from the group at the first rebalance (alone until then, and not warning
         # of others' placements for a moment: they may be replicas it has not read yet).
         static = cfg.static_turns()
@@ -619,6 +622,8 @@ class Scheduler:
         cfg = self.rt.scheduler
         if cfg.static_turns() is not None:
             return
+        self._turns_reads += 1
+        read = self._turns_reads
         admin = AIOKafkaAdminClient(bootstrap_servers=self.rt.settings.bootstrap,
                                     request_timeout_ms=5_000)
         try:
@@ -636,6 +641,9 @@ class Scheduler:
             _log.error("scheduler: replicas %s share a scheduler id: they take the same turns "
                        "and can overcommit workers; give each its own "
                        "LLMQ_SCHEDULER_SCHEDULER_ID", shared(ids))
+        if read < self._turns_read_applied:
+            return  # a read started later (a newer rebalance's) answered first: it stands
+        self._turns_read_applied = read
         turns = turns_of(ids, self.state.config.scheduler_id)
         if turns is None or turns == self.state.turns:
             return

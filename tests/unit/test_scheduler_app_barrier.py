@@ -29,8 +29,8 @@ T = 1_700_000_000.0
 def _scheduler(barrier: Callable[[set[str], float], Awaitable[bool]],
                **options: Any) -> Scheduler:
     settings = Settings()
-    rt = SchedulerRuntime(settings, SchedulerSettings(catchup_timeout_s=2.0, replicas=1,
-                                                      **options),
+    rt = SchedulerRuntime(settings, SchedulerSettings(**{"catchup_timeout_s": 2.0,
+                                                         "replicas": 1, **options}),
                           SchedulerTopics.of(settings.topic_prefix), clock=lambda: T)
     scheduler = Scheduler(rt, SimpleNamespace())  # type: ignore[arg-type]
     scheduler.reader.barrier = barrier  # type: ignore[method-assign]
@@ -163,3 +163,38 @@ async def test_a_stop_is_bounded_and_names_a_task_that_ignores_its_cancel(
     assert "scheduler-dispatch" in warning and "in deaf" in warning
     assert any("stopped in" in r.getMessage() for r in caplog.records)
     scheduler._main_task.get_coro().close()  # type: ignore[union-attr]
+
+
+async def test_an_older_read_of_the_turns_answering_last_is_not_applied(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each rebalance starts a read of the group's members, and the one before is not
+    cancelled: the read of the first rebalance (this replica alone) answering after the
+    read of the second (two replicas) set the turns back to alone until the next read,
+    30 s later, while the other replica placed in turns."""
+    import services.scheduler.app as app
+
+    class Admin:
+        def __init__(self, **kwargs: Any) -> None: ...
+        async def start(self) -> None: ...
+        async def close(self) -> None: ...
+
+    answers = [asyncio.get_running_loop().create_future() for _ in range(2)]
+    asked = iter(answers)
+
+    async def members(admin: Any, group: str, timeout_s: float) -> list[Any]:
+        return list(await next(asked))
+
+    monkeypatch.setattr(app, "AIOKafkaAdminClient", Admin)
+    monkeypatch.setattr(app, "group_members", members)
+    scheduler = _scheduler(lambda topics, timeout_s: asyncio.sleep(0, True), replicas=None,
+                           scheduler_id="scheduler-a")
+    first = asyncio.ensure_future(scheduler._read_turns())
+    second = asyncio.ensure_future(scheduler._read_turns())
+    await asyncio.sleep(0)
+    answers[1].set_result([SimpleNamespace(client_id=c) for c in ("scheduler-a", "scheduler-b")])
+    await second
+    assert scheduler.state.turns == (2, 0)
+    answers[0].set_result([SimpleNamespace(client_id="scheduler-a")])
+    await first
+    assert scheduler.state.turns == (2, 0)

@@ -260,6 +260,7 @@ class Scheduler:
         # Reads of the turns overlap (one per rebalance, one every _TURNS_EVERY_S): each is
         # numbered as it starts, and one started before the last applied is not applied.
         self._turns_reads = self._turns_read_applied = 0
+        self._led_until_revoked = False  # held faust's leader partition until the revoke
         # Set, or from the group at the first rebalance (alone until then, and not warning
         # of others' placements for a moment: they may be replicas it has not read yet).
         static = cfg.static_turns()
@@ -275,6 +276,12 @@ class Scheduler:
     # -- lifecycle --------------------------------------------------------------------
 
     async def start(self) -> None:
+        cfg = self.rt.scheduler
+        if cfg.takeover_s <= cfg.send_timeout_s:
+            _log.warning("scheduler: LLMQ_SCHEDULER_TAKEOVER_S (%g s) is not above "
+                         "LLMQ_SCHEDULER_SEND_TIMEOUT_S (%g s): a new leader may decide a loss "
+                         "again while the previous leader's decision is still being sent",
+                         cfg.takeover_s, cfg.send_timeout_s)
         self._producer = make_producer(self.rt.settings.bootstrap,
                                        on_failure=self._producer_failed)
         await self._producer.start()
@@ -677,6 +684,7 @@ class Scheduler:
         (A faust signal receiver: ``args[0]`` is the set of revoked partitions.)"""
         self._generation += 1
         revoked: set[Any] = set(args[0]) if args else set()
+        self._led_until_revoked = self._leader_tp() in revoked
         mine = {tp for tp in revoked if tp.topic in self._topic_keys}
         dropped = self.state.drop_sources(mine, self.clock())
         self.acks.forget(mine)
@@ -700,10 +708,19 @@ class Scheduler:
                          "their requests go to the new owner", len(unsent), taken_back,
                          uncertain)
 
+    def _leader_tp(self) -> tuple[str, int]:
+        """The partition whose owner is faust's leader (``LeaderAssignor._leader_tp``, of
+        the app whose id is ``app_id``; a faust TP is a (topic, partition) tuple)."""
+        return (f"{self.rt.app_id}-__assignor-__leader", 0)
+
     async def on_assigned(self, sender: Any, *args: Any, signal: Any, **_: Any) -> None:
         """Before the next request: read assignments and events up to their end now."""
         self._generation += 1
         self._barrier_needed = True
+        assigned: set[Any] = set(args[0]) if args else set()
+        if self._led_until_revoked and self._leader_tp() in assigned:
+            self.state.leadership_continued()
+        self._led_until_revoked = False
         if self.rt.scheduler.static_turns() is None:  # read now, waited for by the barrier
             self._turns_read = asyncio.ensure_future(self._read_turns())
 

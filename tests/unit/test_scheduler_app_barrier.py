@@ -198,3 +198,18 @@ async def test_an_older_read_of_the_turns_answering_last_is_not_applied(
     answers[0].set_result([SimpleNamespace(client_id="scheduler-a")])
     await first
     assert scheduler.state.turns == (2, 0)
+
+
+@pytest.mark.parametrize(("before", "after", "continued"), [
+    (True, True, True), (True, False, False), (False, True, False)])
+async def test_leadership_held_through_a_rebalance_is_told_to_the_state(
+        before: bool, after: bool, continued: bool) -> None:
+    """Faust's leader is the owner of one partition: held when revoked and assigned again,
+    nobody else led in between (found by a review: each rebalance started another
+    takeover)."""
+    scheduler = _scheduler(lambda topics, timeout_s: asyncio.sleep(0, True))
+    leader = TopicPartition(f"{scheduler.rt.app_id}-__assignor-__leader", 0)
+    _, tp = _event(scheduler)
+    await scheduler.on_revoked(None, {tp, leader} if before else {tp}, signal=None)
+    await scheduler.on_assigned(None, {tp, leader} if after else {tp}, signal=None)
+    assert scheduler.state._continued is continued

@@ -323,6 +323,27 @@ def test_a_new_leader_refuses_leases_until_it_has_led_takeover_s() -> None:
     assert (answer.worker_id, answer.granted) == ("w1", True)
 
 
+@pytest.mark.parametrize("continued", [True, False], ids=["led through", "another led"])
+def test_a_leader_whose_leadership_continued_through_rebalances_takes_over_once(
+        continued: bool) -> None:
+    # Found by a review: leadership lapses at every rebalance, one replica's too, and each
+    # lapse restarted the takeover: rebalances every 10 s held a dead worker's work (and
+    # hand-offs, lease renewals) for good.
+    _, b, first = _lost_on_w0(streamed=False)
+    decided = []
+    for offset in range(6, 40):  # b leads from T + 6; a rebalance every 10 s
+        at = T + offset
+        b.observe_heartbeat(beat("w1", 1, ts=at))
+        if offset % 10 == 0:
+            b.tick(at, handle_losses=False)
+            if continued:
+                b.leadership_continued()  # it held faust's leader partition throughout
+        effects = tick_and_release(b, at).effects
+        decided += [(offset, a.worker_id, a.attempt) for _, a in assignments(effects)]
+    # Another leader between: each lapse is a new leader's, which waits takeover_s again.
+    assert decided == ([(21, "w1", first.attempt + 1)] if continued else [])
+
+
 # -- a cancelled hand-off whose prefill worker goes ---------------------------------------
 
 @pytest.mark.parametrize("mixed_free", [True, False], ids=["mixed worker free", "all full"])

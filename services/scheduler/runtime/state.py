@@ -188,6 +188,7 @@ class SchedulerState:
         self._lost_incarnations: dict[str, set[float]] = {}
         self._pending_models: dict[str, list[int]] = {}  # model -> [requests, tokens]
         self._leading_since = 0.0  # when this replica last began to lead
+        self._continued = False  # leadership_continued(): the next lapse keeps the above
         # Tickets of queued records withdrawn on an event (placed or ended elsewhere): done,
         # acked with the next cycle's effects (observe_event returns none).
         self._settled: list[Ticket] = []
@@ -543,8 +544,10 @@ class SchedulerState:
                     effects.extend(self.on_request(admitted, ticket, now, trace))
         if self.leading and not handle_losses:
             self._give_up_requeues(now)
-        if handle_losses and not self.leading:
+        if handle_losses and not self.leading and not self._continued:
             self._leading_since = now
+        if handle_losses:
+            self._continued = False
         self.leading = handle_losses
         taken_over = handle_losses and now - self._leading_since >= self.config.takeover_s
         if taken_over:
@@ -603,6 +606,15 @@ class SchedulerState:
         more = self.config.max_placements is not None and placed_n >= self.config.max_placements
         return TickResult(effects, placed_n, rejected, len(held), lost, schedule_s, more,
                           tuple(placements), deferred, restarted, tuple(held), tuple(leases))
+
+    def leadership_continued(self) -> None:
+        """This replica led before the rebalance just ended and leads after it (it held the
+        leader's partition in both generations: nobody else did in between): its
+        leadership's lapse during the rebalance does not start another ``takeover_s``.
+        Otherwise every rebalance, a replica's own restart loop or scaling elsewhere in
+        the group, would hold losses, hand-offs and renewals for ``takeover_s`` again, and
+        rebalances coming faster than that would hold them for good."""
+        self._continued = True
 
     def _adopt_handoffs(self, now: float) -> list[Effect]:
         """Queue the decode stage of every prefill that handed its KV on and is not queued

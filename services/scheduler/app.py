@@ -261,6 +261,7 @@ class Scheduler:
         # numbered as it starts, and one started before the last applied is not applied.
         self._turns_reads = self._turns_read_applied = 0
         self._led_until_revoked = False  # held faust's leader partition until the revoke
+        self._led_in: int | None = None  # the group generation it was assigned it in
         # Set, or from the group at the first rebalance (alone until then, and not warning
         # of others' placements for a moment: they may be replicas it has not read yet).
         static = cfg.static_turns()
@@ -718,8 +719,17 @@ class Scheduler:
         self._generation += 1
         self._barrier_needed = True
         assigned: set[Any] = set(args[0]) if args else set()
-        if self._led_until_revoked and self._leader_tp() in assigned:
+        # Leading still, and in the generation right after the one it led in (a replica
+        # dropped from the group, and led by another meanwhile, comes back at a later one).
+        found = getattr(self.app, "consumer_generation_id", None)
+        generation = found if isinstance(found, int) else None
+        leads = self._leader_tp() in assigned and generation is not None
+        if leads and self._led_until_revoked and self._led_in is not None \
+                and generation == self._led_in + 1:
             self.state.leadership_continued()
+            _log.info("scheduler: still leading in generation %d: no takeover wait",
+                      generation)
+        self._led_in = generation if leads else None
         self._led_until_revoked = False
         if self.rt.scheduler.static_turns() is None:  # read now, waited for by the barrier
             self._turns_read = asyncio.ensure_future(self._read_turns())

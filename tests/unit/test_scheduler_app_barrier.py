@@ -200,16 +200,23 @@ async def test_an_older_read_of_the_turns_answering_last_is_not_applied(
     assert scheduler.state.turns == (2, 0)
 
 
-@pytest.mark.parametrize(("before", "after", "continued"), [
-    (True, True, True), (True, False, False), (False, True, False)])
+@pytest.mark.parametrize(("before", "after", "generations", "continued"), [
+    (True, True, 1, True), (True, False, 1, False), (False, True, 1, False),
+    (True, True, 2, False)])
 async def test_leadership_held_through_a_rebalance_is_told_to_the_state(
-        before: bool, after: bool, continued: bool) -> None:
-    """Faust's leader is the owner of one partition: held when revoked and assigned again,
-    nobody else led in between (found by a review: each rebalance started another
-    takeover)."""
+        before: bool, after: bool, generations: int, continued: bool) -> None:
+    """Faust's leader is the owner of one partition: held when revoked and assigned again
+    in the next generation, nobody else led in between (found by a review: each rebalance
+    started another takeover). A generation skipped: this replica was out of the group
+    meanwhile, and another may have led."""
     scheduler = _scheduler(lambda topics, timeout_s: asyncio.sleep(0, True))
+    app: Any = scheduler.app
     leader = TopicPartition(f"{scheduler.rt.app_id}-__assignor-__leader", 0)
     _, tp = _event(scheduler)
+    app.consumer_generation_id = 7
+    await scheduler.on_assigned(None, {tp, leader} if before else {tp}, signal=None)
+    assert not scheduler.state._continued  # the first assignment: a start
     await scheduler.on_revoked(None, {tp, leader} if before else {tp}, signal=None)
+    app.consumer_generation_id = 7 + generations
     await scheduler.on_assigned(None, {tp, leader} if after else {tp}, signal=None)
     assert scheduler.state._continued is continued

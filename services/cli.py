@@ -599,23 +599,22 @@ def _up(ctx: click.Context, settings: Settings, detach: bool, cfg: StackConfig,
             path = write_services_file(settings, stack)
             time.sleep(_DETACH_SETTLE_S)  # a child that fails at once (a port taken, ...)
             dead = stack.failed()
+            if dead:
+                name, code = dead[0]
+                raise click.ClickException(
+                    f"{name} exited with status {code} right after start; see "
+                    f"{path.parent / (name + '.log')} (everything started was stopped)")
+            click.echo(f"started in the background; logs and pids in {path.parent}; "
+                       "stop with: llmq down")
         except BaseException:
-            # A stop signal, or services.json not written, before the stack is handed to
-            # `llmq down`: its children go, as the broker and Jaeger will (the caller).
+            # A child that died, a stop signal, or services.json not written, before the
+            # stack is handed to `llmq down`: its children go, as the broker and Jaeger
+            # will (the caller).
             for sig in _STOP_SIGNALS:
                 signal.signal(sig, signal.SIG_IGN)  # the caller puts them back
             stack.stop(grace_s=10.0)
             path.unlink(missing_ok=True)
             raise
-        if dead:
-            stack.stop(grace_s=10.0)
-            path.unlink(missing_ok=True)
-            name, code = dead[0]
-            raise click.ClickException(
-                f"{name} exited with status {code} right after start; see "
-                f"{path.parent / (name + '.log')} (everything started was stopped)")
-        click.echo(f"started in the background; logs and pids in {path.parent}; "
-                   "stop with: llmq down")
         return
     click.echo("Ctrl-C stops everything.")
     status = run_foreground(stack, on_started=lambda: write_services_file(settings, stack))

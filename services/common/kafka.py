@@ -391,8 +391,8 @@ async def _until_served(bootstrap: str, admin: AIOKafkaAdminClient, names: list[
     tps = [TopicPartition(d["topic"], p["partition"]) for d in described
            for p in d["partitions"]]
     consumer = make_consumer(bootstrap)
-    await consumer.start()
     try:
+        await consumer.start()
         await consumer.end_offsets(tps)
     finally:
         await consumer.stop()

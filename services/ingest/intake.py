@@ -448,7 +448,12 @@ class IntakeHandler:
         try:
             self._buckets[tenant] = state.to_dict()
         except BaseException:
-            self._reservations[rec.request_id] = reservation
+            try:
+                self._reservations[rec.request_id] = reservation
+            except Exception:
+                _log.exception("settle %s: neither its bucket nor its reservation could be "
+                               "written back: tenant %r may keep this slot taken",
+                               rec.request_id, tenant)
             raise
 
     async def on_event(self, record: SourceRecord) -> None:

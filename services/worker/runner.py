@@ -36,7 +36,9 @@ its offset may be committed (a restarted process would not run it again, and an 
 held open would stop the slot's commit point for the rest of the process).
 :meth:`run` returns an :class:`Outcome` whose ``acked`` tells the app whether the
 assignment's offset may be committed. Any unexpected error, a final delta the wire refuses
-included, still ends the request with ``Error(worker_lost)`` + ``event.failed``.
+included, still ends the request with ``Error(worker_lost)`` + ``event.failed`` (the event
+alone when a reply is acknowledged or on its way; nothing once the lease is refused: the
+scheduler then ends or requeues the request itself).
 
 Prefill and decode apart (``Assignment.phase``): a **prefill** stage (its engine request
 has ``max_tokens`` 1 and the phase's engine priority, ``schemas.common.engine_rank``) sends
@@ -610,8 +612,10 @@ class RequestRun:
             with contextlib.suppress(Fenced):  # fenced: the scheduler ends it on its own
                 # Its own time to go out (the reply's was spent already): the terminal
                 # events' long bound (module docstring, "Terminal events").
+                # The lease asked first: a fenced worker's event would cancel the
+                # scheduler's own ending of the attempt (its reply check pending).
                 await self._until_acked(
-                    [_Sent(self.cfg.events_topic, unsent)], ask_first=False,
+                    [_Sent(self.cfg.events_topic, unsent)], ask_first=True,
                     give_up_at=self._event_give_up_at())
             # Nothing is left to do for this assignment: a restarted process would not run
             # it again (it drops work placed on an earlier process), and holding its offset

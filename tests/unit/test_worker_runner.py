@@ -325,6 +325,30 @@ async def test_a_reply_no_retry_can_send_is_given_up_at_once(how: str) -> None:
     assert producer.sends == 5 and producer.terminals() == [("event.failed", "worker_lost")]
 
 
+async def test_a_given_up_reply_sends_no_event_once_the_lease_is_refused() -> None:
+    """Found by a review: the event.failed after a reply given up went out without asking
+    the lease; signed by a fenced worker, it cancelled the scheduler's own ending of the
+    attempt (held for its reply check), and the client got no terminal."""
+    lease = {"ok": True}
+
+    class Refused(_Producer):
+        async def send(self, topic: str, value: bytes, *, key: Any,
+                       headers: Any = None) -> Any:
+            if json.loads(value)["kind"] == "done":
+                lease["ok"] = False  # the lease lapses and is refused meanwhile
+                raise TopicAuthorizationFailedError()
+            return await super().send(topic, value, key=key, headers=headers)
+
+    async def may_send() -> bool:
+        return lease["ok"]
+
+    producer = Refused()
+    run = RequestRun(_assignment(), _FineEngine(0), Publisher(producer, 5.0), _CFG,
+                     may_send=may_send)
+    outcome = await asyncio.wait_for(run.run(), 10.0)
+    assert outcome.acked and producer.terminals() == []
+
+
 async def test_resending_stops_once_a_newer_attempt_took_the_request() -> None:
     producer = _Producer(fail_from=3)  # every try of the reply fails, transiently
     run = RequestRun(_assignment(), _FineEngine(tokens=0), Publisher(producer, 5.0), _CFG)

@@ -147,6 +147,8 @@ def schedule(
 
 
 def _drop_stale_holds(snapshot: Snapshot, pending: PendingQueue, ledger: Ledger) -> None:
+    if not ledger.hold_count():  # the usual case: skip building the view
+        return
     for worker_id, request_id in list(ledger.holds().items()):
         worker = snapshot.workers.get(worker_id)
         if (
@@ -579,8 +581,8 @@ class _Cycle:
         if len(candidates) == 1:
             return candidates[0]
         if pipeline.picker.uses_scores and pipeline.scorers:
-            weights = [weight for _, weight in pipeline.scorers]
             columns = [scorer.scores(candidates, request, ctx) for scorer, _ in pipeline.scorers]
+            weights = pipeline.weights
             totals = [sum(map(mul, weights, row)) for row in zip(*columns, strict=True)]
         else:
             totals = [0.0] * len(candidates)

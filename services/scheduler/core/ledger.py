@@ -234,41 +234,38 @@ class Ledger:
             return found
         if len(self._loads) >= _LOADS_LIMIT:  # workers gone without drop_worker: forget all
             self._loads.clear()
-        free = self._compute_free_kv(worker)
-        usable = int(worker.kv_total_tokens * self._keep)
-        headroom = free / usable if usable > 0 else 0.0
-        found = self._loads[worker.worker_id] = (
-            worker, free, self._compute_in_flight(worker), headroom)
+        found = self._loads[worker.worker_id] = self._compute_load(worker)
         return found
 
-    def _compute_free_kv(self, worker: WorkerState) -> int:
-        # Plain arithmetic, no min()/max() calls: this runs on every change of a book.
-        total = worker.kv_total_tokens
+    def _compute_load(self, worker: WorkerState) -> tuple[WorkerState, int, int, float]:
+        """:meth:`_load`'s figures from the book and the credits (module docstring): both
+        views of free KV and of sequences in flight, in one pass over the worker's state.
+
+        Plain arithmetic, no min()/max() calls: this runs on every change of a book.
+        """
+        worker_id, total = worker.worker_id, worker.kv_total_tokens
         usable = int(total * self._keep)
         heartbeat_free = worker.kv_free_tokens - total + usable
-        credit = self._credits.get(worker.worker_id)
+        engine = worker.running + worker.waiting  # the heartbeat's sequences
+        credit = self._credits.get(worker_id)
         if credit is not None:
-            heartbeat_free += credit.for_heartbeat(worker.heartbeat_ts).kv
-        book = self._books.get(worker.worker_id)
+            credit = credit.for_heartbeat(worker.heartbeat_ts)
+            heartbeat_free += credit.kv
+            engine -= credit.n
+        book = self._books.get(worker_id)
         if book is None:
             free = usable if usable < heartbeat_free else heartbeat_free
+            in_flight = engine if engine > 0 else 0
         else:
             free = usable - book.reserved
             heartbeat_free -= book.unstarted_kv
             if heartbeat_free < free:
                 free = heartbeat_free
-        return free if free > 0 else 0
-
-    def _compute_in_flight(self, worker: WorkerState) -> int:
-        engine = worker.running + worker.waiting
-        credit = self._credits.get(worker.worker_id)
-        if credit is not None:
-            engine -= credit.for_heartbeat(worker.heartbeat_ts).n
-        book = self._books.get(worker.worker_id)
-        if book is None:
-            return engine if engine > 0 else 0
-        started = len(book.started)
-        return (engine if engine > started else started) + book.unstarted_n
+            started = len(book.started)
+            in_flight = (engine if engine > started else started) + book.unstarted_n
+        free = free if free > 0 else 0
+        headroom = free / usable if usable > 0 else 0.0
+        return worker, free, in_flight, headroom
 
     # -- reservations -----------------------------------------------------------------
 

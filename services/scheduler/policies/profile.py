@@ -180,6 +180,11 @@ class Pipeline:
     candidates: int
     spill: Mapping[Lane, SpillRule] = field(default_factory=dict)
     pd_overflow_tokens: int = 0
+    #: The scorers' (normalised) weights alone, in their order: every decision reads them.
+    weights: tuple[float, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "weights", tuple(weight for _, weight in self.scorers))
 
 
 def build_pipeline(profile: Mapping[str, object] | Profile = DEFAULT_PROFILE) -> Pipeline:

@@ -28,12 +28,12 @@ class QueueDepth:
     def scores(
         self, workers: Sequence[WorkerState], request: QueuedRequest, ctx: PlacementContext
     ) -> list[float]:
-        in_flight = ctx.ledger.in_flight
-        return [_free_share(in_flight(w), w.max_num_seqs) for w in workers]
-
-
-def _free_share(in_flight: int, max_num_seqs: int) -> float:
-    return 1.0 - in_flight / max_num_seqs if 0 <= in_flight < max_num_seqs else 0.0
+        in_flight_of = ctx.ledger.in_flight
+        shares: list[float] = []
+        for worker in workers:  # the formula inline: a helper call per worker cost ~1 %
+            in_flight, slots = in_flight_of(worker), worker.max_num_seqs
+            shares.append(1.0 - in_flight / slots if 0 <= in_flight < slots else 0.0)
+        return shares
 
 
 def factory(params: Params) -> QueueDepth:

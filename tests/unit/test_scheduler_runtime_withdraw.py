@@ -38,9 +38,12 @@ def placed(state: SchedulerState, now: float = T) -> tuple[Effect, Assignment]:
 
 
 def test_a_withdrawn_placement_is_forgotten_and_placed_again_when_redelivered() -> None:
+    """... at the next attempt (found by a review): the placement taken back, handed to the
+    producer but not acknowledged, may still land, and two runs under one attempt number
+    would interleave their chunks for the client (which keeps the newest attempt)."""
     state = ready_state(("w0", 0))
     state.on_request(admitted("r1"), TICKET, T)
-    effect, _ = placed(state)
+    effect, first = placed(state)
     assert state.drop_sources({"tp"}, T) == 0  # placed: no longer pending
     assert state.withdraw(effect, T)
     assert (state.reserved_kv("w0"), state.log.status("r1"), state.log.workers()) == (
@@ -50,8 +53,13 @@ def test_a_withdrawn_placement_is_forgotten_and_placed_again_when_redelivered() 
     # The partition comes back: its record is decided afresh, not acked as done.
     assert state.on_request(admitted("r1"), TICKET, T + 1) == []
     effect, again = placed(state, T + 1)
-    assert (again.attempt, again.worker_id, effect.tickets) == (1, "w0", (TICKET,))
+    assert (again.attempt, again.worker_id, effect.tickets) == (2, "w0", (TICKET,))
     assert state.reserved_kv("w0") == again.kv_tokens
+    state.observe_assignment(again)
+    state.observe_assignment(first)  # the one taken back lands after all: superseded
+    assert state.log.status("r1") == "active"
+    state.observe_event(done(again, "w0"))
+    assert (state.log.status("r1"), state.reserved_kv("w0")) == ("finished", 0)
 
 
 def test_a_withdrawn_prefill_stage_is_forgotten_with_its_booking() -> None:
@@ -180,3 +188,15 @@ def test_requeues_and_hand_offs_carry_no_decision() -> None:
     ((_, requeue),) = assignments(result.effects)
     assert requeue.attempt == 2
     assert [e.decision for e in result.effects if e.first] == [None]
+
+
+def test_a_taken_back_placement_is_remembered_only_until_its_deadline() -> None:
+    # Its record may have gone to another replica for good: nothing asks for it again.
+    state = ready_state(("w0", 0))
+    state.on_request(admitted("r1", timeout_s=60.0), TICKET, T)
+    effect, _ = placed(state)
+    assert state.withdraw(effect, T)
+    state.prune(T + 59)
+    assert state._taken_back == {"r1": (1, T + 60)}
+    state.prune(T + 61)
+    assert state._taken_back == {}

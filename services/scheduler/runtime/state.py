@@ -175,6 +175,10 @@ class SchedulerState:
         # Records of new requests reusing the id of one the log shows not ended yet, by id:
         # held unacked until it does, then refused as any reuse is (on_request, tick).
         self._reuses: dict[str, list[tuple[AdmittedRequest, Ticket, TraceHeaders]]] = {}
+        # Placements taken back at a revoke (withdraw): request id -> (attempt, deadline).
+        # A redelivered record of one is placed at the next attempt (the one taken back
+        # may still land: two runs under one attempt number would interleave for clients).
+        self._taken_back: dict[str, tuple[int, float]] = {}
         # worker_lost endings decided and held for their reply-topic check, by (request,
         # attempt): the lost attempt's record, the core's fate and the trace headers of its
         # placement (kept here: prune() drops those of requests not active meanwhile).
@@ -423,13 +427,15 @@ class SchedulerState:
             _log.warning("scheduler: %s is past its deadline by more than %g s and unknown "
                          "to the log: acked unanswered", request_id, self.log.memory_s)
             return [Effect(tickets=(ticket,))]
+        taken_back = self._taken_back.pop(request_id, None)
+        attempt = 1 if taken_back is None else taken_back[0] + 1
         if self.cancels.matches(request_id, admitted.request.tenant, now):
             self.cancels.discard(request_id, admitted.request.tenant)
-            return [self._end(admitted, 1, "cancelled", "cancelled before it was queued",
+            return [self._end(admitted, attempt, "cancelled", "cancelled before it was queued",
                               now, (ticket,), trace=trace)]
         block = self.fleet.block_size(admitted.request.model, now) \
             or self.config.default_block_size
-        queued = queued_request(admitted, block)
+        queued = queued_request(admitted, block, attempt)
         # Always admitted: the record is in memory already. The pause ladder keeps the
         # queue near its bound by pausing the topics (module docstring of runtime.flow).
         self.pending.push(queued, force=True)
@@ -509,6 +515,7 @@ class SchedulerState:
         if decision.code is None:
             self.ledger.release(request_id, decision.attempt)
             self._active_trace.pop(request_id, None)
+            self._taken_back[request_id] = (decision.attempt, deadline_of(admitted))
             return True
         self.ended[decision.code] -= 1  # not sent: not this scheduler's terminal
         if decision.code == "cancelled":
@@ -777,6 +784,10 @@ class SchedulerState:
     def prune(self, now: float) -> None:
         self.log.prune(now)
         self.cancels.prune(now)
+        # A taken-back placement whose record went to another replica (or a requeue or
+        # decode stage, which no record brings back) is not asked for again.
+        for request_id in [r for r, (_, deadline) in self._taken_back.items() if deadline < now]:
+            del self._taken_back[request_id]
         # Contexts of assignments whose end this replica never saw (replay order, another
         # replica's requests): keep only what is still active.
         for request_id in [r for r in self._active_trace

@@ -48,7 +48,7 @@ from schemas.control import CancelRequest
 from schemas.replies import Done, Error, TokenChunk
 from schemas.requests import ChatMessage, InferenceRequest, Role
 from schemas.topics import catalog, message_key, reply_spec
-from services.common.kafka import TopicRequest, ensure_topics, make_producer
+from services.common.kafka import TopicRequest, ensure_topics, make_producer, topic_exists
 from services.common.replies import AttemptText, ReplyRouter, ReplyStream
 
 _log = logging.getLogger(__name__)
@@ -56,6 +56,12 @@ _log = logging.getLogger(__name__)
 #: How much longer than ``timeout_s`` a client waits for llmq's own terminal by default:
 #: the same as ingest.http's ``reply_grace_s`` (services/ingest/settings.py).
 DEFAULT_REPLY_GRACE_S = 10.0
+
+
+class TopicMissing(RuntimeError):
+    """llmq's intake topic is not on the broker: llmq was never started there, or it
+    runs with another topic prefix. Raised by :meth:`LlmqClient.start` at once (a send
+    would wait for the topic's metadata until the producer's timeout, then fail)."""
 
 
 @dataclass
@@ -169,11 +175,17 @@ class LlmqClient:
         self._producer: Any = None
 
     async def start(self) -> None:
+        """Make the tenant's reply topic if need be and start reading it; raises
+        :class:`TopicMissing` when llmq's intake topic is not on the broker."""
         await ensure_topics(
             self.bootstrap,
             [TopicRequest(self._spec.name, self._spec.partitions, self._spec.config)],
             replication_factor=self.replication_factor,
         )
+        if not await topic_exists(self.bootstrap, self._intake):
+            raise TopicMissing(
+                f"Kafka at {self.bootstrap} has no topic {self._intake}: start llmq there "
+                f"(`llmq up`), or use the topic prefix it runs with (not {self.prefix!r}?)")
         producer = make_producer(self.bootstrap)
         await producer.start()
         try:

@@ -37,12 +37,19 @@ def _emit(data: dict[str, Any], as_json: bool, text: str) -> None:
 def operator_error(exc: BaseException, settings: Settings | None) -> str | None:
     """What to tell an operator about an error they can fix (None: a bug, keep the
     traceback): Kafka not answering, an unreachable HTTP service, a bad setting or input."""
-    from aiokafka.errors import KafkaError
+    from aiokafka.errors import KafkaError, UnknownTopicOrPartitionError
     from httpx import TransportError
     from pydantic import ValidationError
 
+    from llmq.client import TopicMissing
     from services.common.settings import describe_invalid
 
+    if isinstance(exc, TopicMissing):
+        return str(exc)
+    if isinstance(exc, UnknownTopicOrPartitionError):
+        where = settings.bootstrap if settings is not None else "the configured bootstrap"
+        return (f"Kafka at {where} lacks a topic llmq uses ({exc}): start llmq there "
+                "(`llmq up`), or check LLMQ_TOPIC_PREFIX.")
     if isinstance(exc, KafkaError):
         where = settings.bootstrap if settings is not None else "the configured bootstrap"
         return (f"Kafka at {where} did not answer ({exc or type(exc).__name__}). Start the "
@@ -289,7 +296,7 @@ async def _submit(settings: Settings, prompt: str, max_tokens: int, priority: st
     from services.common.replies import AttemptText
 
     client = LlmqClient(settings.bootstrap, tenant=tenant, prefix=settings.topic_prefix,
-                        default_model=model)
+                        default_model=model, replication_factor=settings.replication_factor)
     ask: dict[str, Any] = {
         "prompt": None if chat else prompt, "messages": [("user", prompt)] if chat else None,
         "max_tokens": max_tokens, "priority": priority, "lane": lane, "timeout_s": timeout_s,
@@ -362,7 +369,6 @@ def demo(settings: Settings, n: int, rate: float, trace: Path | None, url: str, 
     """
     from rich.console import Console
     from rich.progress import Progress
-    from rich.table import Table
 
     from services.common.settings import PROJECT_ROOT
     from services.demo import plan, run_demo
@@ -376,7 +382,19 @@ def demo(settings: Settings, n: int, rate: float, trace: Path | None, url: str, 
         task = bar.add_task("demo", total=len(requests))
         summary = asyncio.run(run_demo(
             settings.bootstrap, settings.topic_prefix, url, requests, model, seed, timeout_s,
-            progress=lambda done, _total: bar.update(task, completed=done)))
+            progress=lambda done, _total: bar.update(task, completed=done),
+            replication_factor=settings.replication_factor))
+    _print_demo(summary, as_json)
+    if not summary["completed"]:
+        click.echo(f"no request completed ({summary['rejections'] or 'no answers'}): see "
+                   "`llmq status` and the services' logs", err=True)
+        sys.exit(1)
+
+
+def _print_demo(summary: dict[str, Any], as_json: bool) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
     if as_json:
         click.echo(json.dumps(summary, indent=2, sort_keys=True))
         return

@@ -89,8 +89,7 @@ async def _via_http(base_url: str, req: TraceRequest, prompt: str, model: str,
         "POST", f"{base_url}/v1/completions", json=body
     ) as resp:
         if resp.status_code != 200:
-            payload = json.loads(await resp.aread() or b"{}")
-            code = payload.get("error", {}).get("code") or str(resp.status_code)
+            code = _error_code(await resp.aread()) or str(resp.status_code)
             return Outcome("http", lane, req.priority, False, code, None,
                            time.monotonic() - start, 0)
         async for line in resp.aiter_lines():
@@ -98,8 +97,9 @@ async def _via_http(base_url: str, req: TraceRequest, prompt: str, model: str,
                 continue
             chunk = json.loads(line[6:])
             if "error" in chunk:
-                return Outcome("http", lane, req.priority, False, chunk["error"].get("code"),
-                               ttft, time.monotonic() - start, tokens)
+                return Outcome("http", lane, req.priority, False,
+                               _error_code(line[6:].encode()) or "error", ttft,
+                               time.monotonic() - start, tokens)
             if ttft is None:
                 ttft = time.monotonic() - start
             usage = chunk.get("usage")
@@ -128,18 +128,37 @@ async def _via_kafka(client: LlmqClient, req: TraceRequest, prompt: str,
                    e2e, 0)
 
 
+def _error_code(body: bytes) -> str | None:
+    """The ``error.code`` of an OpenAI-style error body; None for anything else (a
+    proxy's HTML page, ``{"error": "text"}``): that request failed, the run goes on."""
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        return None
+    error = payload.get("error") if isinstance(payload, dict) else None
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if isinstance(code, str) and code else None
+
+
 def _lane(req: TraceRequest) -> str:
     return "short" if req.prompt_tokens + req.output_tokens <= LANE_THRESHOLD else "long"
 
 
 async def run_demo(bootstrap: str, prefix: str, base_url: str, requests: list[TraceRequest],
                    model: str, seed: int, timeout_s: float,
-                   progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+                   progress: Callable[[int, int], None] | None = None, *,
+                   replication_factor: int = 1) -> dict[str, Any]:
+    """Replay ``requests``; raises ``httpx.TransportError`` at once when nothing answers
+    at ``base_url`` (the stack is not up: else half the run would wait out its timeouts).
+    ``replication_factor``: of the tenant's reply topic, if the client has to make it."""
+    async with httpx.AsyncClient(timeout=10.0) as http:
+        await http.get(f"{base_url}/healthz")
     rng = random.Random(seed)
     prompts = [filler(r.prompt_tokens, rng) for r in requests]
     outcomes: list[Outcome] = []
     started = time.monotonic()
-    async with LlmqClient(bootstrap, prefix=prefix, default_model=model) as client:
+    async with LlmqClient(bootstrap, prefix=prefix, default_model=model,
+                          replication_factor=replication_factor) as client:
 
         async def one(i: int, req: TraceRequest) -> None:
             await asyncio.sleep(max(0.0, started + req.arrival_s - time.monotonic()))

@@ -197,10 +197,14 @@ async def test_a_failed_start_leaves_the_client_not_running(
 
     async def no_topics(*_: Any, **__: Any) -> None: ...
 
+    async def there(*_: Any, **__: Any) -> bool:
+        return True
+
     async def no_router() -> None:
         raise OSError("no broker")
 
     monkeypatch.setattr(sdk, "ensure_topics", no_topics)
+    monkeypatch.setattr(sdk, "topic_exists", there)
     monkeypatch.setattr(sdk, "make_producer", lambda _: _Producer())
     client = LlmqClient("127.0.0.1:9", tenant="default")
     client._router.start = no_router  # type: ignore[method-assign]  # a failing router
@@ -208,6 +212,80 @@ async def test_a_failed_start_leaves_the_client_not_running(
         await client.start()
     with pytest.raises(RuntimeError, match="not running"):
         await client.submit(prompt="hi", max_tokens=4)
+
+
+async def test_a_broker_without_llmqs_topics_is_refused_at_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by an audit: the first send waited 15 s for the intake topic's metadata, then
+    the CLI said the (running) broker did not answer."""
+    import llmq.client as sdk
+
+    asked: list[str] = []
+
+    async def no_topics(*_: Any, **__: Any) -> None: ...
+
+    async def missing(bootstrap: str, name: str) -> bool:
+        asked.append(name)
+        return False
+
+    producers: list[_Producer] = []
+    monkeypatch.setattr(sdk, "ensure_topics", no_topics)
+    monkeypatch.setattr(sdk, "topic_exists", missing)
+    monkeypatch.setattr(sdk, "make_producer", lambda _: producers.append(_Producer()))
+    client = LlmqClient("127.0.0.1:9", tenant="default", prefix="other")
+    with pytest.raises(sdk.TopicMissing, match=r"Kafka at 127.0.0.1:9 has no topic "
+                       r"other.intake: start llmq there \(`llmq up`\), or use the topic "
+                       r"prefix it runs with \(not 'other'\?\)"):
+        await client.start()
+    assert asked == ["other.intake"] and producers == []  # nothing started
+    with pytest.raises(RuntimeError, match="not running"):
+        await client.submit(prompt="hi", max_tokens=4)
+
+
+def test_submit_says_in_one_line_that_llmqs_topics_are_missing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from llmq.client import TopicMissing
+
+    async def start(client: LlmqClient) -> None:
+        raise TopicMissing(f"Kafka at {client.bootstrap} has no topic llmq.intake: ...")
+
+    monkeypatch.setenv("LLMQ_KAFKA_BOOTSTRAP", "127.0.0.1:1")
+    monkeypatch.delenv("LLMQ_DEBUG", raising=False)
+    monkeypatch.setattr(LlmqClient, "start", start)
+    result = CliRunner().invoke(main, ["submit", "hi"])
+    assert result.exit_code == 1
+    assert result.output == "Error: Kafka at 127.0.0.1:1 has no topic llmq.intake: ...\n"
+
+
+def test_a_topic_the_broker_lacks_is_not_called_kafka_not_answering() -> None:
+    from aiokafka.errors import UnknownTopicOrPartitionError
+
+    from services.cli import operator_error
+    from services.common.settings import Settings
+
+    said = operator_error(UnknownTopicOrPartitionError(), Settings(kafka_bootstrap="b:1"))
+    assert said is not None and said.startswith("Kafka at b:1 lacks a topic llmq uses")
+    assert "did not answer" not in said
+
+
+def test_submit_makes_the_reply_topic_with_the_configured_replicas(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by an audit: the CLI's client made a tenant's reply topic with 1 replica
+    whatever LLMQ_REPLICATION_FACTOR said (ingest makes it with the setting)."""
+    seen: list[int] = []
+
+    async def start(client: LlmqClient) -> None:
+        seen.append(client.replication_factor)
+        raise OSError("stop here")
+
+    monkeypatch.setenv("LLMQ_KAFKA_BOOTSTRAP", "127.0.0.1:1")
+    monkeypatch.setenv("LLMQ_REPLICATION_FACTOR", "3")
+    monkeypatch.setattr(LlmqClient, "start", start)
+    CliRunner().invoke(main, ["submit", "hi"])
+    assert seen == [3]
 
 
 def _submit_cli(monkeypatch: pytest.MonkeyPatch, args: list[str],

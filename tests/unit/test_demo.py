@@ -9,7 +9,7 @@ stand-in for :class:`~llmq.client.LlmqClient` whose every request fails.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
@@ -24,6 +24,8 @@ from services.sim.workload import TraceRequest
 
 def ingest(request: httpx.Request) -> httpx.Response:
     """A finished 3-token stream as ingest sends it; usage only when the body asks."""
+    if request.url.path == "/healthz":
+        return httpx.Response(200, json={"status": "ok"})
     call = to_inference_request(json.loads(request.content), "completion",
                                 Origin("r1", "default", "llmq.replies.default", 0.0), {})
     chunks: list[dict[str, Any]] = [
@@ -36,9 +38,17 @@ def ingest(request: httpx.Request) -> httpx.Response:
     return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
 
 
-class _Ingest(httpx.AsyncClient):
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(transport=httpx.MockTransport(ingest), **kwargs)
+def _serving(handler: Callable[[httpx.Request], httpx.Response]) -> type[httpx.AsyncClient]:
+    """``httpx.AsyncClient`` whose every request ``handler`` answers."""
+    class Client(_REAL_CLIENT):
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(transport=httpx.MockTransport(handler), **kwargs)
+
+    return Client
+
+
+_REAL_CLIENT = httpx.AsyncClient
+_Ingest = _serving(ingest)
 
 
 class _Clock:
@@ -122,3 +132,81 @@ async def test_a_kafka_failure_is_that_requests_outcome_and_the_run_goes_on(
     # From the request's own start, not from the start of the run: the second one was
     # sent once the first had failed (clock 0.05) and failed 0.05 s later, at 0.1.
     assert [o.e2e_s for o in failed] == pytest.approx([0.05, 0.05])
+
+
+@pytest.mark.parametrize(("status", "body", "code"), [
+    (502, b"<html>Bad Gateway</html>", "502"),
+    (500, b'{"error": "text"}', "500"),
+    (429, b'{"error": {"code": "rate_limited", "message": "slow down"}}', "rate_limited"),
+])
+async def test_an_odd_error_body_is_that_requests_failure(
+    monkeypatch: pytest.MonkeyPatch, status: int, body: bytes, code: str,
+) -> None:
+    """Found by an audit: a proxy's HTML page ended the whole run (JSONDecodeError), and
+    ``{"error": "text"}`` with a traceback (AttributeError)."""
+    monkeypatch.setattr(demo.httpx, "AsyncClient",
+                        _serving(lambda _: httpx.Response(status, content=body)))
+    req = TraceRequest(0, 0.0, 5, 3, "default", "normal")
+    out = await demo._via_http("http://ingest", req, "hello", "llama-3.1-8b", 10.0)
+    assert (out.ok, out.code) == (False, code)
+
+
+async def test_an_error_event_in_the_stream_names_its_code(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    events = (b'data: {"error": {"code": "worker_lost", "message": "m"}}\n\n'
+              b'data: {"error": "odd"}\n\n')
+
+    monkeypatch.setattr(demo.httpx, "AsyncClient",
+                        _serving(lambda _: httpx.Response(200, content=events)))
+    req = TraceRequest(0, 0.0, 5, 3, "default", "normal")
+    out = await demo._via_http("http://ingest", req, "hello", "llama-3.1-8b", 10.0)
+    assert (out.ok, out.code) == (False, "worker_lost")
+    assert demo._error_code(b'{"error": "odd"}') is None
+
+
+def test_demo_without_a_stack_fails_at_once_in_one_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by an audit: with nothing at --url, half the requests waited out their
+    timeout over Kafka, the run printed a table of failures and exited 0."""
+    from click.testing import CliRunner
+
+    from services.cli import main
+
+    def refused(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused", request=request)
+
+    def no_client(*_: Any, **__: Any) -> None:
+        raise AssertionError("the Kafka client must not start")
+
+    monkeypatch.setattr(demo.httpx, "AsyncClient", _serving(refused))
+    monkeypatch.setattr(demo, "LlmqClient", no_client)
+    monkeypatch.delenv("LLMQ_DEBUG", raising=False)
+    result = CliRunner().invoke(main, ["demo", "--requests", "4", "--url", "http://h:1"])
+    assert result.exit_code == 1
+    assert result.output == ("Error: could not reach http://h:1/healthz (ConnectError: "
+                             "connection refused); is `llmq up` running?\n")
+
+
+def test_demo_exits_1_when_nothing_completed(monkeypatch: pytest.MonkeyPatch) -> None:
+    from click.testing import CliRunner
+
+    from services.cli import main
+
+    def refusing(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/healthz":
+            return httpx.Response(200, json={"status": "ok"})
+        return httpx.Response(503, json={"error": {"code": "overloaded", "message": "m"}})
+
+    clock = _Clock()
+    monkeypatch.setattr(demo.httpx, "AsyncClient", _serving(refusing))
+    monkeypatch.setattr(demo, "time", clock)
+    monkeypatch.setattr(demo, "LlmqClient", lambda *a, **kw: _FailingClient(
+        KafkaTimeoutError("send timed out"), clock))
+    result = CliRunner().invoke(main, ["demo", "--requests", "4", "--json"])
+    assert result.exit_code == 1, result.output
+    summary = json.loads(result.stdout)
+    assert summary["completed"] == 0
+    assert summary["rejections"] == {"overloaded": 2, "KafkaTimeoutError": 2}
+    assert "no request completed" in result.stderr

@@ -90,15 +90,17 @@ class Api:
         return await self.call([json.dumps(body).encode()], [], gone)
 
     async def call(self, parts: list[bytes], headers: list[tuple[bytes, bytes]],
-                   gone: asyncio.Event | None = None) -> Any:
+                   gone: asyncio.Event | None = None, cut_after: int | None = None) -> Any:
         """One POST /v1/completions whose body arrives in ``parts`` (with ``headers``);
-        once they are read, the client waits for its answer, or leaves when ``gone`` is
-        set. Its status, body and how many parts the app read."""
-        out = SimpleNamespace(status=None, body=b"", read=0)
+        once they are read (or ``cut_after`` of them: the client leaves mid-upload), the
+        client waits for its answer, or leaves when ``gone`` is set. Its status, body,
+        headers and how many parts the app read."""
+        out = SimpleNamespace(status=None, body=b"", read=0, headers=[])
         left = gone if gone is not None else asyncio.Event()
+        sent = len(parts) if cut_after is None else cut_after
 
         async def receive() -> dict[str, Any]:
-            if out.read == len(parts):
+            if out.read == sent:
                 await left.wait()
                 return {"type": "http.disconnect"}
             out.read += 1
@@ -108,6 +110,7 @@ class Api:
         async def send(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
                 out.status = message["status"]
+                out.headers = list(message.get("headers", []))
             elif message["type"] == "http.response.body":
                 out.body += message.get("body", b"")
                 if self.text_sent is not None and message.get("body"):
@@ -297,3 +300,56 @@ async def test_a_retry_with_the_id_of_an_abandoned_call_is_refused_not_sent_its_
     assert left.status == 499 and len(api.producer.cancels) == 1
     retry = await api.call([body], [(b"x-request-id", b"job-7")])
     assert retry.status == 409
+
+
+async def test_a_gathered_answer_notices_its_client_leaving_while_tokens_flow(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by an audit: a non-streaming call looked for its client only after a second
+    without a reply, so while the model generated (a chunk every 20 ms here) a client
+    that left was never noticed: the request ran to its end for nobody."""
+    monkeypatch.setattr(routes, "_DISCONNECT_POLL_S", 0.05)
+    script: Script = [(0.02 * i, lambda rid, i=i: make_chunk(request_id=rid, attempt=1, seq=i))
+                      for i in range(1, 150)]
+    script.append((3.1, lambda rid: make_done(request_id=rid, attempt=1)))
+    api = Api(script)
+    out = await asyncio.wait_for(
+        api.post({"model": "m", "prompt": "x", "timeout": 30}, leave_after_s=0.2), 2)
+    assert out.status == 499
+    assert [c.reason for c in api.producer.cancels] == ["client disconnected"]
+
+
+@pytest.mark.parametrize(("code", "status", "again"), [
+    ("rate_limited", 429, 200), ("overloaded", 503, 200), ("too_large", 413, 409)])
+async def test_an_id_refused_at_admission_may_be_retried_at_once(
+    code: str, status: int, again: int,
+) -> None:
+    """Found by an audit: the OpenAI SDK retries a 429 with the same x-request-id, which
+    got 409 for 60 s (and retried that too: the 409 did not say not to)."""
+    refused: set[str] = set()
+
+    def first_refused(rid: str) -> Reply:
+        if rid in refused:
+            return make_done(request_id=rid, attempt=1)
+        refused.add(rid)
+        return make_error(request_id=rid, attempt=0, code=code, retry_after_s=1.0)
+
+    api = Api([(0.01, first_refused)])
+    body = json.dumps({"model": "m", "prompt": "x"}).encode()
+    first = await api.call([body], [(b"x-request-id", b"job-1")])
+    assert first.status == status
+    retry = await api.call([body], [(b"x-request-id", b"job-1")])
+    assert retry.status == again
+    if again == 409:
+        assert (b"x-should-retry", b"false") in retry.headers
+
+
+async def test_a_client_gone_during_its_upload_gets_no_500() -> None:
+    """Found by an audit: Starlette's ClientDisconnect reached the catch-all handler, a
+    500, and was raised out of the app (an error in the server's log)."""
+    api = Api([])
+    gone = asyncio.Event()
+    gone.set()
+    out = await api.call([b'{"model": "m",', b'"prompt": "x"}'], [], gone, cut_after=1)
+    assert out.status == 499
+    assert api.producer.cancels == [] and api.router.open_requests == 0

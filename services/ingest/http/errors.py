@@ -63,6 +63,9 @@ class ApiError(Exception):
         }
 
     def headers(self) -> dict[str, str]:
+        if self.code == "duplicate_request":
+            # The OpenAI SDKs retry a 409 unless told not to; the same id is refused again.
+            return {"x-should-retry": "false"}
         if self.retry_after_s is None:
             return {}
         return {"Retry-After": retry_after_header(self.retry_after_s)}

@@ -42,6 +42,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from schemas.base import ID_PATTERN
 from schemas.codec import MAX_RECORD_BYTES
@@ -101,12 +102,18 @@ class _ClientGone(Exception):
 
 
 class _Waiter:
-    """Next reply of one call, bounded by its deadline, noticing a vanished client."""
+    """Next reply of one call, bounded by its deadline, noticing a vanished client.
+
+    The client is looked for every ``_DISCONNECT_POLL_S`` whether replies come or not: a
+    gathered (non-streaming) answer receives chunks faster than that for as long as the
+    model generates, and a client that left meanwhile must still cancel its request.
+    """
 
     def __init__(self, stream: ReplyStream, request: Request | None, deadline: float) -> None:
         self._stream = stream
         self._request = request  # None: do not poll (a streaming response polls itself)
         self._deadline = deadline
+        self._poll_at = time.monotonic() + _DISCONNECT_POLL_S
 
     def without_polling(self) -> _Waiter:
         """The same wait, for a started streaming response: it watches for disconnects
@@ -115,14 +122,19 @@ class _Waiter:
 
     async def next(self) -> Reply:
         while True:
-            remaining = self._deadline - time.monotonic()
+            now = time.monotonic()
+            remaining = self._deadline - now
             if remaining <= 0:
                 raise timed_out("no answer within the request's timeout")
+            if self._request is not None and now >= self._poll_at:
+                self._poll_at = now + _DISCONNECT_POLL_S
+                if await self._request.is_disconnected():
+                    raise _ClientGone()
+            wait = remaining if self._request is None else min(self._poll_at - now, remaining)
             try:
-                return await self._stream.get(timeout=min(_DISCONNECT_POLL_S, remaining))
+                return await self._stream.get(timeout=wait)
             except TimeoutError:
-                if self._request is not None and await self._request.is_disconnected():
-                    raise _ClientGone() from None
+                continue  # the deadline or the next look for the client is due
 
 
 def create_api(deps: HttpDeps) -> FastAPI:
@@ -290,6 +302,10 @@ async def _complete(deps: HttpDeps, request: Request, kind: Kind) -> Response:
             req, tracing.inject(ctx=trace.set_span_in_context(span)),
             client_id=client_id is not None,
         )
+    except ClientDisconnect:
+        # Gone while its body was read: nothing was queued, nobody to answer (not a 500).
+        _end_span(span, 499, "abandoned", "client disconnected during the upload")
+        return Response(status_code=499)
     except BaseException as exc:
         # Refused before it was queued (401, 400, 409, 503): the span ends here.
         if isinstance(exc, ApiError):
@@ -345,7 +361,11 @@ class _Call:
             return
         self._finished = True
         request = self._call.request
-        self._deps.gateway.ended(request.request_id, client_id=bool(self._call.client_id))
+        # An id refused at admission (rate_limited, overloaded) may be sent again at once:
+        # nothing holds it (no reservation, the scheduler never saw it), and clients retry
+        # these with the same id (the OpenAI SDKs do).
+        self._deps.gateway.ended(request.request_id, client_id=bool(self._call.client_id)
+                                 and not _refused_at_admission(self._terminal))
         if cancel_reason is not None:
             self._deps.gateway.cancel_soon(request.request_id, request.tenant, cancel_reason,
                                            self._deps.clock())
@@ -454,6 +474,13 @@ class _Call:
         self.finish(f"restarted (attempt {attempt}) after its stream had started")
         yield sse(from_reply(lost).body())
         yield SSE_DONE
+
+
+def _refused_at_admission(terminal: Done | Error | None) -> bool:
+    """Ingest's own retryable refusal: attempt 0, and a code only admission gives (a
+    worker's ``overloaded`` has an attempt of 1 or more)."""
+    return isinstance(terminal, Error) and terminal.attempt == 0 \
+        and terminal.code in ("rate_limited", "overloaded")
 
 
 def _end_span(span: Span, status: int, outcome: str, why: str | None = None) -> None:

@@ -137,12 +137,14 @@ def lane_summary(jobs: Sequence[Job], timeout_s: float, window: tuple[float, flo
 
 
 def class_summary(jobs: Sequence[Job], timeout_s: float) -> Summary:
-    """Figures of one priority class's jobs. A rejected request waited, and was queued,
-    until its rejection (0 when refused on arrival): a class cannot look served sooner
-    by having its longest waits shed."""
+    """Figures of one priority class's jobs. A rejected request counts as waiting, and
+    queued, for the whole timeout (or until its rejection, if later), as in the
+    ``*_with_rejections`` figures: a class cannot look served sooner by having its
+    longest waits shed, nor by refusals on arrival (counted as 0 s they lowered it)."""
     lat = _latencies(jobs)
     shed = [j for j in jobs if j.state == REJECTED]
-    until_shed = [j.finished_s - j.arrival_s for j in shed if j.finished_s is not None]
+    until_shed = [max(timeout_s, j.finished_s - j.arrival_s)
+                  for j in shed if j.finished_s is not None]
     wait, queue = lat["wait"] + until_shed, lat["queue"] + until_shed
     out: Summary = {
         "arrived": len(jobs),

@@ -66,6 +66,7 @@ _WAKE: Final = 0
 _FINISH: Final = 1
 _HEARTBEAT: Final = 2
 _HANDOFF: Final = 3
+_FIRST_TOKEN: Final = 4
 #: advance(wake + _EPS_S) runs exactly the step that starts at ``wake`` (the core rounds to
 #: integer ns; this lands 1 ns past it for times below ~10^6 s).
 _EPS_S: Final = 1e-9
@@ -124,7 +125,7 @@ class PhasedPolicy(Policy, Protocol):
         """``job``'s prefill stage ended and its KV arrived: place its decode stage."""
 
     def on_first_token(self, job: Job, now: float) -> None:
-        """An engine computed ``job``'s prompt (the step's end may be after ``now``)."""
+        """An engine computed ``job``'s prompt: called at its first token's time."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,6 +265,9 @@ class Simulator:
                 elif kind == _HANDOFF:
                     assert isinstance(payload, Job)
                     self._handoff(payload)
+                elif kind == _FIRST_TOKEN:
+                    assert isinstance(payload, Job) and self._phased is not None
+                    self._phased.on_first_token(payload, self.now)
                 else:
                     self._heartbeat(i < n)
             elif i < n:
@@ -335,7 +339,9 @@ class Simulator:
                 if job.first_token_s is None:
                     job.first_token_s = e.time_s
                 if phased is not None:
-                    phased.on_first_token(job, self.now)
+                    # Told at the token's time, the end of its step, not at the step's
+                    # start: llmq must not learn a prompt was computed before it was.
+                    self._push(e.time_s, _FIRST_TOKEN, job)
             else:
                 job.preemptions += 1
 
@@ -361,6 +367,13 @@ class Simulator:
         self.policy.on_finished(job, self.now)
 
     def _heartbeat(self, arrivals_left: bool) -> None:
+        # Engines to now first: one in a quiet decode run was last advanced at its start,
+        # and its counters (decoded tokens: the tokens/s a heartbeat reports) would lag by
+        # up to that run's length. Only quiet steps start before now, so no event is due.
+        for w in self.workers:
+            if w.engine.has_work:
+                self._record(w.engine.advance(self.now), w)
+                self._dirty[w.index] = None
         self.policy.on_heartbeat(self.now)
         busy = any(w.in_flight for w in self.workers)
         if arrivals_left or busy or self.policy.queued():

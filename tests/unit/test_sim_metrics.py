@@ -114,7 +114,10 @@ def test_summary_keys_and_classes() -> None:
     assert set(s["lanes"]) == {"short", "long"} and set(s["classes"]) == {"high", "normal", "low"}
     assert s["classes"]["low"]["wait_max_s"] == pytest.approx(2.0)
     assert s["classes"]["high"]["wait_max_s"] == 0.0
-    assert s["classes"]["normal"]["wait_max_s"] == 0.0  # only one, refused on arrival
+    # Only one, refused on arrival: it counts as waiting the whole timeout (found by an
+    # audit: as 0 s, refusals on arrival lowered a class's percentiles).
+    assert s["classes"]["normal"]["wait_max_s"] == 30.0
+    assert s["classes"]["normal"]["queue_p50_s"] == 30.0
     assert s["rejections"] == {"overloaded": 1}
     assert s["max_service_s"] == pytest.approx(1.0)
     assert s["lanes"]["long"]["e2e_p99_s"] is None

@@ -12,7 +12,10 @@ docs/live-system.md: keep the newest attempt (anything of an older attempt is dr
 including what of it is still queued unread), drop chunks whose ``(attempt, seq)`` was
 seen, and end at the first terminal (``Done`` or ``Error``) of the newest attempt. A
 terminal of attempt 0 is ingest's (or the scheduler's) refusal before any worker ran the
-request.
+request. Chunks come out in ``seq`` order: one that arrives ahead of a missing one is held
+until the gap fills (a worker sends a chunk whose delivery failed again before its reply,
+so after the chunks that followed it), or until the terminal, which lets what is held out
+first.
 
 A reader may already have taken chunks of an attempt that a newer one then supersedes (a
 worker's chunk landed but not its ``first_token`` event before it died, so the scheduler
@@ -90,6 +93,9 @@ class ReplyStream:
         #: Why the stream was closed locally (None: it was not).
         self.closed: str | None = None
         self._seen: set[int] = set()
+        #: The seq the reader gets next, and chunks that came ahead of it.
+        self._next_seq = 0
+        self._ahead: dict[int, TokenChunk] = {}
         self._queue: asyncio.Queue[Reply | _Closed] = asyncio.Queue()
 
     @property
@@ -110,14 +116,23 @@ class ReplyStream:
             # what is queued unread (all of it is older: the attempt only goes up).
             self.attempt = msg.attempt
             self._seen.clear()
+            self._next_seq = 0
+            self._ahead.clear()
             while not self._queue.empty():
                 self._queue.get_nowait()
         if isinstance(msg, TokenChunk):
             if msg.seq in self._seen:
                 return False
             self._seen.add(msg.seq)
-        else:
-            self.terminal = msg
+            self._ahead[msg.seq] = msg
+            while self._next_seq in self._ahead:
+                self._queue.put_nowait(self._ahead.pop(self._next_seq))
+                self._next_seq += 1
+            return True
+        self.terminal = msg
+        for seq in sorted(self._ahead):  # a gap no chunk will fill any more
+            self._queue.put_nowait(self._ahead[seq])
+        self._ahead.clear()
         self._queue.put_nowait(msg)
         return True
 

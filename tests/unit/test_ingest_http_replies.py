@@ -41,6 +41,28 @@ def test_duplicate_chunks_are_dropped() -> None:
     assert [getattr(m, "seq", "end") for m in _drain(stream)] == [0, 1, "end"]
 
 
+def test_chunks_come_out_in_seq_order_whatever_order_they_landed_in() -> None:
+    """Found by an audit: a worker sends a chunk whose delivery failed again before its
+    reply, after the chunks that followed it; clients joined the text in arrival order."""
+    stream = ReplyStream("r1")
+    accepted = _offer_all(stream, [chunk(0), chunk(2), chunk(3), chunk(2)])
+    assert accepted == [True, True, True, False]
+    assert [m.seq for m in _drain(stream) if isinstance(m, TokenChunk)] == [0]  # 2, 3 held
+    assert stream.offer(chunk(1)) and stream.offer(chunk(4)) and stream.offer(done())
+    assert [getattr(m, "seq", "end") for m in _drain(stream)] == [1, 2, 3, 4, "end"]
+
+
+def test_the_terminal_lets_held_chunks_out_and_a_newer_attempt_voids_them() -> None:
+    stream = ReplyStream("r1")
+    _offer_all(stream, [chunk(0), chunk(2), chunk(5)])
+    stream.offer(done())  # a gap no chunk will fill any more: what is held, in order
+    assert [getattr(m, "seq", "end") for m in _drain(stream)] == [0, 2, 5, "end"]
+    newer = ReplyStream("r1")
+    _offer_all(newer, [chunk(1), chunk(0, attempt=2), done(attempt=2)])
+    assert [(m.attempt, getattr(m, "seq", "end")) for m in _drain(newer)] == [
+        (2, 0), (2, "end")]
+
+
 def test_stale_attempts_are_dropped_and_newer_ones_supersede() -> None:
     stream = ReplyStream("r1")
     accepted = _offer_all(stream, [

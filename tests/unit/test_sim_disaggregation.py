@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from services.sim.bench import BenchConfig, prepare
 from services.scheduler.core.types import WorkerState
+from services.sim.bench import BenchConfig, prepare
 from services.sim.fleet import COMPLETED, REJECTED, Job, SimWorker, make_jobs
 from services.sim.llmq import LlmqConfig, LlmqPolicy
 from services.sim.pools import split_roles
@@ -82,7 +82,7 @@ def test_llmq_learns_of_a_first_token_at_its_time_not_before(
         first_token(self, job, now)
 
     monkeypatch.setattr(LlmqPolicy, "on_first_token", record)
-    jobs, stats, _ = run_pd(workload(200, rate_rps=20.0))
+    _, stats, _ = run_pd(workload(200, rate_rps=20.0))
     assert stats.completed == 200 and len(told) >= 200
     assert all(now == first for now, first in told)
 

@@ -229,6 +229,13 @@ class Worker:
         )
 
     # ---- lifecycle ---------------------------------------------------------------------
+    async def _start_engine(self) -> None:
+        await self.engine.start()
+        # The engine's own figure, known once it runs (vLLM's args may set max_num_seqs
+        # above the profile's): capped at the profile's, the rest of what the scheduler
+        # placed waited in Kafka, out of the engine's priority order and the heartbeat.
+        self._max_in_flight = self.ws.max_in_flight or self.engine.capacity().max_num_seqs
+
     async def run(self) -> int:
         """Start, serve until drained (0) or stopped hard (1). SlotRefused and
         EngineMisconfigured propagate."""
@@ -250,7 +257,7 @@ class Worker:
         await self._check_slot(bootstrap)
         if self.ws.nvml == "auto" and self.id.engine != "sim":
             self._gpu = NvmlProbe.open(self.ws.gpu_index)
-        await self.engine.start()
+        await self._start_engine()
         self._producer = make_producer(bootstrap, on_failure=self._producer_failed)
         await self._producer.start()
         self._publisher = Publisher(self._producer, self.ws.send_timeout_s)

@@ -351,10 +351,10 @@ class RequestRun:
         self._first_token_at: float | None = None
         self._tokens = 0
         self._prefill = assignment.phase == "prefill"  # streams nothing (module docstring)
-        #: True once this prefill stage's event.prefilled may be in the log (its send
-        #: began and the broker did not refuse it): a decode stage may then pull the
-        #: prompt's KV from this engine, acknowledged or not (a fence may cut the wait).
-        self.handed_off = False
+        #: This prefill stage's event.prefilled once its sending is due, and whether the
+        #: broker refused it for good (see :attr:`handed_off`).
+        self._handoff: _Sent | None = None
+        self._handoff_refused = False
         #: The run's terminal reply (or event.prefilled) once its sending began: after the
         #: producer took it (its ``future`` set), a failure must not answer the client again.
         self._reply: _Sent | None = None
@@ -373,6 +373,15 @@ class RequestRun:
     def engine_id(self) -> str:
         """Id of the attempt inside the engine (unique even if attempts overlap)."""
         return f"{self.request_id}#{self.attempt}"
+
+    @property
+    def handed_off(self) -> bool:
+        """True once this prefill stage's event.prefilled may be in the log (the producer
+        took it and the broker did not refuse it): a decode stage may then pull the
+        prompt's KV from this engine, acknowledged or not (a fence may cut the wait). Not
+        when its sending never began (superseded or fenced first): nothing was offered."""
+        h = self._handoff
+        return h is not None and h.future is not None and not self._handoff_refused
 
     def stop(self, reason: StopReason, message: str) -> None:
         """End the run early (cancel, supersede); the first ending wins."""
@@ -584,11 +593,12 @@ class RequestRun:
         unacked = [s for s in self._sent if not s.acked]
         sent = await self._until_acked(unacked, ask_first=True) if unacked else "acked"
         if sent == "acked":
-            self.handed_off = end.kind == "prefilled"
+            if end.kind == "prefilled":
+                self._handoff = end.first
             self._reply = end.first
             sent = await self._until_acked([end.first], ask_first=True)
             if sent == "refused" and end.kind == "prefilled":
-                self.handed_off = False
+                self._handoff_refused = True
                 # event.prefilled is certainly not durable, so no decode stage follows: the
                 # client gets its one terminal, as for any failed run.
                 end = self._ending(_Failed("worker_lost", "the worker could not hand the "

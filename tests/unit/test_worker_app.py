@@ -285,3 +285,30 @@ async def test_an_assignment_this_worker_must_not_run_is_answered_unrun(
         assert asked == []  # the engine never saw it
     finally:
         await _stop(worker)
+
+
+@pytest.mark.parametrize(("max_in_flight", "cap"), [(None, 1024), (8, 8)])
+async def test_the_in_flight_cap_is_the_started_engines_max_num_seqs(
+    max_in_flight: int | None, cap: int,
+) -> None:
+    """Found by an audit: read before the engine started, the cap was the profile's 256
+    while a vLLM started with max_num_seqs 1024 reported 1024 in every heartbeat."""
+    import dataclasses
+
+    worker = _worker(**({} if max_in_flight is None else {"max_in_flight": max_in_flight}))
+    engine = worker.engine
+    profile_capacity = engine.capacity
+    started = engine.start
+
+    async def start() -> None:
+        await started()
+        engine.capacity = lambda: dataclasses.replace(  # type: ignore[method-assign]
+            profile_capacity(), max_num_seqs=1024)
+
+    engine.start = start  # type: ignore[method-assign]
+    assert worker._max_in_flight == (max_in_flight or 256)
+    await worker._start_engine()
+    try:
+        assert worker._max_in_flight == cap
+    finally:
+        await engine.close()

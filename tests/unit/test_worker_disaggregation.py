@@ -113,11 +113,15 @@ class _Counted:
 
 async def _run_stage(assignment: Assignment, engine: Any, producer: _Producer,
                      cfg: RunConfig = _CFG, counted: _Counted | None = None,
-                     gate: _Gate | None = None) -> Outcome:
+                     gate: _Gate | None = None, runs: list[RequestRun] | None = None,
+                     ) -> Outcome:
+    """Run ``assignment`` to its end (the run is appended to ``runs``)."""
     counted = counted or _Counted()
     run = RequestRun(assignment, engine, Publisher(producer, 5.0), cfg,
                      on_tokens=counted.tokens.append, on_first_token=counted.ttfts.append,
                      may_send=gate)
+    if runs is not None:
+        runs.append(run)
     return await asyncio.wait_for(run.run(), 10.0)
 
 
@@ -186,11 +190,14 @@ async def test_event_prefilled_is_sent_again_until_acknowledged(
 async def test_a_fenced_prefill_sends_no_event_prefilled(
     opens: int, kinds: list[str], kind: str,
 ) -> None:
-    producer = _Producer()
+    producer, runs = _Producer(), []
     outcome = await _run_stage(_stage("prefill"), _StageEngine([_prefilled_delta()]), producer,
-                               gate=_Gate(opens))
+                               gate=_Gate(opens), runs=runs)
     assert (outcome.kind, outcome.terminal, outcome.acked) == (kind, None, True)
     assert _kinds(producer) == kinds
+    # Held for a decode stage only if offered (found by an audit: a prefill fenced before
+    # its event.prefilled went was held too, and a draining worker waited on it).
+    assert runs[0].handed_off == ("event.prefilled" in kinds)
 
 
 @pytest.mark.parametrize("error", [TopicAuthorizationFailedError, MessageSizeTooLargeError])

@@ -9,8 +9,11 @@ from collections import deque
 class RateMeter:
     """Counts events in 1 s buckets; :meth:`rate` averages the last ``window_s`` seconds.
 
-    While fewer than ``window_s`` seconds have passed since the first event, the average is
-    over the time since then (so a fresh worker does not report a diluted rate).
+    The window is the buckets kept: ``window_s - 1`` whole seconds and the current one so
+    far, so the average is over that time (dividing by ``window_s`` under-read a steady
+    rate by up to 10 %, by the sub-second phase of the read). While less time than that has
+    passed since the first event, the average is over the time since then (so a fresh
+    worker does not report a diluted rate), at least a second.
     """
 
     def __init__(self, window_s: int = 10) -> None:
@@ -39,7 +42,8 @@ class RateMeter:
         self._trim(now)
         if self._first is None or not self._buckets:
             return 0.0
-        span = min(float(self.window_s), max(1.0, now - self._first))
+        covered = self.window_s - 1 + (now - math.floor(now))
+        span = min(covered, max(1.0, now - self._first))
         return sum(n for _, n in self._buckets) / span
 
     def _trim(self, now: float) -> None:

@@ -19,7 +19,12 @@ scheduler). :meth:`ClusterTracker.view` applies the rules, failing closed:
   tokens and the drain rate are the largest one (every replica reads every assignment
   and terminal event, so each reports the whole fleet's: a sum would count it once per
   replica). No fresh status means no known backlog: the scheduler bounds its own queue,
-  and admission still needs a live worker.
+  and admission still needs a live worker;
+- a model none of whose workers is live, but one of which beat within ``model_memory_s``
+  (5 min: it drains, restarts or is late), still has a capacity, of no live worker:
+  admission answers it 503 with a Retry-After, not 404 ``unknown_model`` (a model the
+  registry does not list would else be "unknown" for the seconds of a rolling restart,
+  and clients do not retry a 404).
 
 Models are keyed by their canonical registry name when the registry knows them.
 
@@ -59,6 +64,7 @@ class Freshness:
 
     heartbeat_staleness: float = 3.0
     status_stale_s: float = 5.0
+    model_memory_s: float = 300.0
 
 
 class ClusterTracker:
@@ -112,8 +118,10 @@ class ClusterTracker:
                                  max(drain, st.drain_tokens_per_s),
                                  max(running, st.running_tokens),
                                  max(usable, st.max_usable_kv_tokens))
+        recent = {self._canonical(hb.model) for hb in self._workers.values()
+                  if abs(now - hb.ts) <= self._freshness.model_memory_s}
         capacities = []
-        for model in workers.keys() | queued.keys():
+        for model in workers.keys() | queued.keys() | recent:
             live = workers.get(model, [])
             tokens, drain, running, usable = queued.get(model, (0, 0.0, 0, 0))
             best_kv = max((hb.kv_total_tokens for hb in live), default=0)

@@ -60,9 +60,10 @@ REJECTS = [
      None, "invalid", "invalid_request", None),
     ("unknown model", make_request(model="gpt-9"), POLICY, None, None,
      "unknown_model", "unknown_model", None),
-    ("unregistered model, only dead workers", make_request(model="custom/x"), POLICY, None,
+    # Seen lately (a drain, a restart): retryable, not "does not exist" (found by an audit).
+    ("unregistered model, no live worker", make_request(model="custom/x"), POLICY, None,
      make_cluster(make_capacity("custom/x", live_workers=0)),
-     "unknown_model", "unknown_model", None),
+     "overloaded", "no_live_workers", CONFIG.unknown_drain_retry_after_s),
     ("model not allowed", make_request(), make_policy(allowed_models=["qwen2.5-7b"]), None,
      None, "unknown_model", "model_not_allowed", None),
     ("over the registry's max_model_len", make_request(model="llama-3-8b", prompt_tokens=8000,

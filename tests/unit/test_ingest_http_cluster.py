@@ -52,7 +52,7 @@ def test_prefill_workers_are_not_capacity_for_whole_requests() -> None:
     # has no live worker (admission answers 503 at once, not a 504 after the timeout).
     t = tracker()
     t.observe_heartbeat(beat("p", role="prefill", kv_total_tokens=9000, kv_free_tokens=0))
-    assert t.view(NOW).models.get("llama-3.1-8b") is None
+    assert t.view(NOW).models["llama-3.1-8b"].live_workers == 0
     assert t.served_models(NOW) == []
     t.observe_heartbeat(beat("d", role="decode", kv_total_tokens=1000, kv_free_tokens=0))
     capacity = t.view(NOW).models["llama-3.1-8b"]
@@ -63,7 +63,20 @@ def test_freshness_is_three_intervals() -> None:
     t = tracker()
     t.observe_heartbeat(beat("a", ts=NOW - 2.9, interval_s=1.0))
     assert t.view(NOW).models["llama-3.1-8b"].live_workers == 1
-    assert t.view(NOW + 0.2).models == {}
+    assert t.view(NOW + 0.2).models["llama-3.1-8b"].live_workers == 0  # seen lately
+
+
+def test_a_model_seen_lately_stays_in_the_view_without_a_live_worker() -> None:
+    """Found by an audit: a model the registry does not list was answered 404
+    unknown_model (which clients do not retry) while its only worker drained or
+    restarted; seen within model_memory_s it is in the view with no live worker (503)."""
+    t = tracker()
+    t.observe_heartbeat(beat("a", model="org/custom-14b", draining=True))
+    t.observe_heartbeat(beat("b", model="org/old-7b", ts=NOW - 301))
+    view = t.view(NOW)
+    assert view.models["org/custom-14b"].live_workers == 0
+    assert "org/old-7b" not in view.models  # quiet for longer: unknown again
+    assert t.served_models(NOW) == []
 
 
 def test_newest_heartbeat_wins_across_restarts() -> None:

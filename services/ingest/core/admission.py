@@ -5,8 +5,9 @@ frozen :class:`ClusterView`; it returns :class:`Admit` or :class:`Reject` (decis
 data; the ingest agent publishes them). Checks, first failure wins:
 
 1. ``invalid`` (400): malformed numbers (max_tokens < 1, prompt_tokens < 0, timeout ≤ 0).
-2. ``unknown_model`` (404): the model is neither in the registry nor served by a live
-   worker. A model the tenant may not use gets the same code and the same message, so a
+2. ``unknown_model`` (404): the model is neither in the registry nor in the view (served
+   by a live worker, or by one seen lately: ``services.ingest.cluster``; such a model
+   without a live worker is ``overloaded`` below, which clients retry). A model the tenant may not use gets the same code and the same message, so a
    tenant cannot probe which models exist (as OpenAI answers "does not exist or you do not
    have access"); ``Reject.check`` tells the two apart in logs and metrics.
 3. ``too_large`` (413): ``prompt + max_tokens > max_model_len`` (the registry's, or the
@@ -163,7 +164,7 @@ def admit(
     model = request.model if shape is None else shape.name
     capacity = cluster_view.models.get(model) or cluster_view.models.get(request.model)
     live = capacity is not None and capacity.live_workers > 0
-    if shape is None and not live:
+    if shape is None and capacity is None:
         return _unknown_model(request.model, "unknown_model")
     if not may_use_model(tenant_policy, request.model, shape):
         return _unknown_model(request.model, "model_not_allowed")

@@ -7,9 +7,10 @@ data; the ingest agent publishes them). Checks, first failure wins:
 1. ``invalid`` (400): malformed numbers (max_tokens < 1, prompt_tokens < 0, timeout ≤ 0).
 2. ``unknown_model`` (404): the model is neither in the registry nor in the view (served
    by a live worker, or by one seen lately: ``services.ingest.cluster``; such a model
-   without a live worker is ``overloaded`` below, which clients retry). A model the tenant may not use gets the same code and the same message, so a
-   tenant cannot probe which models exist (as OpenAI answers "does not exist or you do not
-   have access"); ``Reject.check`` tells the two apart in logs and metrics.
+   without a live worker is ``overloaded`` below, which clients retry). A model the
+   tenant may not use gets the same code and the same message, so a tenant cannot probe
+   which models exist (as OpenAI answers "does not exist or you do not have access");
+   ``Reject.check`` tells the two apart in logs and metrics.
 3. ``too_large`` (413): ``prompt + max_tokens > max_model_len`` (the registry's, or the
    view's when it has a smaller one), or the KV reservation ``kv_tokens_for(prompt,
    max_tokens, block_size)`` (the live workers' block size, else the registry's) exceeds

@@ -369,11 +369,14 @@ class Simulator:
     def _heartbeat(self, arrivals_left: bool) -> None:
         # Engines to now first: one in a quiet decode run was last advanced at its start,
         # and its counters (decoded tokens: the tokens/s a heartbeat reports) would lag by
-        # up to that run's length. Only quiet steps start before now, so no event is due.
+        # up to that run's length. Only quiet steps start before now, so no event comes
+        # and the wake already due stays right (rescheduled all the same if one came).
         for w in self.workers:
             if w.engine.has_work:
-                self._record(w.engine.advance(self.now), w)
-                self._dirty[w.index] = None
+                events = w.engine.advance(self.now)
+                if events:
+                    self._record(events, w)
+                    self._dirty[w.index] = None
         self.policy.on_heartbeat(self.now)
         busy = any(w.in_flight for w in self.workers)
         if arrivals_left or busy or self.policy.queued():

@@ -150,7 +150,9 @@ def _add_agents(
 
     async def expire_reservations() -> None:
         try:
-            for record in handler.expired(rt.clock()):
+            owned = {tp.partition for tp in app.assignor.assigned_actives()
+                     if tp.topic == topics.intake}
+            for record in handler.expired(rt.clock(), owned):
                 await publish(topics.settle, record.tenant.encode(), encode(record), None)
         except Exception:
             # A failed send (the broker away) must not end the app: a timer that raises

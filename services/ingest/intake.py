@@ -55,7 +55,7 @@ import hashlib
 import json
 import logging
 import re
-from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMapping
+from collections.abc import Awaitable, Callable, Container, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal, Protocol, TypeVar
 
@@ -474,12 +474,21 @@ class IntakeHandler:
         await self._publish(self._topics.settle, event.tenant.encode(), encode(rec),
                             tracing.headers_of(record) or None)
 
-    def expired(self, now: float) -> Iterator[SettleRecord]:
-        """Settle records for reservations whose deadline passed (read-only scan)."""
+    def expired(self, now: float, owned: Container[int] | None = None) -> Iterator[SettleRecord]:
+        """Settle records for reservations whose deadline passed (read-only scan).
+
+        ``owned``: the intake partitions this instance holds now (None: all). The table
+        keeps rows of a partition a rebalance took away (Faust's memory store forgets only
+        rows it loaded from the changelog), and their owner settles them: without it, this
+        instance sent their settle records again at every scan, for good."""
         for request_id, reservation in list(self._reservations.items()):
-            if float(reservation["deadline"]) < now:
-                yield SettleRecord(tenant=str(reservation["tenant"]), request_id=request_id,
-                                   reason="expired", ts=now)
+            if float(reservation["deadline"]) >= now:
+                continue
+            tenant = str(reservation["tenant"])
+            if owned is not None and self._owner_partition is not None \
+                    and self._owner_partition(tenant.encode()) not in owned:
+                continue
+            yield SettleRecord(tenant=tenant, request_id=request_id, reason="expired", ts=now)
 
     # -- helpers ---------------------------------------------------------------------------
     def _has_policy(self, tenant: str) -> bool:

@@ -122,6 +122,8 @@ class FakeWorker:
     kv_total_tokens: int = 100_000
     #: The partition of the assignments topic its heartbeat names.
     partition: int = 0
+    #: Send the terminal event after the reply (False: only expiry settles the request).
+    send_events: bool = True
     admitted: list[AdmittedRequest] = field(default_factory=list)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _producer: Any = None
@@ -197,6 +199,8 @@ class FakeWorker:
         done = Done(request_id=rid, attempt=1, model=request.model, finish_reason="stop",
                     usage=usage, timings=Timings(queued_s=0.0, e2e_s=0.01), ts=time.time())
         await self._producer.send_and_wait(admitted.reply_topic, encode(done), key=rid.encode())
+        if not self.send_events:
+            return
         event = EventDone(request_id=rid, tenant=request.tenant, attempt=1,
                           worker_id=self.worker_id, ts=time.time(), finish_reason="stop",
                           usage=usage)

@@ -182,6 +182,37 @@ async def test_terminal_events_release_concurrency(keyed: IngestProcess) -> None
             assert resp.status_code == 200, resp.text
 
 
+async def test_a_reservation_no_event_settles_expires(
+    tmp_path: Path, topic_prefix: str, worker: FakeWorker,
+) -> None:
+    """Expiry as the running app does it: its timer settles only the partitions it holds
+    (read from Faust's assignor), and this instance holds the tenant's."""
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(TENANTS)
+    worker.send_events = False  # answered, never settled by an event
+    proc = IngestProcess(topic_prefix, tmp_path / "ingest.log", env={
+        "LLMQ_TENANTS_FILE": str(tenants), "LLMQ_INGEST_RESERVATION_GRACE_S": "0",
+        "LLMQ_INGEST_EXPIRY_SCAN_S": "0.5"})
+    try:
+        await _start(proc, worker)
+        async with httpx.AsyncClient(base_url=proc.base_url, timeout=20) as client:
+            body = {"model": MODEL, "prompt": "hello", "max_tokens": 4, "timeout": 2}
+            headers = {"authorization": "Bearer solo-key"}
+            first = await client.post("/v1/completions", json=body, headers=headers)
+            assert first.status_code == 200, first.text
+            held = await client.post("/v1/completions", json=body, headers=headers)
+            assert held.status_code == 429  # solo's one slot is still reserved
+            started = time.monotonic()
+            while time.monotonic() - started < 20:
+                resp = await client.post("/v1/completions", json=body, headers=headers)
+                if resp.status_code == 200:
+                    break
+                await asyncio.sleep(0.25)
+            assert resp.status_code == 200, f"never expired: {proc.tail()}"
+    finally:
+        proc.stop()
+
+
 async def test_garbage_is_dead_lettered_and_kafka_clients_are_served(
     bootstrap: str, topic_prefix: str, tmp_path: Path, worker: FakeWorker
 ) -> None:

@@ -500,6 +500,17 @@ async def test_expired_reservations_are_found() -> None:
     assert (expired.request_id, expired.reason, expired.used_tokens) == ("r1", "expired", None)
 
 
+async def test_only_the_partitions_held_now_are_expired_here() -> None:
+    """Found by an audit: rows of a partition a rebalance took away stay in Faust's memory
+    table, and this instance sent their settle records again at every scan, for good."""
+    h = Harness(load_tenancy(None), owner_partition=lambda key: 0)
+    await h.submit(request("r1", timeout_s=10.0))
+    late = NOW + 41
+    assert list(h.handler.expired(late, owned={1, 2})) == []  # partition 0 went elsewhere
+    assert [r.request_id for r in h.handler.expired(late, owned={0})] == ["r1"]
+    assert [r.request_id for r in h.handler.expired(late)] == ["r1"]  # not told: all
+
+
 def test_ingest_creates_its_table_changelogs_before_faust_does() -> None:
     wanted = {t.name: t for t in TOPICS.to_create()}
     for table in ("buckets", "reservations"):

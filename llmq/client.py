@@ -177,15 +177,15 @@ class LlmqClient:
     async def start(self) -> None:
         """Make the tenant's reply topic if need be and start reading it; raises
         :class:`TopicMissing` when llmq's intake topic is not on the broker."""
+        if not await topic_exists(self.bootstrap, self._intake):  # before making anything
+            raise TopicMissing(
+                f"Kafka at {self.bootstrap} has no topic {self._intake}: start llmq there "
+                f"(`llmq up`), or use the topic prefix it runs with (not {self.prefix!r}?)")
         await ensure_topics(
             self.bootstrap,
             [TopicRequest(self._spec.name, self._spec.partitions, self._spec.config)],
             replication_factor=self.replication_factor,
         )
-        if not await topic_exists(self.bootstrap, self._intake):
-            raise TopicMissing(
-                f"Kafka at {self.bootstrap} has no topic {self._intake}: start llmq there "
-                f"(`llmq up`), or use the topic prefix it runs with (not {self.prefix!r}?)")
         producer = make_producer(self.bootstrap)
         await producer.start()
         try:

@@ -223,7 +223,8 @@ async def test_a_broker_without_llmqs_topics_is_refused_at_start(
 
     asked: list[str] = []
 
-    async def no_topics(*_: Any, **__: Any) -> None: ...
+    async def no_topics(*_: Any, **__: Any) -> None:
+        asked.append("made the reply topic")
 
     async def missing(bootstrap: str, name: str) -> bool:
         asked.append(name)
@@ -238,7 +239,7 @@ async def test_a_broker_without_llmqs_topics_is_refused_at_start(
                        r"other.intake: start llmq there \(`llmq up`\), or use the topic "
                        r"prefix it runs with \(not 'other'\?\)"):
         await client.start()
-    assert asked == ["other.intake"] and producers == []  # nothing started
+    assert asked == ["other.intake"] and producers == []  # nothing made nor started
     with pytest.raises(RuntimeError, match="not running"):
         await client.submit(prompt="hi", max_tokens=4)
 

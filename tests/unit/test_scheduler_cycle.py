@@ -23,6 +23,7 @@ from services.scheduler import (
     build_pipeline,
     schedule,
 )
+from services.scheduler.policies.profile import REQUIRED_FILTERS
 from tests.builders import NOW, make_queue, make_request, make_snapshot, make_worker, seeded
 
 PIPELINE = build_pipeline(DEFAULT_PROFILE)
@@ -478,6 +479,23 @@ def test_borrowed_long_requests_are_bounded_per_short_worker() -> None:
     decisions = run([long_full, *shorts], *requests)
     assert sorted(w for _, w in placed(decisions)) == ["sw0", "sw1"]  # one each, third waits
     assert kinds(decisions)["l2"] == "defer"
+
+
+@pytest.mark.parametrize("pipeline", [
+    PIPELINE,
+    build_pipeline({"filters": list(REQUIRED_FILTERS), "candidates": 0}),
+    build_pipeline(BASELINE_PROFILES["round-robin"]),
+], ids=["default", "candidates-0", "baseline"])
+def test_the_spill_bound_holds_whatever_the_candidate_count(pipeline: Pipeline) -> None:
+    """Found by an audit: with candidates = 0 and no room filter the cycle's own checks
+    were skipped, so three long requests borrowed one short worker (bound: one)."""
+    short_w = make_worker("s0", pool="short", kv_total_tokens=100_000)
+    requests = [make_request(f"l{i}", lane="long", priority="high", kv_tokens=4_000,
+                             enqueued_at=NOW - 20) for i in range(3)]
+    ledger = Ledger()
+    decisions = run([short_w], *requests, ledger=ledger, pipeline=pipeline)
+    assert ledger.lane_count("s0", "long") == 1
+    assert len(placed(decisions)) == 1
 
 
 def test_an_empty_spill_table_keeps_pools_strict() -> None:

@@ -19,6 +19,7 @@ from services.scheduler import (
     schedule,
 )
 from services.scheduler.core.types import QueuedRequest, WorkerState
+from services.scheduler.policies.profile import REQUIRED_FILTERS
 from tests.builders import NOW, make_queue, make_request, make_snapshot, make_worker, seeded
 
 PIPELINE = build_pipeline(DEFAULT_PROFILE)
@@ -314,6 +315,41 @@ def test_overflow_off_and_first_tokens_release_prompt_work() -> None:
     assert ledger.uncomputed_prompt("p0") == 203_000
     ledger.release("r", 0)
     assert ledger.uncomputed_prompt("p0") == 200_000
+
+
+@pytest.mark.parametrize("candidates", [8, 0])
+def test_overflow_sends_one_long_request_to_a_decode_worker_with_no_prompt_work(
+    candidates: int,
+) -> None:
+    """Found by an audit: with candidates = 0 and no room filter the rule that a decode
+    worker takes an overflow only with no prompt work of its own was skipped: three of
+    four long requests went whole to the one decode worker."""
+    pipeline = build_pipeline({"filters": list(REQUIRED_FILTERS), "candidates": candidates,
+                               "pd_overflow_tokens": 1_000})
+    requests = [make_request(f"l{i}", lane="long", priority="high", prompt_tokens=3_000,
+                             max_tokens=100, kv_tokens=3_104, enqueued_at=NOW - 1 + i / 100)
+                for i in range(4)]
+    decisions, _ = cycle(fleet(kv_total_tokens=100_000), *requests, pipeline=pipeline)
+    whole = [d for d in decisions if isinstance(d, Placement) and d.worker_id == "d0"]
+    assert len(whole) == 1 and whole[0].phase == "whole"
+
+
+def test_a_prefill_stage_is_booked_in_the_largest_block_size_of_the_prefill_workers() -> None:
+    """Found by an audit: booked in the first prefill worker's blocks (16), a stage placed
+    on a worker of 256-token blocks took 112 tokens in the ledger and 256 in the engine,
+    and 200 of them were placed on an engine that held 100."""
+    busy = make_worker("p16", role="prefill", block_size=16, kv_total_tokens=100_000,
+                       kv_free_tokens=0)
+    big = make_worker("p256", role="prefill", block_size=256, kv_total_tokens=25_600,
+                      partition=1)
+    decode = make_worker("d", role="decode", block_size=256, kv_total_tokens=10**6,
+                         max_num_seqs=1024, partition=2)
+    requests = [make_request(f"r{i}", priority="high", prompt_tokens=100, max_tokens=156,
+                             kv_tokens=256) for i in range(200)]
+    decisions, ledger = cycle([busy, big, decode], *requests)
+    on_big = [d for d in decisions if isinstance(d, Placement) and d.worker_id == "p256"]
+    assert on_big and all(d.kv_tokens == 256 for d in on_big)
+    assert len(on_big) * 256 <= 25_600  # what the engine holds, in its own blocks
 
 
 @pytest.mark.parametrize("value", [-1, 1.5, True, "many"])

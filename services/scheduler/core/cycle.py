@@ -407,8 +407,10 @@ class _Cycle:
 
     @staticmethod
     def _prefill_stage(request: QueuedRequest, prefill: RouteIndex) -> QueuedRequest:
-        """``request`` as a prefill stage: its prompt and the sampled token, in blocks."""
-        kv = _blocks(request.prompt_tokens + 1, prefill.members[0].block_size)
+        """``request`` as a prefill stage: its prompt and the sampled token, in whole
+        blocks of the largest block size among the prefill workers (any of them may be
+        chosen; rounded to the first one's, a worker of larger blocks was overbooked)."""
+        kv = _blocks(request.prompt_tokens + 1, prefill.largest_block)
         return replace(request, phase="prefill", kv_tokens=min(kv, request.kv_tokens),
                        decode_kv_tokens=request.kv_tokens)
 
@@ -511,7 +513,8 @@ class _Cycle:
         found: list[WorkerState] = []
         if limit == 0:
             found = index.fitting(kv)
-            if self.pipeline.room_filters or self.ledger.hold_count():
+            if self.pipeline.room_filters or self.spill_bound or self.prompt_free \
+                    or self.ledger.hold_count():
                 found = self._admitted(found, request)
         else:
             roomiest = index.roomiest(kv)

@@ -42,7 +42,7 @@ class RouteIndex:
     rebuilt from ``room`` when stale entries outnumber live ones.
     """
 
-    __slots__ = ("_cursor", "_heap", "_ledger", "members", "pos", "room")
+    __slots__ = ("_block", "_cursor", "_heap", "_ledger", "members", "pos", "room")
 
     def __init__(self, members: list[WorkerState], ledger: Ledger) -> None:
         if len(members) > _POS_MASK:
@@ -54,7 +54,15 @@ class RouteIndex:
         self.room = [room_of(w) for w in members]
         self._heap: list[int] = []
         self._cursor = ledger.cursor
+        self._block: int | None = None
         self._reheap()
+
+    @property
+    def largest_block(self) -> int:
+        """The largest KV block size among the members (0 for none), worked out once."""
+        if self._block is None:
+            self._block = max((w.block_size for w in self.members), default=0)
+        return self._block
 
     def sync(self) -> None:
         """Catch up with reservations and releases since the last call."""

@@ -347,6 +347,8 @@ def test_a_prefill_stage_is_booked_in_the_largest_block_size_of_the_prefill_work
     requests = [make_request(f"r{i}", priority="high", prompt_tokens=100, max_tokens=156,
                              kv_tokens=256) for i in range(200)]
     decisions, ledger = cycle([busy, big, decode], *requests)
+    assert ledger.reserved_kv("p256") == 256 * len(
+        [d for d in decisions if isinstance(d, Placement) and d.worker_id == "p256"])
     on_big = [d for d in decisions if isinstance(d, Placement) and d.worker_id == "p256"]
     assert on_big and all(d.kv_tokens == 256 for d in on_big)
     assert len(on_big) * 256 <= 25_600  # what the engine holds, in its own blocks

@@ -317,6 +317,22 @@ def test_overflow_off_and_first_tokens_release_prompt_work() -> None:
     assert ledger.uncomputed_prompt("p0") == 200_000
 
 
+def test_a_prompt_is_staged_only_where_a_decode_worker_of_its_version_could_take_it() -> None:
+    """Found by an audit: prefill and decode workers were paired by engine only; a prompt
+    computed on v1 went to a v2 decode worker."""
+    v1_prefill = make_worker("p-v1", role="prefill", model_version="v1")
+    v2_decode = make_worker("d-v2", role="decode", model_version="v2", partition=1)
+    request = make_request("r1", prompt_tokens=500, max_tokens=500, kv_tokens=1008)
+    decisions, _ = cycle([v1_prefill, v2_decode], request)
+    [placement] = decisions
+    assert isinstance(placement, Placement)
+    assert (placement.worker_id, placement.phase) == ("d-v2", "whole")  # no stage on p-v1
+    # A decode stage of v1's prompt waits for a v1 decode worker; v2's is not one.
+    stage = replace(request, phase="prefill", decode_kv_tokens=1008, kv_tokens=512)
+    decisions, _ = cycle([v2_decode], stage.handoff(kv_engine=None, kv_version="v1"))
+    assert not any(isinstance(d, Placement) and d.phase == "decode" for d in decisions)
+
+
 @pytest.mark.parametrize("candidates", [8, 0])
 def test_overflow_sends_one_long_request_to_a_decode_worker_with_no_prompt_work(
     candidates: int,

@@ -120,6 +120,22 @@ def test_the_decode_stage_goes_to_a_decode_worker_of_the_engine_that_holds_the_k
     assert (d.worker_id, d.phase, d.attempt, d.kv_transfer) == ("d1", "whole", 2, None)
 
 
+def test_the_decode_stage_goes_to_a_decode_worker_of_the_prefill_workers_version() -> None:
+    """Found by an audit: stages were paired by engine only, so during a rolling upgrade a
+    prompt computed with v1's weights was decoded by a v2 worker (the request pins no
+    version)."""
+    state = new_state(takeover_s=0.0)
+    state.observe_heartbeat(pd_beat("p0", 0, "prefill", model_version="v1"))
+    state.observe_heartbeat(pd_beat("d0", 1, "decode", model_version="v1"))
+    state.observe_heartbeat(pd_beat("d1", 2, "decode", model_version="v2",
+                                    kv_total_tokens=90_000, kv_free_tokens=90_000))  # roomier
+    state.restore()
+    a = place_prefill(state)
+    state.observe_event(prefilled(a))
+    ((_, b),) = assignments(state.tick(T + 1).effects)
+    assert (b.worker_id, b.phase, b.request.model_version) == ("d0", "decode", None)
+
+
 def test_only_the_leader_places_a_hand_off_and_replicas_book_it_from_the_log() -> None:
     leader, other = pd_state(), pd_state()
     a = place_prefill(leader)

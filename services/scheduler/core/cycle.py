@@ -113,6 +113,9 @@ from services.scheduler.core.types import (
 from services.scheduler.policies.base import PlacementContext, Scored
 from services.scheduler.policies.profile import Pipeline
 
+#: Where a prompt's KV can go: a decode worker's (engine, model version).
+Holder = tuple[str | None, str | None]
+
 
 def schedule(
     snapshot: Snapshot,
@@ -240,7 +243,7 @@ class _Cycle:
         self.spill_bound = 0  # > 0 while placing a spill with a per-worker bound
         self.prompt_free = False  # while placing an overflow: workers with no prompt work
         self.max_usable: dict[int, int] = {}  # per route index (by id), see _max_usable
-        self.usable_by_engine: dict[int, dict[str | None, int]] = {}  # see _holding_engines
+        self.usable_by_engine: dict[int, dict[Holder, int]] = {}  # see _holding_engines
         self.loaded: set[int] = set()  # prefill indexes (by id) whose members are all loaded
         self.no_overflow: set[Route] = set()  # routes whose overflow found no worker
 
@@ -356,17 +359,20 @@ class _Cycle:
         return self._blocked(request, route, index, outcome)
 
     def _index(
-        self, request: QueuedRequest, role: Role, *, engines: frozenset[str | None] = frozenset()
+        self, request: QueuedRequest, role: Role, *, engines: frozenset[Holder] = frozenset()
     ) -> RouteIndex:
         """The candidate index of ``request``'s route among workers of ``role``: for a
-        decode stage, those of its ``kv_engine``; with ``engines`` (prefill stages), those
-        that run one of them."""
+        decode stage, those of its ``kv_engine`` and ``kv_version`` (the prefill worker's:
+        a prompt's KV is decoded by the weights that computed it); with ``engines``
+        (prefill stages), those whose (engine, model version) is one of them."""
         route: Route = (request.model, request.model_version, request.lane)
-        engine = request.kv_engine if request.phase == "decode" else None
+        holder: Holder | None = None
+        if request.phase == "decode" and (request.kv_engine, request.kv_version) != (None, None):
+            holder = (request.kv_engine, request.kv_version)
         if engines:
             owner: object = (self.pipeline, role, engines)
-        elif engine is not None:
-            owner = (self.pipeline, role, engine)
+        elif holder is not None:
+            owner = (self.pipeline, role, holder)
         else:
             owner = self.pipeline if role == "mixed" else (self.pipeline, role)
         found = cached_route_index(self.snapshot, route, self.ledger, owner)
@@ -376,11 +382,14 @@ class _Cycle:
         if engines:
 
             def admits(worker: WorkerState) -> bool:
-                return worker.engine in engines and route_admits(worker)
-        elif engine is not None:
+                return (worker.engine, worker.model_version) in engines and route_admits(worker)
+        elif holder is not None:
+            engine, version = holder
 
             def admits(worker: WorkerState) -> bool:
-                return worker.engine == engine and route_admits(worker)
+                return (engine is None or worker.engine == engine) \
+                    and (version is None or worker.model_version == version) \
+                    and route_admits(worker)
         return route_index(self.snapshot, route, self.ledger, admits, owner)
 
     def _max_usable(self, index: RouteIndex) -> int:
@@ -392,18 +401,20 @@ class _Cycle:
                 (usable(w) for w in index.members), default=0)
         return found
 
-    def _holding_engines(self, decode: RouteIndex, kv_tokens: int) -> frozenset[str | None]:
-        """The engines of ``decode``'s members of which one could hold ``kv_tokens``: where
-        a prompt computed for it may be handed (a worker's largest usable KV per engine,
-        once a cycle)."""
+    def _holding_engines(self, decode: RouteIndex, kv_tokens: int) -> frozenset[Holder]:
+        """The (engine, model version) pairs of ``decode``'s members of which one could
+        hold ``kv_tokens``: where a prompt computed for it may be handed (a worker's largest
+        usable KV per pair, once a cycle). By version too: during a rolling upgrade a
+        prompt computed with one version's weights must not be decoded with another's."""
         largest = self.usable_by_engine.get(id(decode))
         if largest is None:
             largest = self.usable_by_engine[id(decode)] = {}
             for worker in decode.members:
                 usable = self.ledger.usable_kv(worker)
-                if usable > largest.get(worker.engine, -1):
-                    largest[worker.engine] = usable
-        return frozenset(engine for engine, most in largest.items() if most >= kv_tokens)
+                pair = (worker.engine, worker.model_version)
+                if usable > largest.get(pair, -1):
+                    largest[pair] = usable
+        return frozenset(pair for pair, most in largest.items() if most >= kv_tokens)
 
     @staticmethod
     def _prefill_stage(request: QueuedRequest, prefill: RouteIndex) -> QueuedRequest:

@@ -39,7 +39,9 @@ class QueuedRequest:
     computed, :meth:`handoff` gives the ``decode`` stage (the next attempt) that goes back
     into the queue. A decode stage's ``kv_engine`` names the engine that holds its prompt's
     KV (the prefill's ``kv_transfer["engine"]``): only a decode worker of that engine can
-    pull it (None: unknown, any decode worker).
+    pull it (None: unknown, any decode worker); ``kv_version``, the prefill worker's model
+    version: only a decode worker of that version may decode it, with the weights that
+    computed it (None: unknown, any).
     """
 
     request_id: str
@@ -58,6 +60,7 @@ class QueuedRequest:
     phase: Phase = "whole"
     decode_kv_tokens: int | None = None
     kv_engine: str | None = None
+    kv_version: str | None = None
 
     def __post_init__(self) -> None:
         # A zero reservation would "fit" a worker with no free sequence slot.
@@ -78,16 +81,19 @@ class QueuedRequest:
                 raise ValueError(f"{self.request_id}: a prefill stage without its reservation")
             return replace(self, phase="whole", kv_tokens=self.decode_kv_tokens,
                            decode_kv_tokens=None, attempt=attempt)
-        return replace(self, phase="whole", attempt=attempt, kv_engine=None)
+        return replace(self, phase="whole", attempt=attempt, kv_engine=None, kv_version=None)
 
-    def handoff(self, kv_engine: str | None = None) -> QueuedRequest:
+    def handoff(self, kv_engine: str | None = None,
+                kv_version: str | None = None) -> QueuedRequest:
         """The decode stage of this placed prefill stage: the next attempt (a new
         placement of the request, as after a requeue), same times, the whole reservation
-        again; ``kv_engine``: the engine of the prefill worker, which holds the prompt's KV."""
+        again; ``kv_engine`` and ``kv_version``: the engine and model version of the
+        prefill worker, which holds the prompt's KV."""
         if self.phase != "prefill" or self.decode_kv_tokens is None:
             raise ValueError(f"{self.request_id}: only a prefill stage hands off")
         return replace(self, phase="decode", kv_tokens=self.decode_kv_tokens,
-                       decode_kv_tokens=None, attempt=self.attempt + 1, kv_engine=kv_engine)
+                       decode_kv_tokens=None, attempt=self.attempt + 1, kv_engine=kv_engine,
+                       kv_version=kv_version)
 
 
 @dataclass(frozen=True, slots=True)

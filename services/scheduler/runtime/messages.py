@@ -120,15 +120,18 @@ def restored_request(assignment: Assignment, block_size: int) -> QueuedRequest:
 
 
 def decode_stage(
-    prefill: Assignment, block_size: int, kv_transfer: Mapping[str, JsonValue] | None
+    prefill: Assignment, block_size: int, kv_transfer: Mapping[str, JsonValue] | None,
+    kv_version: str | None = None,
 ) -> QueuedRequest:
     """The decode stage of a prefill stage that reported ``event.prefilled``: the next
     attempt, the whole reservation, in the queue from the request's admission on, for a
     decode worker of the engine that wrote ``kv_transfer`` (its ``engine`` key, which
-    every llmq engine's envelope has; without one, any decode worker)."""
+    every llmq engine's envelope has; without one, any decode worker) and of the prefill
+    worker's model version ``kv_version`` (None: unknown, any)."""
     queued = queued_request(prefill.admitted, block_size, attempt=prefill.attempt + 1)
     engine = None if kv_transfer is None else kv_transfer.get("engine")
-    return replace(queued, phase="decode", kv_engine=engine if isinstance(engine, str) else None)
+    return replace(queued, phase="decode", kv_engine=engine if isinstance(engine, str) else None,
+                   kv_version=kv_version)
 
 
 def assignment(

@@ -647,7 +647,11 @@ class SchedulerState:
             block = self.fleet.block_size(prefill.request.model, now) \
                 or self.config.default_block_size
             kv_transfer = self.log.prefilled(request_id, prefill.attempt)
-            queued = decode_stage(prefill, block, kv_transfer)
+            # The prefill worker's version, while its heartbeat is known (gone, it took the
+            # prompt's KV with it, and the request starts over below).
+            beat = self.fleet.get(prefill.worker_id)
+            queued = decode_stage(prefill, block, kv_transfer,
+                                  None if beat is None else beat.model_version)
             self.pending.push(queued, force=True)  # already admitted work
             self._track(_Tracked(prefill.admitted, queued, "handoff", since=now, trace=trace,
                                  kv_transfer=kv_transfer, prefill=prefill))

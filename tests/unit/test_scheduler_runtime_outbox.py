@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable
 
+import pytest
+
 from services.scheduler.runtime.messages import Outgoing
 from services.scheduler.runtime.outbox import Outbox
 from services.scheduler.runtime.results import Effect
@@ -295,6 +297,33 @@ async def test_a_reply_acknowledged_while_a_revoke_cut_the_flush_short_gets_its_
     assert [topic for topic, _ in broker.sent] == ["reply.acme", "events"]
     broker.sent[1][1].set_result(None)
     assert await flushing == [("tp", 0)]
+
+
+@pytest.mark.parametrize("how", ["caller's timeout", "task cancelled"])
+async def test_a_flush_cut_while_a_record_is_handed_to_the_producer_sends_it_later(
+    how: str,
+) -> None:
+    """Found by an audit: a revoke's bounded flush (or a stop's cancel) that cut a send
+    still waiting in the producer (a new topic's metadata, a full batch) booked that
+    stage as sent: the assignment never went, its ticket came back, and the request was
+    never answered; an ending's reply was skipped and only its event went."""
+    broker = FakeBroker()
+    outbox = Outbox(broker.send, timeout_s=10.0)
+    broker.stalling.add("reply.acme")
+    outbox.submit([Effect(first=(rec("reply.acme"),), then=(rec("events"),),
+                          tickets=(("tp", 2),))])
+    flushing = asyncio.ensure_future(outbox.flush())
+    if how == "task cancelled":
+        await asyncio.sleep(0.05)
+        flushing.cancel()
+        await asyncio.gather(flushing, return_exceptions=True)
+    else:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(flushing, 0.05)
+    assert broker.sent == [] and len(outbox) == 1
+    broker.stalling.clear()
+    assert await outbox.flush() == [("tp", 2)]  # at once: no backoff for a cut
+    assert broker.sent == ["reply.acme", "events"]  # the reply, then its event
 
 
 async def test_what_was_certainly_not_written_is_taken_back_at_a_revoke() -> None:

@@ -217,7 +217,8 @@ class Outbox:
     async def _round(self, held: Collection[str]) -> bool:
         """One send-and-wait over every due stage; True if a stage completed and the
         effect still has another to send. What was acknowledged is booked even when the
-        round is cancelled (a flush bounded by its caller's timeout, at a revoke)."""
+        round is cancelled (a flush bounded by its caller's timeout, at a revoke, or cut
+        at a stop); a stage whose sending the cancel cut stays due, as it was."""
         now = self._clock()
         batch: list[_Pending] = []
         for pending in self._queue:
@@ -234,6 +235,7 @@ class Outbox:
         futures: dict[int, list[tuple[Outgoing, asyncio.Future[object]]]] = {}
         errors: dict[int, list[tuple[Outgoing, BaseException]]] = {}
         tried: list[int] = []
+        cut: set[int] = set()  # cancelled while handing its records to the producer
         try:
             for i, pending in enumerate(batch):
                 if deadline - self._clock() <= 0:
@@ -250,6 +252,12 @@ class Outbox:
                         _log.warning("outbox: could not send to %s", out.topic, exc_info=True)
                         errors[i] = [(out, exc)]
                         break
+                    except BaseException:
+                        # Cancelled mid-send (aiokafka waiting for a new topic's metadata,
+                        # or for room in a full batch): this stage was not all sent, and
+                        # booking it as sent lost its records for good.
+                        cut.add(i)
+                        raise
                     pending.deliveries.append(delivery)
                     futures.setdefault(i, []).append((out, delivery))
             every = [f for fs in futures.values() for _, f in fs]
@@ -257,7 +265,9 @@ class Outbox:
                 # asyncio.wait, not wait_for: a timeout must not cancel deliveries in flight.
                 await asyncio.wait(every, timeout=max(0.0, deadline - self._clock()))
         finally:
-            more = self._book(batch, tried, futures, errors, now)
+            # A cut stage stays as it was, due at the next flush (the cancel is no failure
+            # of the broker's: no backoff; a stop's final flush sends it at once).
+            more = self._book(batch, [i for i in tried if i not in cut], futures, errors, now)
         return more
 
     def _book(self, batch: list[_Pending], tried: list[int],

@@ -686,6 +686,8 @@ class Scheduler:
         self._generation += 1
         revoked: set[Any] = set(args[0]) if args else set()
         self._led_until_revoked = self._leader_tp() in revoked
+        if self._led_until_revoked:
+            self.state.leadership_lapsed(self.clock())
         mine = {tp for tp in revoked if tp.topic in self._topic_keys}
         dropped = self.state.drop_sources(mine, self.clock())
         self.acks.forget(mine)
@@ -724,9 +726,10 @@ class Scheduler:
         found = getattr(self.app, "consumer_generation_id", None)
         generation = found if isinstance(found, int) else None
         leads = self._leader_tp() in assigned and generation is not None
-        if leads and self._led_until_revoked and self._led_in is not None \
-                and generation == self._led_in + 1:
-            self.state.leadership_continued()
+        continued = leads and self._led_until_revoked and self._led_in is not None \
+            and generation == self._led_in + 1
+        self.state.leadership_continued(continued)  # False too: no flag left from before
+        if continued:
             _log.info("scheduler: still leading in generation %d: no takeover wait",
                       generation)
         self._led_in = generation if leads else None

@@ -220,3 +220,28 @@ async def test_leadership_held_through_a_rebalance_is_told_to_the_state(
     app.consumer_generation_id = 7 + generations
     await scheduler.on_assigned(None, {tp, leader} if after else {tp}, signal=None)
     assert scheduler.state._continued is continued
+
+
+async def test_a_continued_leadership_is_not_remembered_past_the_next_rebalance() -> None:
+    """Found by an audit: the flag set when leadership continued into generation 8 was
+    left set when the next rebalance came before a leading tick and another replica led;
+    leading again later, genuinely anew, this replica skipped the takeover wait. And a
+    replica whose leader partition was revoked counted as leading until a tick said not."""
+    scheduler = _scheduler(lambda topics, timeout_s: asyncio.sleep(0, True))
+    app: Any = scheduler.app
+    leader = TopicPartition(f"{scheduler.rt.app_id}-__assignor-__leader", 0)
+    _, tp = _event(scheduler)
+    state = scheduler.state
+    app.consumer_generation_id = 7
+    await scheduler.on_assigned(None, {tp, leader}, signal=None)
+    state.tick(scheduler.clock())  # leads
+    assert state.leading
+    await scheduler.on_revoked(None, {tp, leader}, signal=None)
+    assert not state.leading  # revoked: it leads no more until assigned again
+    app.consumer_generation_id = 8
+    await scheduler.on_assigned(None, {tp, leader}, signal=None)
+    assert state._continued  # held through: no takeover wait
+    await scheduler.on_revoked(None, {tp, leader}, signal=None)  # no tick in between
+    app.consumer_generation_id = 9
+    await scheduler.on_assigned(None, {tp}, signal=None)  # another replica leads now
+    assert not state._continued

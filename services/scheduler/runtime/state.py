@@ -614,14 +614,27 @@ class SchedulerState:
         return TickResult(effects, placed_n, rejected, len(held), lost, schedule_s, more,
                           tuple(placements), deferred, restarted, tuple(held), tuple(leases))
 
-    def leadership_continued(self) -> None:
-        """This replica led before the rebalance just ended and leads after it (it held the
-        leader's partition in both generations: nobody else did in between): its
-        leadership's lapse during the rebalance does not start another ``takeover_s``.
-        Otherwise every rebalance, a replica's own restart loop or scaling elsewhere in
-        the group, would hold losses, hand-offs and renewals for ``takeover_s`` again, and
-        rebalances coming faster than that would hold them for good."""
-        self._continued = True
+    def leadership_continued(self, continued: bool = True) -> None:
+        """Told at every assignment whether this replica led before the rebalance just
+        ended and leads after it (it held the leader's partition in both generations:
+        nobody else did in between): then its leadership's lapse during the rebalance does
+        not start another ``takeover_s``. Otherwise every rebalance, a replica's own
+        restart loop or scaling elsewhere in the group, would hold losses, hand-offs and
+        renewals for ``takeover_s`` again, and rebalances coming faster than that would
+        hold them for good. False at every other assignment: a flag left from an earlier
+        one (another rebalance came before a leading tick) skipped the wait of a later,
+        genuinely new, leadership (found by an audit)."""
+        self._continued = continued
+
+    def leadership_lapsed(self, now: float) -> None:
+        """The leader's partition was revoked (a rebalance): this replica leads no more
+        until it is assigned again, as a tick that does not lead would say, and gives up
+        the requeues it holds. Without it, a replica that no tick saw not leading still
+        counted as leading, and leading again later, genuinely anew, it skipped the
+        takeover wait (found by an audit)."""
+        if self.leading:
+            self._give_up_requeues(now)
+        self.leading = False
 
     def _adopt_handoffs(self, now: float) -> list[Effect]:
         """Queue the decode stage of every prefill that handed its KV on and is not queued

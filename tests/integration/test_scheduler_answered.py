@@ -133,3 +133,23 @@ async def test_an_unreachable_broker_is_an_incomplete_check_not_an_exception(
         timeout_s=3)
     assert check.found == set()
     assert not check.complete
+
+
+async def test_a_reply_topic_that_is_not_there_leaves_only_its_own_attempts_unanswered(
+    bootstrap: str, topic_prefix: str
+) -> None:
+    """Found by an audit: the partitions of every wanted topic were looked up first, each
+    waiting up to 30 s for its topic, so one deleted reply topic outlasted the whole check
+    and an answered attempt checked beside it got a second terminal."""
+    topic = f"{topic_prefix}.replies.acme"
+    now = time.time()
+    await _produce(bootstrap, topic, [("done-1", make_done(request_id="done-1", attempt=1,
+                                                           ts=now))])
+    started = time.monotonic()
+    check = await answered(bootstrap, {
+        ("done-1", 1): (topic, b"done-1", now),
+        ("gone-1", 1): (f"{topic_prefix}.replies.deleted", b"gone-1", now),
+    }, timeout_s=10)
+    assert check.found == {("done-1", 1)}
+    assert not check.complete  # the deleted topic's attempt was not read
+    assert time.monotonic() - started < 5

@@ -988,6 +988,20 @@ def test_a_terminal_event_stamped_far_ahead_counts_when_it_was_read() -> None:
     assert rates(86_400.0) == rates(0.5)
 
 
+def test_a_finished_request_is_forgotten_on_time_whatever_the_workers_clock() -> None:
+    """Found by an audit: the log kept a finished entry until the worker's own time of its
+    ending came: with a clock a week ahead, a week of traffic in memory."""
+    state = ready_state(("w0", 0))
+    state.on_request(admitted("r1", timeout_s=60.0), ("tp", 0), T)
+    [(_, a)] = assignments(state.tick(T).effects)
+    week = 7 * 86_400.0
+    state.observe_event(started(a, "w0", ts=T + 1 + week), read_at=T + 1)
+    state.observe_event(done(a, "w0", ts=T + 2 + week), read_at=T + 2)
+    assert state.log.status("r1") == "finished"
+    state.prune(T + 2 * 3600)  # an hour past its deadline (finished_memory_s)
+    assert len(state.log) == 0
+
+
 def test_a_reuse_read_before_the_first_ones_ending_is_refused_once_it_is_read() -> None:
     """Found by an audit: ingest admits a reuse of an id once it read the first request's
     ending; this scheduler's log may read that ending later, and the reuse, found with the

@@ -146,13 +146,16 @@ class AssignmentLog:
         return self.active(assignment.request_id) is assignment
 
     def observe_event(self, event: LifecycleEvent, admitted_at: float | None = None,
-                      deadline: float | None = None) -> bool:
+                      deadline: float | None = None, at: float | None = None) -> bool:
         """Record a lifecycle event; True if it is news (not a duplicate). ``admitted_at``
         and ``deadline``: of the admission a scheduler's terminal event ended (its headers),
-        when it names them."""
+        when it names them. ``at``: the event's time, no later than it was read (None: its
+        ``ts``): a worker's clock far ahead kept a finished entry until its own time came
+        (found by an audit: a week ahead, a week of traffic held in memory)."""
         entry = self._entry(event.request_id)
         attempt = event.attempt
-        entry.expires_at = max(entry.expires_at, event.ts)
+        at = event.ts if at is None else at
+        entry.expires_at = max(entry.expires_at, at)
         if deadline is not None:
             entry.expires_at = max(entry.expires_at, deadline)
         if admitted_at is not None:
@@ -161,7 +164,7 @@ class AssignmentLog:
             if attempt in entry.prefilled:
                 return False
             entry.prefilled[attempt] = event.kv_transfer
-            entry.prefilled_at[attempt] = event.ts
+            entry.prefilled_at[attempt] = at
             self._settle(event.request_id, entry)
             return True
         if isinstance(event, EventStarted):

@@ -270,7 +270,7 @@ class SchedulerState:
         self._note_ending(event)
         ran = self.log.latest(event.request_id)  # before a terminal drops it from the log
         admitted_at, deadline = admission_of(headers) if headers else (None, None)
-        news = self.log.observe_event(event, admitted_at, deadline)
+        news = self.log.observe_event(event, admitted_at, deadline, at=ended_at)
         withdrawn = self._withdraw_decided(event.request_id, event.ts)
         if withdrawn is not None:
             self._settled.extend(withdrawn.tickets)

@@ -164,8 +164,10 @@ class SchedulerSettings(BaseSettings):
         "their end within this long.",
     )
     cancel_memory_s: float = Field(
-        default=600.0, ge=0.0, le=86_400.0,
-        description="A cancel for a request not seen yet is remembered this long.",
+        default=86_400.0, ge=0.0, le=86_400.0,
+        description="A cancel for a request not seen yet is remembered this long from its "
+        "issued_at (at most 100,000 of them): by default as long as a request's timeout may "
+        "be, a day, since its record may wait that long in Kafka behind paused topics.",
     )
     finished_memory_s: float = Field(
         default=3600.0, ge=0.0, le=7 * 86_400.0,

@@ -428,6 +428,20 @@ def test_a_cancel_before_the_request_arrives_is_remembered() -> None:
     assert assignments(state.tick(T).effects) == []
 
 
+def test_a_cancel_read_long_before_its_request_is_still_remembered() -> None:
+    """Found by an audit: remembered 10 minutes, a cancel read 640 s before its request
+    (a low-priority record waiting in Kafka behind paused topics, timeout an hour) was
+    forgotten, and the request was placed and ran for nobody."""
+    state = ready_state(("w0", 0))
+    state.on_cancel(cancel("r1", at=T + 60), T + 60)
+    now = T + 700
+    state.observe_heartbeat(beat("w0", 0, ts=now))
+    effects = state.on_request(admitted("r1", timeout_s=3600.0, priority="low"), ("tp", 0),
+                               now)
+    assert [r.code for r in replies(effects)] == ["cancelled"]
+    assert assignments(state.tick(now).effects) == []
+
+
 def test_a_cancelled_running_request_is_not_requeued_when_its_worker_dies() -> None:
     state = ready_state(("w0", 0))
     state.on_request(admitted("r1"), ("tp", 0), T)

@@ -126,7 +126,7 @@ class RuntimeConfig:
     kv_safety_margin: float = 0.05
     heartbeat_staleness: float = 3.0
     drain_window_s: float = 30.0
-    cancel_memory_s: float = 600.0
+    cancel_memory_s: float = 86_400.0
     finished_memory_s: float = 3600.0
     #: The replicas' turns on each worker (``policies.filters.replica_turn``): to tell
     #: another replica's placement in this one's turn when it is read back.

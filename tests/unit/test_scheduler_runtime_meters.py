@@ -39,3 +39,12 @@ def test_a_cancel_naming_another_tenant_does_not_erase_the_right_one() -> None:
     assert cancels.matches("r1", "acme", 102.0)
     cancels.discard("r1", "acme")
     assert not cancels.matches("r1", "acme", 102.0)
+
+
+def test_prune_forgets_from_the_oldest_read_until_one_holds() -> None:
+    cancels = RecentCancels(memory_s=100.0)
+    for rid, issued_at in (("a", 0.0), ("b", 10.0), ("late", 5.0), ("c", 50.0)):
+        cancels.add(rid, "t", issued_at, now=issued_at + 1)
+    cancels.prune(111.0)  # a (100) and b (110) expired; "late" (105) too, read after b
+    assert len(cancels) == 1 and cancels.matches("c", "t", 111.0)
+    assert not cancels.matches("late", "t", 111.0)

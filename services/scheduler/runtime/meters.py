@@ -49,5 +49,13 @@ class RecentCancels:
         self._items.pop((request_id, tenant), None)
 
     def prune(self, now: float) -> None:
-        for key in [k for k, exp in self._items.items() if exp <= now]:
-            del self._items[key]
+        """Forget expired cancels from the oldest read on, up to the first that holds: a
+        day's worth may be held, and this runs every second. One read out of its
+        ``issued_at`` order waits behind a younger one (``matches`` says no all the same;
+        the capacity bounds them)."""
+        items = self._items
+        while items:
+            key, expires_at = next(iter(items.items()))
+            if expires_at > now:
+                break
+            del items[key]

@@ -157,6 +157,27 @@ def test_reject_only_what_no_live_worker_could_ever_take(
     assert (request_.request_id in queue) is (outcome == "defer")
 
 
+@pytest.mark.parametrize(("recent", "outcome"), [
+    (make_worker("b", model="m2", heartbeat_ts=NOW - 10), "defer"),  # restarting: waits
+    (make_worker("b", model="m2", kv_total_tokens=1_000, heartbeat_ts=NOW - 10),
+     "unknown_model"),  # too small to take it even back: no reason to wait
+    (None, "unknown_model"),
+])
+def test_a_request_only_a_worker_heard_from_lately_could_take_waits_for_it(
+    recent: WorkerState | None, outcome: str,
+) -> None:
+    """Found by an audit: a model's only worker restarting (another model's live), its
+    requests, the requeue of its lost work included, were refused unknown_model (404,
+    which clients do not retry)."""
+    live = make_worker("a", model="m1")
+    snapshot = Snapshot.of([live], NOW, recent=[recent] if recent is not None else [])
+    request = make_request("r", model="m2", kv_tokens=2_048)
+    queue = make_queue()
+    decisions = run(snapshot, request, queue=queue, pipeline=STRICT)
+    assert kinds(decisions) == {"r": outcome}
+    assert ("r" in queue) is (outcome == "defer")
+
+
 def test_cancelled_and_expired_leave_before_anything_is_placed() -> None:
     queue = make_queue(make_request("c"), make_request("old", deadline=NOW - 1))
     queue.cancel("c")

@@ -470,6 +470,28 @@ def test_unknown_model_is_rejected_by_the_core() -> None:
     assert [e.code for e in replies(result.effects)] == ["unknown_model"]
 
 
+def test_the_requeue_of_a_restarting_models_only_worker_waits_for_it() -> None:
+    """Found by an audit: m2's only worker b went stale while m1's w0 was live, and the
+    requeue of b's lost work was refused unknown_model at once: now it waits for a worker
+    heard from lately (5 minutes), then is refused as before."""
+    state = new_state(takeover_s=0.0)
+    state.observe_heartbeat(beat("w0", 0))
+    state.observe_heartbeat(beat("b", 1, model="m2"))
+    state.restore()
+    state.on_request(admitted("r", model="m2"), ("tp", 0), T)
+    [(_, first)] = assignments(state.tick(T).effects)
+    assert first.worker_id == "b"
+    now = T + 4  # b stale (3 intervals), w0 beating
+    state.observe_heartbeat(beat("w0", 0, ts=now))
+    effects = tick_and_release(state, now).effects
+    assert replies(effects) == [] and assignments(effects) == []  # requeued, waiting
+    assert state.pending and "r" in state.pending
+    state.observe_heartbeat(beat("b", 1, model="m2", ts=now + 1, started_at=now))  # back
+    state.observe_heartbeat(beat("w0", 0, ts=now + 1))
+    [(_, again)] = assignments(tick_and_release(state, now + 1).effects)
+    assert (again.worker_id, again.attempt) == ("b", 2)
+
+
 def test_queue_status_per_model() -> None:
     state = ready_state(("w0", 0), ("w1", 1))
     state.observe_heartbeat(beat("w2", 2, draining=True))

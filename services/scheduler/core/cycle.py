@@ -621,12 +621,14 @@ class _Cycle:
         if not fleet.any_live:
             return Defer(request_id, "no fresh worker in the fleet: saturated")
         lane_served, accepting, max_usable = fleet.lane_served, fleet.accepting, fleet.max_usable
+        recent_usable = fleet.recent_usable
         if request.lane in self.pipeline.spill:  # it may borrow the other lane's pool (step 5)
             other = capacity(self.snapshot, (route[0], route[1], _other(request.lane)),
                              self.ledger)
             lane_served = lane_served or other.lane_served
             accepting += other.accepting
             max_usable = max(max_usable, other.max_usable)
+            recent_usable = max(recent_usable, other.recent_usable)
         never = None
         if not fleet.version_served:
             what = (
@@ -643,6 +645,11 @@ class _Cycle:
             never = Reject(
                 request_id, "too_large", f"needs {kv} KV tokens, largest usable {max_usable}"
             )
+        if never is not None and recent_usable >= kv:
+            # A worker heard from lately (restarting, late) would take it: it waits for
+            # that worker, or for its deadline, rather than be refused for good.
+            return Defer(request_id, f"waits for a worker heard from lately: {never.reason} "
+                         "now")
         if never is not None:
             self.pending.remove(request_id)
             self.ledger.unhold(request_id)

@@ -183,6 +183,7 @@ class Capacity:
         "lane_served",
         "max_usable",
         "model_served",
+        "recent_usable",
         "version_served",
     )
 
@@ -210,6 +211,12 @@ class Capacity:
             if not w.draining and w.role != "prefill":  # a prefill worker runs no request
                 self.accepting += 1                      # to its end
                 self.max_usable = max(self.max_usable, ledger.usable_kv(w))
+        #: The largest usable KV of a worker of the route heard from lately but not fresh
+        #: (``Snapshot.recent``; -1 for none): what the route may have again soon.
+        self.recent_usable = max(
+            (ledger.usable_kv(w) for w in snapshot.recent
+             if w.model == model and (version is None or w.model_version == version)
+             and (w.pool == "any" or w.pool == lane) and w.role != "prefill"), default=-1)
 
 
 def capacity(snapshot: Snapshot, route: Route, ledger: Ledger) -> Capacity:

@@ -138,6 +138,11 @@ class Snapshot:
     ``memo`` holds indexes derived from the snapshot (candidate lists per route, fleet
     maxima). They are built on first use, so a caller that reuses one snapshot across many
     ``schedule()`` calls — between two batches of heartbeats — pays for them once.
+
+    ``recent`` are workers heard from lately but not fresh now (restarting, late): never a
+    candidate either, but a request only they could take waits for them (Defer) instead of
+    being refused as one no worker serves (``unknown_model`` / ``too_large``, which clients
+    do not retry): a rolling restart of a model's only worker refused its queue.
     """
 
     workers: Mapping[str, WorkerState]
@@ -148,6 +153,7 @@ class Snapshot:
     #: once that replica read the log up to the turn's start (filter ``replica-turn``).
     #: Infinite: the ledger is the whole truth (one replica; the simulator).
     log_read_at: float = math.inf
+    recent: tuple[WorkerState, ...] = ()
     memo: dict[object, object] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -163,9 +169,11 @@ class Snapshot:
         now: float,
         stale_after_s: float = DEFAULT_STALE_AFTER_S,
         log_read_at: float = math.inf,
+        recent: Iterable[WorkerState] = (),
     ) -> Snapshot:
         """A snapshot of ``workers`` (later duplicates of a worker_id win)."""
-        return cls({w.worker_id: w for w in workers}, now, stale_after_s, log_read_at)
+        return cls({w.worker_id: w for w in workers}, now, stale_after_s, log_read_at,
+                   tuple(recent))
 
     def is_fresh(self, worker: WorkerState) -> bool:
         """True when the worker's heartbeat is recent enough to trust."""

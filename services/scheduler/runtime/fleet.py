@@ -8,8 +8,10 @@ worker.
 
 Liveness, failing closed (STYLE.md §6): a worker is alive while ``now - ts <= staleness ×
 interval_s`` (its own interval, DESIGN.md: 3 intervals). :meth:`FleetView.snapshot` holds
-only live workers, so the core never sees a stale one as a candidate; an unknown worker is
-as dead as a stale one.
+only live workers as candidates, so the core never sees a stale one as one; an unknown
+worker is as dead as a stale one. Workers heard from within ``recent_s`` (5 minutes) but
+not fresh go in its ``recent``: no candidates, but a request only they could take waits for
+them instead of being refused as one no worker serves (a restart of a model's only worker).
 
 Declaring a worker *dead* fails the other way, because it gives the worker's work away:
 the scheduler declares dead every worker that holds reservations and is not
@@ -37,10 +39,11 @@ from services.scheduler import DEFAULT_STALE_AFTER_S, Snapshot, WorkerState
 class FleetView:
     """Newest heartbeat per worker and the liveness rule (module docstring)."""
 
-    def __init__(self, staleness: float = 3.0) -> None:
+    def __init__(self, staleness: float = 3.0, recent_s: float = 300.0) -> None:
         if staleness <= 0:
             raise ValueError(f"staleness must be > 0, got {staleness}")
         self.staleness = staleness
+        self.recent_s = recent_s
         self._beats: dict[str, WorkerHeartbeat] = {}
         self._read_at: dict[str, float] = {}  # our clock when the newest beat was read
 
@@ -96,7 +99,8 @@ class FleetView:
 
     def snapshot(self, now: float, log_read_at: float = math.inf) -> Snapshot:
         """The live workers as the core's frozen snapshot (``log_read_at``: see
-        :attr:`Snapshot.log_read_at`).
+        :attr:`Snapshot.log_read_at`), with the ones heard from within ``recent_s`` as its
+        ``recent``.
 
         The snapshot's ``stale_after_s`` covers the slowest live worker's own staleness
         bound, so the core's fresh-heartbeat rule agrees with this view (every worker in
@@ -106,8 +110,10 @@ class FleetView:
         bound = max(
             (self.staleness * hb.interval_s for hb in live), default=DEFAULT_STALE_AFTER_S
         )
+        recent = (worker_state(hb) for hb in self._beats.values()
+                  if not self._fresh(hb, now) and abs(now - hb.ts) <= self.recent_s)
         return Snapshot.of((worker_state(hb) for hb in live), now, max(bound, 1e-9),
-                           log_read_at)
+                           log_read_at, recent)
 
     def block_size(self, model: str, now: float | None = None) -> int | None:
         """The largest block size of the workers of ``model`` live at ``now``: of any known

@@ -61,6 +61,7 @@ _DEFER_REASONS: Final = (
     ("refused by hold", "held"),
     ("refused by", "filtered"),
     ("ledger refused", "ledger"),
+    ("waits for a worker heard from lately", "returning"),
 )
 
 

@@ -72,8 +72,16 @@ class SchemaError(ValueError):
 
     @property
     def error_code(self) -> ErrorCode:
-        """The terminal error code a rejection for this error carries (too_large or invalid)."""
-        return "too_large" if self.type in _TOO_LARGE_TYPES else "invalid"
+        """The terminal error code a rejection for this error carries: ``too_large`` for a
+        record over the size bound or an input (the prompt, the messages or one's content)
+        over llmq's bound, ``invalid`` for the rest — an over-long short field (a
+        300-character ``stop`` or ``model``, too many stop strings) is a malformed request,
+        as the HTTP API answers it (found by an audit: Kafka clients got too_large)."""
+        if self.type == "record_too_large":
+            return "too_large"
+        if self.type in _TOO_LARGE_TYPES and _is_input(self.field):
+            return "too_large"
+        return "invalid"
 
 
 def encode(msg: WireMessage) -> bytes:
@@ -139,6 +147,16 @@ def _is_tagged_union(adapter: Any) -> bool:
     return bool(schema["type"] == "tagged-union")
 
 
+def _is_input(field: str) -> bool:
+    """The request's input: the record as a whole, the prompt, the messages or one's
+    content (``messages.3.content``)."""
+    if field in ("", "prompt", "messages"):
+        return True
+    parts = field.split(".")
+    return len(parts) == 3 and parts[0] == "messages" and parts[1].isdigit() \
+        and parts[2] == "content"
+
+
 def _field_error(err: ErrorDetails, tagged: bool) -> FieldError:
     loc = list(err["loc"])
     # A discriminated union puts the tag first ("chunk", "seq"); the tag is not a field. Only
@@ -147,7 +165,7 @@ def _field_error(err: ErrorDetails, tagged: bool) -> FieldError:
         loc = loc[1:]
     if err["type"] in ("union_tag_invalid", "union_tag_not_found"):
         loc = ["kind"]
-    return FieldError(".".join(_part(p) for p in loc), err["type"], _cut(err["msg"]))
+    return FieldError(".".join(_part(p) for p in loc), err["type"], _printable(err["msg"]))
 
 
 def _part(part: object) -> str:
@@ -160,6 +178,13 @@ def _part(part: object) -> str:
     if not short.isprintable():
         short = ascii(short)[1:-1]
     return short + ("..." if len(text) > _MAX_PART_CHARS else "")
+
+
+def _printable(text: str) -> str:
+    """An error message, cut and printable: pydantic quotes the sender's discriminator in
+    it (a newline there forged a log line and a dead letter's reason)."""
+    text = _cut(text)
+    return text if text.isprintable() else ascii(text)[1:-1]
 
 
 def _cut(text: str) -> str:
@@ -177,7 +202,9 @@ def deadletter_headers(
     reason = str(error) if isinstance(error, SchemaError) else error
     field = error.field if isinstance(error, SchemaError) else ""
     return [
-        (DEADLETTER_REASON_HEADER, _cut(reason).encode()),
-        (DEADLETTER_FIELD_HEADER, field.encode()),
+        # backslashreplace: a reason quoting an exception's text may hold a lone surrogate,
+        # which would raise here and take the consumer loop down with it (found by an audit).
+        (DEADLETTER_REASON_HEADER, _cut(reason).encode(errors="backslashreplace")),
+        (DEADLETTER_FIELD_HEADER, field.encode(errors="backslashreplace")),
         (DEADLETTER_SOURCE_HEADER, f"{topic}/{partition}/{offset}".encode()),
     ]

@@ -95,7 +95,7 @@ class Guard:
         except Exception as exc:
             # The handler's own bug or a poison value: keep the traceback for the operator.
             self._log.exception("%s: record %s failed", self._name, _where(record))
-            await self.dead_letter(record, f"{type(exc).__name__}: {exc}")
+            await self.dead_letter(record, f"{type(exc).__name__}: {_text_of(exc)}")
         return None
 
     async def dead_letter(self, record: SourceRecord, reason: SchemaError | str) -> DeadLettered:
@@ -125,6 +125,15 @@ def aiokafka_dead_letter(producer: Any, topic: str) -> DeadLetterSend:
         return await producer.send_and_wait(topic, value, key=key, headers=headers)
 
     return send
+
+
+def _text_of(exc: BaseException) -> str:
+    """``str(exc)``, or what can be said when even that fails (an exception's own
+    ``__str__`` may raise: the guard must not)."""
+    try:
+        return str(exc)
+    except Exception:
+        return f"<{type(exc).__name__} whose text cannot be shown>"
 
 
 def _where(record: SourceRecord) -> str:

@@ -82,6 +82,29 @@ async def test_poison_record_reason_names_the_exception() -> None:
     assert headers[DEADLETTER_FIELD_HEADER] == b""
 
 
+class _Unprintable(Exception):
+    def __str__(self) -> str:
+        raise ZeroDivisionError("its own __str__ fails")
+
+
+@pytest.mark.parametrize(("error", "reason"), [
+    (ValueError("bad \udcff key"), b"ValueError: bad \\udcff key"),
+    (_Unprintable(), b"_Unprintable: <_Unprintable whose text cannot be shown>"),
+], ids=["lone surrogate", "str raises"])
+async def test_a_poison_records_odd_exception_text_is_dead_lettered_not_raised(
+    error: Exception, reason: bytes,
+) -> None:
+    """Found by an audit: building the reason header raised (UnicodeEncodeError, or the
+    exception's own __str__), out of Guard.run, and would end the consumer loop."""
+    sink = Sink()
+
+    async def boom() -> None:
+        raise error
+
+    assert await Guard(sink, name="t").run(Record(b"x"), boom) is None
+    assert dict(sink.sent[0][2])[DEADLETTER_REASON_HEADER] == reason
+
+
 async def test_failed_dead_letter_is_logged_not_raised(caplog: pytest.LogCaptureFixture) -> None:
     async def boom() -> None:
         raise ValueError("bad")

@@ -424,6 +424,31 @@ def test_schema_error_is_a_value_error_with_an_error_code() -> None:
     assert caught.value.error_code == "invalid"
 
 
+@pytest.mark.parametrize("changes", [
+    {"model": "m" * 300},
+    {"request_id": "r" * 200},
+    {"model_version": "v" * 5000},
+    {"sampling": {"stop": ["s"] * 9}},
+    {"sampling": {"stop": ["s" * 300]}},
+], ids=["model", "request_id", "model_version", "nine stops", "long stop"])
+def test_an_over_long_short_field_is_invalid_not_too_large(changes: dict[str, Any]) -> None:
+    """Found by an audit: over Kafka these were refused too_large (413); the HTTP API, and
+    this, call a malformed request invalid. Only the input (prompt, messages) is too large."""
+    with pytest.raises(SchemaError) as caught:
+        decode(_mutated(_REQ, changes), InferenceRequest)
+    assert caught.value.error_code == "invalid"
+
+
+def test_a_discriminator_that_forges_a_log_line_is_printed_escaped() -> None:
+    """Found by an audit: pydantic quotes the sender's ``kind`` in its message, which went
+    raw into the dead letter's reason and the log line (a newline forged one)."""
+    with pytest.raises(SchemaError) as caught:
+        decode(b'{"kind": "x\\nFAKE LOG LINE level=ERROR"}', REPLY_ADAPTER)
+    assert str(caught.value).isprintable() and "\\n" in str(caught.value)
+    headers = dict(deadletter_headers(caught.value, "t", 0, 1))
+    assert b"\n" not in headers["llmq-dlq-reason"]
+
+
 def test_schema_error_lists_every_failure_without_echoing_input() -> None:
     secret = "top secret prompt text"
     data = _mutated(_REQ, {"max_tokens": -1, "priority": secret, "messages": None})

@@ -288,6 +288,7 @@ async def ensure_topics(
     try:
         existing = set(await admin.list_topics())
         missing = [t for t in wanted if t.name not in existing]
+        existed: set[str] = set()  # made by another process between list and create
         if missing:
             new = [
                 NewTopic(
@@ -299,21 +300,27 @@ async def ensure_topics(
                 for t in missing
             ]
             try:
-                _raise_topic_errors(await asyncio.wait_for(admin.create_topics(new), timeout_s))
+                existed = _raise_topic_errors(
+                    await asyncio.wait_for(admin.create_topics(new), timeout_s))
             except TopicAlreadyExistsError:
-                # Another process created some of them between list and create: fine.
-                log.debug("topics created concurrently: %s", [t.name for t in missing])
+                existed = {t.name for t in missing}
+            if existed:
+                log.debug("topics created concurrently: %s", sorted(existed))
+        created = [t for t in missing if t.name not in existed]
         await asyncio.wait_for(_until_led(admin, [t.name for t in wanted]), timeout_s)
         if missing:
             await asyncio.wait_for(
                 _until_served(bootstrap, admin, [t.name for t in missing]), timeout_s)
-        found = [t for t in wanted if t not in missing]
+        # Checked: what existed, and what another process made meanwhile (a broker that
+        # creates topics on first use makes them with its own partition count: found by
+        # an audit, such an intake topic of one partition passed as made by llmq).
+        found = [t for t in wanted if t not in created]
         if found:
             described = await asyncio.wait_for(
                 admin.describe_topics([t.name for t in found]), timeout_s)
             _check_partitions(found, described)
             _warn_replicas(described, replication_factor)
-        return [t.name for t in missing]
+        return [t.name for t in created]
     finally:
         await admin.close()
 
@@ -367,18 +374,24 @@ async def topic_exists(bootstrap: str, name: str, timeout_s: float = 10.0) -> bo
         await admin.close()
 
 
-def _raise_topic_errors(response: Any) -> None:
+def _raise_topic_errors(response: Any) -> set[str]:
     """aiokafka returns CreateTopics' per-topic errors without raising them: a topic the
     broker refused (ACLs, a create policy) would only show as a timeout waiting for it.
-    Raise the first one no retry mends, as its own error class."""
+    Raise the first one no retry mends, as its own error class; return the topics that
+    already existed (made by someone else meanwhile)."""
+    existed: set[str] = set()
     for entry in getattr(response, "topic_errors", ()):
         name, code = entry[0], entry[1]
+        if code == TopicAlreadyExistsError.errno:
+            existed.add(name)
+            continue
         error = for_code(code)
         # A retriable one (the controller moved, a slow create) is left to the wait for
         # the topic's leaders that follows, as before.
-        if code not in (0, TopicAlreadyExistsError.errno) and not error.retriable:
+        if code != 0 and not error.retriable:
             detail = entry[2] if len(entry) > 2 and entry[2] else "refused"
             raise error(f"creating topic {name!r}: {detail}")
+    return existed
 
 
 async def _until_served(bootstrap: str, admin: AIOKafkaAdminClient, names: list[str]) -> None:

@@ -19,7 +19,8 @@ def test_create_topics_errors_are_raised_not_waited_out() -> None:
     # aiokafka returns CreateTopics' per-topic errors without raising them: a refused
     # topic only showed as a 30 s timeout waiting for it to appear (and ingest, which
     # retries timeouts, waited on it).
-    _raise_topic_errors(SimpleNamespace(topic_errors=[("a", 0, None), ("b", 36, "exists")]))
+    assert _raise_topic_errors(
+        SimpleNamespace(topic_errors=[("a", 0, None), ("b", 36, "exists")])) == {"b"}
     with pytest.raises(TopicAuthorizationFailedError, match="'c'"):
         _raise_topic_errors(SimpleNamespace(topic_errors=[("a", 0, None), ("c", 29, "")]))
 
@@ -49,3 +50,36 @@ def test_existing_topics_with_a_partition_count_llmq_cannot_use_are_refused() ->
         _check_partitions(wanted, _described(llmq_intake=6, llmq_assignments=8))
     with pytest.raises(TopicMismatchError, match="intake has 12"):  # exact: more is wrong too
         _check_partitions(wanted, _described(llmq_intake=12, llmq_assignments=16))
+
+
+async def test_a_topic_made_elsewhere_meanwhile_is_checked_like_one_found(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by an audit: a topic missing from the list but made by someone else before
+    llmq's create (a broker creating topics on first use: one partition) answered "already
+    exists", and passed as made by llmq, unchecked."""
+    import services.common.kafka as kafka
+
+    class Admin:
+        def __init__(self, **_: object) -> None: ...
+
+        async def start(self) -> None: ...
+
+        async def close(self) -> None: ...
+
+        async def list_topics(self) -> list[str]:
+            return []
+
+        async def create_topics(self, new: list[object]) -> object:
+            return SimpleNamespace(topic_errors=[(t.name, 36, "exists") for t in new])  # type: ignore[attr-defined]
+
+        async def describe_topics(self, names: list[str]) -> list[dict[str, object]]:
+            return [{"topic": n, "error_code": 0, "partitions": [{"partition": 0,
+                     "leader": 1, "error_code": 0, "replicas": [1]}]} for n in names]
+
+    async def served(*_: object) -> None: ...
+
+    monkeypatch.setattr(kafka, "AIOKafkaAdminClient", Admin)
+    monkeypatch.setattr(kafka, "_until_served", served)
+    with pytest.raises(TopicMismatchError, match=r"llmq\.intake has 1 partition"):
+        await kafka.ensure_topics("x:1", [TopicRequest("llmq.intake", 6, exact=True)])

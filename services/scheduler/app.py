@@ -430,9 +430,12 @@ class Scheduler:
 
     async def _cycle(self, now: float, log_read_at: float) -> None:
         # One replica handles worker loss: faust's leader (the leader-assignor partition's
-        # owner; a single replica is always it once assigned).
-        result = self.state.tick(now, handle_losses=self.app.is_leader(),
-                                 log_read_at=log_read_at)
+        # owner; a single replica is always it once assigned). Not between a revoke of that
+        # partition and the next assignment: faust still answers is_leader() from the old
+        # assignment then, and such a tick, after leadership_lapsed, restarted the takeover
+        # wait of a leadership that continues (found by a review of c21e40e).
+        leads = self.app.is_leader() and not self._led_until_revoked
+        result = self.state.tick(now, handle_losses=leads, log_read_at=log_read_at)
         m = self.metrics
         m.tick(result)
         for worker_id in result.lost_workers:

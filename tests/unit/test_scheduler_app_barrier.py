@@ -245,3 +245,28 @@ async def test_a_continued_leadership_is_not_remembered_past_the_next_rebalance(
     app.consumer_generation_id = 9
     await scheduler.on_assigned(None, {tp}, signal=None)  # another replica leads now
     assert not state._continued
+
+
+async def test_a_tick_during_a_rebalance_does_not_restart_a_continued_leaders_wait() -> None:
+    """Found by a review of c21e40e: faust answers is_leader() from the old assignment
+    until the new one, so a dispatch tick between the revoke of the leader partition and
+    the next assignment still led, after leadership_lapsed, and restarted the takeover
+    wait of a leadership that then continued (lost workers held 15 s at every rebalance)."""
+    scheduler = _scheduler(lambda topics, timeout_s: asyncio.sleep(0, True))
+    app: Any = scheduler.app
+    app.is_leader = lambda: True  # faust's answer all along: the old assignment holds
+    app.consumer = SimpleNamespace(assignment=set)  # nothing to pause
+    leader = TopicPartition(f"{scheduler.rt.app_id}-__assignor-__leader", 0)
+    _, tp = _event(scheduler)
+    state = scheduler.state
+    app.consumer_generation_id = 7
+    await scheduler.on_assigned(None, {tp, leader}, signal=None)
+    await scheduler._cycle(T, math.inf)
+    since = state._leading_since
+    await scheduler.on_revoked(None, {tp, leader}, signal=None)
+    await scheduler._cycle(T + 5, math.inf)  # mid-rebalance
+    assert not state.leading
+    app.consumer_generation_id = 8
+    await scheduler.on_assigned(None, {tp, leader}, signal=None)
+    await scheduler._cycle(T + 6, math.inf)
+    assert state.leading and state._leading_since == since  # continued: no new wait

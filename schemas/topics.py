@@ -66,6 +66,11 @@ _DAY_MS: Final = 86_400_000
 DEADLETTER_REASON_HEADER: Final = "llmq-dlq-reason"
 DEADLETTER_FIELD_HEADER: Final = "llmq-dlq-field"
 DEADLETTER_SOURCE_HEADER: Final = "llmq-dlq-source"  # "topic/partition/offset"
+#: On a dead letter whose value was cut to ``DEADLETTER_MAX_VALUE_BYTES``: the original
+#: length, and the original's sha256 (hex).
+DEADLETTER_TRUNCATED_HEADER: Final = "llmq-dlq-truncated"
+DEADLETTER_SHA256_HEADER: Final = "llmq-dlq-sha256"
+DEADLETTER_MAX_VALUE_BYTES: Final = 1 << 20
 
 _PREFIX_RE: Final = re.compile(TOPIC_PREFIX_PATTERN)
 _TENANT_RE: Final = re.compile(TENANT_PATTERN)
@@ -269,7 +274,9 @@ def catalog(
             description=(
                 "Records that failed to decode or poisoned a consumer: the original value, "
                 f"with headers {DEADLETTER_REASON_HEADER}, {DEADLETTER_FIELD_HEADER} and "
-                f"{DEADLETTER_SOURCE_HEADER}."
+                f"{DEADLETTER_SOURCE_HEADER}; a value over {DEADLETTER_MAX_VALUE_BYTES} bytes "
+                f"cut to that size, with {DEADLETTER_TRUNCATED_HEADER} (its length) and "
+                f"{DEADLETTER_SHA256_HEADER}."
             ),
             producers=("ingest", "scheduler", "worker"),
             consumers=(),  # an operator's, with any Kafka consumer

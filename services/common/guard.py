@@ -5,7 +5,11 @@ through :meth:`Guard.run`. When the handler raises ``SchemaError`` (the record d
 decode) or any other ``Exception`` (it decoded but poisoned the handler), the original
 record goes to ``llmq.deadletter`` unchanged, with ``schemas.codec.deadletter_headers``
 (reason, failing field, ``topic/partition/offset``) in front of its own headers, and the
-loop goes on with the next record (docs/live-system.md, "Guards").
+loop goes on with the next record (docs/live-system.md, "Guards"). A value over
+``DEADLETTER_MAX_VALUE_BYTES`` (1 MiB) goes cut to that size, with its original length and
+sha256 in two more headers: whole, it could be over what the producer or the topic takes
+(a record that came in compressed, or just under the 8 MiB bound, plus the headers), and
+the dead letter was refused: the record was then in its source topic only.
 
 The guard knows nothing about Kafka clients: it is given an async ``DeadLetterSend``
 (``aiokafka_dead_letter`` builds one from an aiokafka producer; a Faust app passes its own
@@ -18,13 +22,19 @@ poison record.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from schemas.codec import SchemaError, deadletter_headers
-from schemas.topics import DEADLETTER_REASON_HEADER
+from schemas.topics import (
+    DEADLETTER_MAX_VALUE_BYTES,
+    DEADLETTER_REASON_HEADER,
+    DEADLETTER_SHA256_HEADER,
+    DEADLETTER_TRUNCATED_HEADER,
+)
 from services.common.metrics import DEAD_LETTERS
 
 T = TypeVar("T")
@@ -105,10 +115,15 @@ class Guard:
         # ERROR and stays in its source topic, and is just as much a poisoned record.
         self._counter.inc()
         headers = deadletter_headers(reason, record.topic, record.partition, record.offset)
+        value = _as_bytes(record.value)
+        if value is not None and len(value) > DEADLETTER_MAX_VALUE_BYTES:
+            headers += [(DEADLETTER_TRUNCATED_HEADER, str(len(value)).encode()),
+                        (DEADLETTER_SHA256_HEADER, hashlib.sha256(value).hexdigest().encode())]
+            value = value[:DEADLETTER_MAX_VALUE_BYTES]
         headers += _own_headers(record.headers)
         field = reason.field if isinstance(reason, SchemaError) else ""
         try:
-            await self._send(_as_bytes(record.key), _as_bytes(record.value), headers)
+            await self._send(_as_bytes(record.key), value, headers)
         except Exception:
             self._log.error(
                 "%s: could not dead-letter record %s (reason: %s); it stays in its source "

@@ -105,6 +105,37 @@ async def test_a_poison_records_odd_exception_text_is_dead_lettered_not_raised(
     assert dict(sink.sent[0][2])[DEADLETTER_REASON_HEADER] == reason
 
 
+async def test_a_value_over_the_dead_letters_bound_goes_cut_with_its_length_and_digest(
+) -> None:
+    """Found by an audit: a record just under the 8 MiB bound, or one that came in
+    compressed, was over what the dead-letter producer takes once headers were added: the
+    send failed and the record stayed in its source topic only."""
+    import hashlib
+
+    from schemas.topics import (
+        DEADLETTER_MAX_VALUE_BYTES,
+        DEADLETTER_SHA256_HEADER,
+        DEADLETTER_TRUNCATED_HEADER,
+    )
+
+    sink = Sink()
+    value = b"x" * (8 << 20)
+
+    async def undecodable() -> None:
+        decode(value, InferenceRequest)
+
+    await Guard(sink, name="t").run(Record(value), undecodable)
+    [(_, sent, headers)] = sink.sent
+    named = dict(headers)
+    assert sent == value[:DEADLETTER_MAX_VALUE_BYTES]
+    assert named[DEADLETTER_TRUNCATED_HEADER] == str(len(value)).encode()
+    assert named[DEADLETTER_SHA256_HEADER] == hashlib.sha256(value).hexdigest().encode()
+    assert named[DEADLETTER_REASON_HEADER]  # the reason still says why
+    small = Sink()
+    await Guard(small, name="t").run(Record(b"{}"), undecodable)
+    assert DEADLETTER_TRUNCATED_HEADER not in dict(small.sent[0][2])
+
+
 async def test_failed_dead_letter_is_logged_not_raised(caplog: pytest.LogCaptureFixture) -> None:
     async def boom() -> None:
         raise ValueError("bad")

@@ -162,6 +162,8 @@ def test_reject_only_what_no_live_worker_could_ever_take(
     (make_worker("b", model="m2", kv_total_tokens=1_000, heartbeat_ts=NOW - 10),
      "unknown_model"),  # too small to take it even back: no reason to wait
     (None, "unknown_model"),
+    (make_worker("b", model="m2", heartbeat_ts=NOW - 10, draining=True),
+     "unknown_model"),  # it was on its way out: not coming back
 ])
 def test_a_request_only_a_worker_heard_from_lately_could_take_waits_for_it(
     recent: WorkerState | None, outcome: str,
@@ -176,6 +178,20 @@ def test_a_request_only_a_worker_heard_from_lately_could_take_waits_for_it(
     decisions = run(snapshot, request, queue=queue, pipeline=STRICT)
     assert kinds(decisions) == {"r": outcome}
     assert ("r" in queue) is (outcome == "defer")
+
+
+def test_a_head_too_large_for_the_live_workers_does_not_wait_for_a_recent_one() -> None:
+    """Found by a review of f4d1301: deferred for a larger worker heard from lately, the
+    head held its class's smaller requests back for minutes, though the live workers could
+    run them. Refused too_large as before; the small ones are placed."""
+    live = make_worker("small", kv_total_tokens=10_000)
+    big = make_worker("big", kv_total_tokens=200_000, heartbeat_ts=NOW - 10)
+    snapshot = Snapshot.of([live], NOW, recent=[big])
+    requests = [make_request("huge", kv_tokens=100_000, enqueued_at=NOW - 5)]
+    requests += [make_request(f"s{i}", kv_tokens=1_024) for i in range(3)]
+    decisions = run(snapshot, *requests, pipeline=STRICT)
+    assert kinds(decisions)["huge"] == "too_large"
+    assert sorted(rid for rid, _ in placed(decisions)) == ["s0", "s1", "s2"]
 
 
 def test_cancelled_and_expired_leave_before_anything_is_placed() -> None:

@@ -645,9 +645,12 @@ class _Cycle:
             never = Reject(
                 request_id, "too_large", f"needs {kv} KV tokens, largest usable {max_usable}"
             )
-        if never is not None and recent_usable >= kv:
-            # A worker heard from lately (restarting, late) would take it: it waits for
-            # that worker, or for its deadline, rather than be refused for good.
+        if never is not None and accepting == 0 and recent_usable >= kv:
+            # No live worker takes this route now, and one heard from lately (restarting,
+            # late) would take it: it waits for that worker, or for its deadline, rather
+            # than be refused for good. Only then: with live workers that are merely too
+            # small, the deferred head would hold its class's smaller requests back for
+            # minutes (found by a review of f4d1301); it is refused too_large as before.
             return Defer(request_id, f"waits for a worker heard from lately: {never.reason} "
                          "now")
         if never is not None:

@@ -212,11 +212,13 @@ class Capacity:
                 self.accepting += 1                      # to its end
                 self.max_usable = max(self.max_usable, ledger.usable_kv(w))
         #: The largest usable KV of a worker of the route heard from lately but not fresh
-        #: (``Snapshot.recent``; -1 for none): what the route may have again soon.
+        #: (``Snapshot.recent``; -1 for none): what the route may have again soon. Not a
+        #: draining one: it was on its way out (a retired worker is not coming back).
         self.recent_usable = max(
             (ledger.usable_kv(w) for w in snapshot.recent
              if w.model == model and (version is None or w.model_version == version)
-             and (w.pool == "any" or w.pool == lane) and w.role != "prefill"), default=-1)
+             and (w.pool == "any" or w.pool == lane) and w.role != "prefill"
+             and not w.draining), default=-1)
 
 
 def capacity(snapshot: Snapshot, route: Route, ledger: Ledger) -> Capacity:

@@ -442,6 +442,24 @@ def test_a_cancel_read_long_before_its_request_is_still_remembered() -> None:
     assert assignments(state.tick(now).effects) == []
 
 
+def test_a_cancel_of_an_earlier_request_under_the_same_id_does_not_end_a_reuse() -> None:
+    """Found by a review of 1e5276b: a cancel is now remembered a day, longer than the log
+    remembers a finished request (an hour past its deadline); a new request reusing the id
+    two hours later was then answered cancelled at once."""
+    state = ready_state(("w0", 0))
+    state.on_request(admitted("r1"), ("tp", 0), T)
+    [(_, first)] = assignments(state.tick(T).effects)
+    state.on_cancel(cancel("r1", at=T + 1), T + 1)  # while it runs: remembered
+    state.observe_event(done(first, "w0", ts=T + 2), read_at=T + 2)
+    later = T + 2 * 3600
+    state.prune(later)  # the log forgot r1
+    state.observe_heartbeat(beat("w0", 0, ts=later))
+    effects = state.on_request(admitted("r1", at=later), ("tp", 1), later)
+    assert replies(effects) == []
+    assert [(a.request_id, a.attempt) for _, a in assignments(state.tick(later).effects)] == [
+        ("r1", 1)]
+
+
 def test_a_cancelled_running_request_is_not_requeued_when_its_worker_dies() -> None:
     state = ready_state(("w0", 0))
     state.on_request(admitted("r1"), ("tp", 0), T)

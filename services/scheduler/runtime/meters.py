@@ -8,16 +8,22 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Final
+
+#: How far a cancel's ``issued_at`` may be before its request's ``created_at`` and still
+#: be its own: the two stamps come from different clocks (the client's, ingest's).
+CLOCK_MARGIN_S: Final = 60.0
 
 
 class RecentCancels:
-    """(request_id, tenant) -> expires_at, bounded; oldest forgotten first. Keyed by both,
-    so a cancel naming the wrong tenant (ignored) cannot overwrite the right one."""
+    """(request_id, tenant) -> (issued_at, expires_at), bounded; oldest forgotten first.
+    Keyed by both, so a cancel naming the wrong tenant (ignored) cannot overwrite the right
+    one."""
 
     def __init__(self, memory_s: float = 600.0, capacity: int = 100_000) -> None:
         self.memory_s = memory_s
         self._capacity = max(1, capacity)
-        self._items: OrderedDict[tuple[str, str], float] = OrderedDict()
+        self._items: OrderedDict[tuple[str, str], tuple[float, float]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._items)
@@ -28,22 +34,28 @@ class RecentCancels:
         if expires_at <= now:
             return False
         key = (request_id, tenant)
-        self._items[key] = expires_at
+        self._items[key] = (issued_at, expires_at)
         self._items.move_to_end(key)
         while len(self._items) > self._capacity:
             self._items.popitem(last=False)
         return True
 
-    def matches(self, request_id: str, tenant: str, now: float) -> bool:
-        """True if ``request_id`` of ``tenant`` was cancelled and the cancel still holds."""
+    def matches(self, request_id: str, tenant: str, now: float,
+                created_at: float | None = None) -> bool:
+        """True if ``request_id`` of ``tenant`` was cancelled and the cancel still holds;
+        with ``created_at`` (the request's), only a cancel issued after it, give or take
+        ``CLOCK_MARGIN_S``: a cancel of an earlier request under the same id (reused once
+        the log forgot the first) does not end a new one (found by a review: remembered a
+        day, it outlived the log's hour)."""
         key = (request_id, tenant)
-        expires_at = self._items.get(key)
-        if expires_at is None:
+        found = self._items.get(key)
+        if found is None:
             return False
+        issued_at, expires_at = found
         if expires_at <= now:
             del self._items[key]
             return False
-        return True
+        return created_at is None or issued_at >= created_at - CLOCK_MARGIN_S
 
     def discard(self, request_id: str, tenant: str) -> None:
         self._items.pop((request_id, tenant), None)
@@ -55,7 +67,7 @@ class RecentCancels:
         the capacity bounds them)."""
         items = self._items
         while items:
-            key, expires_at = next(iter(items.items()))
+            key, (_, expires_at) = next(iter(items.items()))
             if expires_at > now:
                 break
             del items[key]

@@ -429,7 +429,8 @@ class SchedulerState:
             return [Effect(tickets=(ticket,))]
         taken_back = self._taken_back.pop(request_id, None)
         attempt = 1 if taken_back is None else taken_back[0] + 1
-        if self.cancels.matches(request_id, admitted.request.tenant, now):
+        if self.cancels.matches(request_id, admitted.request.tenant, now,
+                                admitted.request.created_at):
             self.cancels.discard(request_id, admitted.request.tenant)
             return [self._end(admitted, attempt, "cancelled", "cancelled before it was queued",
                               now, (ticket,), trace=trace)]
@@ -651,7 +652,7 @@ class SchedulerState:
                 continue  # the leader before this one placed it: its events came first
             trace = self._active_trace.get(request_id, ())
             tenant = prefill.request.tenant
-            if self.cancels.matches(request_id, tenant, now):
+            if self.cancels.matches(request_id, tenant, now, prefill.request.created_at):
                 self.cancels.discard(request_id, tenant)
                 effects.append(self._end(prefill.admitted, attempt, "cancelled",
                                          "cancelled after its prefill", now, (),
@@ -986,7 +987,8 @@ class SchedulerState:
             return []
         # The lost attempt's placement is the parent of what happens to the request next.
         trace = self._active_trace.pop(request.request_id, ())
-        if self.cancels.matches(request.request_id, request.tenant, now):
+        if self.cancels.matches(request.request_id, request.tenant, now,
+                                record.admitted.request.created_at):
             self.cancels.discard(request.request_id, request.tenant)
             return [self._end(record.admitted, request.attempt, "cancelled",
                               "cancelled while its worker was lost", now, (),

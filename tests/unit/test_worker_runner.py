@@ -279,6 +279,24 @@ async def test_a_lost_chunk_goes_again_ahead_of_the_reply() -> None:
     assert producer.sends == 6  # the chunk twice
 
 
+class _ManyChunks(_BrokenEngine):
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
+        for i in range(5):
+            yield TokenDelta(f"t{i} ", 1)
+        yield TokenDelta("", 0, finish_reason="stop", prompt_tokens=7, completion_tokens=5)
+
+
+async def test_a_lost_chunk_goes_again_ahead_of_the_next_one_not_of_the_reply() -> None:
+    """Found by a review: a chunk whose delivery failed went again only ahead of the
+    reply; clients release chunks in seq order, so everything after it was held back
+    until the request ended."""
+    producer = _Producer(nack=frozenset({3}))  # started, first_token, chunk 0, chunk 1 lost
+    outcome = await _run(_ManyChunks(tokens=0), producer)
+    assert (outcome.terminal, outcome.acked) == ("done", True)
+    seqs = [r["seq"] for _, r in producer.records if r["kind"] == "chunk"]
+    assert seqs == [0, 1, 2, 3, 4]  # 1 again before 2, not after 4
+
+
 async def test_buffered_text_whose_send_fails_goes_again_ahead_of_the_reply() -> None:
     """The 2 tokens stay buffered (16 per chunk) until the end; that chunk's send raises."""
     producer = _Producer(fail=frozenset({2}))  # started, first_token, the buffered chunk

@@ -370,8 +370,12 @@ class FakeWorker:
         key = next(k for k in self.held if k[0] == request_id)
         assignment = next(a for a in self.taken if (a.request_id, a.attempt) == key)
         usage = Usage(prompt_tokens=assignment.admitted.prompt_tokens, completion_tokens=5)
-        await self._event(EventDone, assignment, finish_reason="stop", usage=usage)
+        # Freed before the event goes, as an engine frees a finished request's KV: freed
+        # after, the scheduler could read the event and its next placement could reach this
+        # worker before send_and_wait returned here, a false "over usable KV" (seen once in
+        # CI, 2026-12-01).
         del self.held[key]
+        await self._event(EventDone, assignment, finish_reason="stop", usage=usage)
 
     def holding(self) -> list[str]:
         return [rid for rid, _ in self.held]

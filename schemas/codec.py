@@ -79,7 +79,7 @@ class SchemaError(ValueError):
         as the HTTP API answers it (found by an audit: Kafka clients got too_large)."""
         if self.type == "record_too_large":
             return "too_large"
-        if self.type in _TOO_LARGE_TYPES and _is_input(self.field):
+        if self.type in _TOO_LARGE_TYPES and is_input_field(self.field):
             return "too_large"
         return "invalid"
 
@@ -147,9 +147,9 @@ def _is_tagged_union(adapter: Any) -> bool:
     return bool(schema["type"] == "tagged-union")
 
 
-def _is_input(field: str) -> bool:
-    """The request's input: the record as a whole, the prompt, the messages or one's
-    content (``messages.3.content``)."""
+def is_input_field(field: str) -> bool:
+    """The request's input: the record as a whole (``""``), the prompt, the messages or
+    one's content (``messages.3.content``): what may be too large rather than malformed."""
     if field in ("", "prompt", "messages"):
         return True
     parts = field.split(".")

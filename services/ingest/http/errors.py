@@ -15,7 +15,7 @@ from typing import Any, Final
 
 from fastapi.responses import JSONResponse
 
-from schemas.codec import SchemaError
+from schemas.codec import SchemaError, is_input_field
 from schemas.common import ErrorCode
 from schemas.replies import Error
 
@@ -115,10 +115,7 @@ def from_schema_error(exc: SchemaError, param: str | None) -> ApiError:
 
 
 def _is_input(param: str | None) -> bool:
-    if param in ("prompt", "messages", None):  # None: the record as a whole
-        return True
-    parts = param.split(".")
-    return len(parts) == 3 and parts[0] == "messages" and parts[2] == "content"
+    return param is None or is_input_field(param)  # None: the record as a whole
 
 
 def invalid(message: str, param: str | None = None) -> ApiError:

@@ -120,6 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         watcher=built.watcher,
         defaults=ApiDefaults(ingest.completion_default_max_tokens, ingest.chat_default_max_tokens),
         reply_grace_s=ingest.reply_grace_s,
+        counters=counters,
     ))
     serve_asgi(built.app, api, host=ingest.http_host, port=ingest.http_port,
                log_config=None, access_log=False)

@@ -91,8 +91,8 @@ from services.ingest.core import (
     TenantState,
     TokenCounter,
     admit,
-    chat_prompt_tokens,
-    prompt_tokens,
+    counter_for,
+    request_prompt_tokens,
     settle,
 )
 from services.ingest.tenants import Tenancy
@@ -499,8 +499,7 @@ class IntakeHandler:
         return TenantState.full(policy, now) if stored is None else TenantState.from_dict(stored)
 
     def _counter(self, model: str) -> TokenCounter:
-        shape = self._registry.get(model)
-        return self._counters.get(shape.name if shape else model, ESTIMATE)
+        return counter_for(model, self._registry, self._counters)
 
     async def _send(self, topic: str, message: AdmittedRequest | Error) -> None:
         if topic not in self._known_topics:
@@ -591,12 +590,9 @@ def _annotate(span: Span, decision: _Decision) -> None:
 
 def admission_request(req: InferenceRequest, counter: TokenCounter = ESTIMATE) -> AdmissionRequest:
     """The core's view of a request, with its prompt tokens counted."""
-    if req.prompt is not None:
-        tokens = prompt_tokens(req.prompt, counter)
-    else:
-        tokens = chat_prompt_tokens((m.content for m in req.messages or ()), counter)
     return AdmissionRequest(
-        request_id=req.request_id, tenant=req.tenant, model=req.model, prompt_tokens=tokens,
+        request_id=req.request_id, tenant=req.tenant, model=req.model,
+        prompt_tokens=request_prompt_tokens(req, counter),
         max_tokens=req.max_tokens, priority=req.priority, lane_hint=req.lane,
         timeout_s=req.timeout_s,
     )

@@ -55,7 +55,8 @@ class IngestSettings(BaseSettings):
     )
     chat_default_max_tokens: int = Field(
         default=512, ge=1, le=1 << 20, description="max_tokens of /v1/chat/completions when "
-        "omitted (OpenAI has no bound; a KV reservation needs one).",
+        "omitted (OpenAI has no bound; a KV reservation needs one). Lowered to the rest of the "
+        "model's context when the prompt leaves less, as vLLM does.",
     )
     reply_grace_s: float = Field(
         default=10.0, gt=0, le=600, description="HTTP waits timeout + this for the terminal "

@@ -44,12 +44,14 @@ class _Producer:
     def __init__(self, router: ReplyRouter, script: Script) -> None:
         self.router, self.script = router, script
         self.cancels: list[CancelRequest] = []
+        self.requests: list[InferenceRequest] = []  # as submitted to intake
         self._gated: set[asyncio.Task[None]] = set()
 
     async def send_and_wait(self, topic: str, value: bytes, key: bytes | None = None,
                             headers: Any = None) -> None:
         if topic == TOPICS.intake:
-            rid = decode(value, InferenceRequest).request_id
+            self.requests.append(decode(value, InferenceRequest))
+            rid = self.requests[-1].request_id
             for delay, reply in self.script:
                 if isinstance(delay, asyncio.Event):
                     task = asyncio.create_task(self._route_after(delay, reply(rid)))
@@ -81,17 +83,19 @@ class Api:
         self.app = create_api(HttpDeps(gateway=gateway, tenancy=tenancy, watcher=watcher,  # type: ignore[arg-type]
                                        defaults=ApiDefaults(), reply_grace_s=reply_grace_s))
 
-    async def post(self, body: dict[str, Any], leave_after_s: float | None = None) -> Any:
-        """Status and body of one call to /v1/completions; the client leaves after
+    async def post(self, body: dict[str, Any], leave_after_s: float | None = None,
+                   path: str = "/v1/completions") -> Any:
+        """Status and body of one call to ``path``; the client leaves after
         ``leave_after_s`` (None: it stays)."""
         gone = asyncio.Event()
         if leave_after_s is not None:
             asyncio.get_running_loop().call_later(leave_after_s, gone.set)
-        return await self.call([json.dumps(body).encode()], [], gone)
+        return await self.call([json.dumps(body).encode()], [], gone, path=path)
 
     async def call(self, parts: list[bytes], headers: list[tuple[bytes, bytes]],
-                   gone: asyncio.Event | None = None, cut_after: int | None = None) -> Any:
-        """One POST /v1/completions whose body arrives in ``parts`` (with ``headers``);
+                   gone: asyncio.Event | None = None, cut_after: int | None = None,
+                   path: str = "/v1/completions") -> Any:
+        """One POST to ``path`` whose body arrives in ``parts`` (with ``headers``);
         once they are read (or ``cut_after`` of them: the client leaves mid-upload), the
         client waits for its answer, or leaves when ``gone`` is set. Its status, body,
         headers and how many parts the app read."""
@@ -119,7 +123,7 @@ class Api:
         scope = {
             "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
             "http_version": "1.1", "method": "POST", "scheme": "http",
-            "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
+            "path": path, "raw_path": path.encode(), "query_string": b"",
             "root_path": "", "headers": [(b"content-type", b"application/json"), *headers],
             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8080),
         }

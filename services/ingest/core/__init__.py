@@ -21,6 +21,7 @@ from services.ingest.core.admission import (
     Reject,
     RejectCheck,
     admit,
+    fitted_max_tokens,
     may_use_model,
 )
 from services.ingest.core.classify import DEFAULT_LANE_THRESHOLD, LaneConfig, classify_lane
@@ -47,10 +48,12 @@ from services.ingest.core.tokens import (
     TokenCounter,
     blocks_for,
     chat_prompt_tokens,
+    counter_for,
     counter_from_tokenizer_json,
     kv_bytes_for,
     kv_tokens_for,
     prompt_tokens,
+    request_prompt_tokens,
 )
 
 __all__ = [
@@ -80,13 +83,16 @@ __all__ = [
     "blocks_for",
     "chat_prompt_tokens",
     "classify_lane",
+    "counter_for",
     "counter_from_tokenizer_json",
+    "fitted_max_tokens",
     "kv_bytes_for",
     "kv_tokens_for",
     "may_use_model",
     "policies_from_mapping",
     "prompt_tokens",
     "refilled",
+    "request_prompt_tokens",
     "settle",
     "try_consume",
 ]

@@ -195,6 +195,18 @@ def admit(
     return _admit(request, tenant_policy, model, total, kv_tokens, new_state, config)
 
 
+def fitted_max_tokens(default: int, prompt_tokens: int, shape: ModelShape | None) -> int:
+    """``max_tokens`` for a request that set none: ``default``, or the rest of the model's
+    context (the registry's ``max_model_len``) when that is less — vLLM's own rule for an
+    unset ``max_tokens``, so that a long prompt is not refused ``too_large`` for a limit the
+    client never asked for. ``default`` when the model is not in the registry or the
+    prompt alone fills the context (admission then refuses it, as it must)."""
+    if shape is None:
+        return default
+    room = shape.max_model_len - prompt_tokens
+    return min(default, room) if room >= 1 else default
+
+
 def _invalid(request: AdmissionRequest) -> Reject | None:
     problem = None
     if request.max_tokens < 1:

@@ -28,10 +28,10 @@ Model shapes live in :mod:`services.ingest.core.models`.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final, Protocol
 
-from services.ingest.core.models import ModelShape
+from services.ingest.core.models import ModelRegistry, ModelShape
 
 #: Estimate divisor: UTF-8 bytes per token for byte-level BPE on English text.
 BYTES_PER_TOKEN: Final = 4
@@ -73,6 +73,21 @@ class HfTokenizerCounter:
 ESTIMATE: Final = ByteEstimateCounter()
 
 
+class _Message(Protocol):
+    @property
+    def content(self) -> str: ...
+
+
+class PromptInput(Protocol):
+    """What a request's prompt is read from (``schemas.requests.InferenceRequest``)."""
+
+    @property
+    def prompt(self) -> str | None: ...
+
+    @property
+    def messages(self) -> Sequence[_Message] | None: ...
+
+
 def counter_from_tokenizer_json(tokenizer_json: str | None) -> TokenCounter:
     """The exact counter for a ``tokenizer.json`` text, else the byte estimate.
 
@@ -105,6 +120,23 @@ def chat_prompt_tokens(contents: Iterable[str], counter: TokenCounter = ESTIMATE
     for content in contents:
         total += counter.count(content) + MESSAGE_OVERHEAD_TOKENS
     return total
+
+
+def counter_for(
+    model: str, registry: ModelRegistry, counters: Mapping[str, TokenCounter]
+) -> TokenCounter:
+    """The counter for ``model`` (a name or alias): its tokenizer's when one was loaded
+    (``counters`` is keyed by canonical name), else :data:`ESTIMATE`."""
+    shape = registry.get(model)
+    return counters.get(shape.name if shape is not None else model, ESTIMATE)
+
+
+def request_prompt_tokens(request: PromptInput, counter: TokenCounter = ESTIMATE) -> int:
+    """Prompt tokens of a request: its completion prompt, or its chat messages with the
+    template's overhead."""
+    if request.prompt is not None:
+        return prompt_tokens(request.prompt, counter)
+    return chat_prompt_tokens((m.content for m in request.messages or ()), counter)
 
 
 def blocks_for(tokens: int, block_size: int) -> int:

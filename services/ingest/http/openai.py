@@ -56,7 +56,8 @@ _SAMPLING_FIELD: Final = re.compile(r"^sampling\.([a-z_]+)(\..*)?$")
 
 @dataclass(frozen=True, slots=True)
 class ApiDefaults:
-    """``max_tokens`` when the body has none (per endpoint)."""
+    """``max_tokens`` when the body has none (per endpoint); routes lower it to the rest of
+    the model's context when the prompt leaves less (``fitted_max_tokens``)."""
 
     completion_max_tokens: int = 16
     chat_max_tokens: int = 512
@@ -73,6 +74,9 @@ class ParsedCall:
     #: The id the caller knows the request by (its ``x-request-id``, else the generated
     #: one): what responses show. ``request.request_id`` may be scoped to the tenant.
     client_id: str = ""
+    #: False when the body set no ``max_tokens`` (nor ``max_completion_tokens``): the
+    #: request carries the endpoint's default, which may be fitted to the context.
+    max_tokens_given: bool = True
 
     @property
     def id(self) -> str:
@@ -156,7 +160,8 @@ def to_inference_request(
             param = _FROM_HEADER[param]
         raise from_schema_error(exc, param) from None
     include_usage = _flag(options, "include_usage", "stream_options.include_usage")
-    return ParsedCall(request, kind, stream, include_usage, origin.client_id or "")
+    return ParsedCall(request, kind, stream, include_usage, origin.client_id or "",
+                      max_tokens_given=max_field in body)
 
 
 def client_field(field: str, max_field: str = "max_tokens") -> str | None:

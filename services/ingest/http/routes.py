@@ -2,7 +2,9 @@
 ``/healthz``, ``/readyz``.
 
 A completion call: authenticate (API key → tenant), map the body to an
-``InferenceRequest`` (:mod:`.openai`), submit it through intake like any Kafka client's
+``InferenceRequest`` (:mod:`.openai`; a ``max_tokens`` the body does not set is the
+endpoint's default, lowered to the rest of the model's context when the prompt leaves less,
+as vLLM does), submit it through intake like any Kafka client's
 (:class:`.gateway.Gateway`), then wait for the first reply *before* answering, so that a
 refusal (429, 404, 413, 503 ...) gets its own status and Retry-After even for a stream.
 After that, chunks are relayed as they come (SSE) or gathered until ``Done``.
@@ -31,9 +33,9 @@ import hashlib
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -50,7 +52,13 @@ from schemas.replies import Done, Error, TokenChunk
 from services.common import tracing
 from services.common.replies import AttemptText, Reply, ReplyStream
 from services.ingest.cluster import ClusterWatcher
-from services.ingest.core import may_use_model
+from services.ingest.core import (
+    TokenCounter,
+    counter_for,
+    fitted_max_tokens,
+    may_use_model,
+    request_prompt_tokens,
+)
 from services.ingest.http.errors import (
     ApiError,
     from_reply,
@@ -95,6 +103,9 @@ class HttpDeps:
     defaults: ApiDefaults
     reply_grace_s: float
     clock: Callable[[], float] = time.time
+    #: Exact prompt counters by canonical model name (the rest use the byte estimate),
+    #: as admission counts: a defaulted max_tokens is fitted to the same count.
+    counters: Mapping[str, TokenCounter] = field(default_factory=dict)
 
 
 class _ClientGone(Exception):
@@ -275,6 +286,20 @@ def scoped_request_id(tenant: str, client_id: str) -> str:
     return f"{tenant}:{hashlib.sha256(client_id.encode()).hexdigest()[:48]}"
 
 
+def _fit_to_context(deps: HttpDeps, call: ParsedCall) -> ParsedCall:
+    """A call that set no ``max_tokens`` asks for at most the rest of its model's context,
+    as vLLM's server does; admission counts the prompt with the same counter."""
+    if call.max_tokens_given:
+        return call
+    req = call.request
+    registry = deps.tenancy.config.admission.registry
+    prompt = request_prompt_tokens(req, counter_for(req.model, registry, deps.counters))
+    fitted = fitted_max_tokens(req.max_tokens, prompt, registry.get(req.model))
+    if fitted == req.max_tokens:
+        return call
+    return replace(call, request=req.model_copy(update={"max_tokens": fitted}))
+
+
 async def _complete(deps: HttpDeps, request: Request, kind: Kind) -> Response:
     span = _http_span(request, kind)
     try:
@@ -289,7 +314,8 @@ async def _complete(deps: HttpDeps, request: Request, kind: Kind) -> Response:
             now=deps.clock(),
             client_id=client_id,
         )
-        call = to_inference_request(body, kind, origin, request.headers, deps.defaults)
+        call = _fit_to_context(deps, to_inference_request(
+            body, kind, origin, request.headers, deps.defaults))
         req = call.request
         if client_id is not None:  # what the caller searches its traces by
             span.set_attribute("llmq.client_request_id", client_id)

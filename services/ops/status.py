@@ -26,9 +26,10 @@ The document (``schema`` 1)::
 
 ``warnings`` names workers whose heartbeat gives a slot the assignments topic does not
 have (:func:`stray_warnings`: the schedulers refuse them, nothing is placed there), then
-(:func:`pairing_warnings`) prefill and decode workers of a model whose engine has no worker
-of the other role: the scheduler hands a prompt's KV only between workers of one engine,
-so those workers sit idle or run requests whole.
+(:func:`pairing_warnings`) prefill and decode workers of a model whose engine and model
+version no worker of the other role shares: the scheduler hands a prompt's KV only between
+workers of one engine and one version (a worker that reports no ``--model-version`` pairs
+only with others that report none), so those workers sit idle or run requests whole.
 
 Worker states follow :func:`services.health.core.worker_state` (fail closed: a worker we
 cannot vouch for is ``stale``, never ``up``), under the policy the caller passes: the CLI
@@ -165,29 +166,41 @@ def stray_warnings(records: Iterable[WorkerRecord], now: float, policy: HealthPo
 
 
 def pairing_warnings(workers: Iterable[Mapping[str, Any]]) -> list[str]:
-    """For each model, the prefill and decode workers (up, not draining) whose engine has
-    no worker of the other role: their prompts' KV can reach no decode worker (the
-    scheduler stages nothing there), or no prompt is handed to them (they only run
-    requests whole). Nothing when a model has only one of the two roles."""
-    by_model: dict[str, dict[str, dict[str, list[str]]]] = {}
+    """For each model, the prefill and decode workers (up, not draining) whose engine and
+    model version no worker of the other role shares: their prompts' KV can reach no
+    decode worker (the scheduler stages nothing there), or no prompt is handed to them
+    (they only run requests whole). Nothing when a model has only one of the two roles."""
+    by_model: dict[str, dict[str, dict[tuple[str, str], list[str]]]] = {}
     for w in workers:
         if w["role"] in ("prefill", "decode") and w["state"] == "up" and not w["draining"]:
             roles = by_model.setdefault(w["model"], {"prefill": {}, "decode": {}})
-            roles[w["role"]].setdefault(w["engine"], []).append(w["worker_id"])
+            kind = (w["engine"], w.get("model_version") or "")
+            roles[w["role"]].setdefault(kind, []).append(w["worker_id"])
     found = []
     for model, roles in sorted(by_model.items()):
         prefill, decode = roles["prefill"], roles["decode"]
         if not prefill or not decode:
             continue
-        for engine in sorted(prefill.keys() - decode.keys()):
-            found.append(f"model {model}: prefill worker(s) {', '.join(prefill[engine])} run "
-                         f"engine {engine}, which no decode worker runs: they stay idle "
-                         "(a prompt's KV passes only between workers of one engine)")
-        for engine in sorted(decode.keys() - prefill.keys()):
-            found.append(f"model {model}: decode worker(s) {', '.join(decode[engine])} run "
-                         f"engine {engine}, which no prefill worker runs: they only take "
-                         "requests whole")
+        for kind in sorted(prefill.keys() - decode.keys()):
+            found.append(f"model {model}: prefill worker(s) {', '.join(prefill[kind])} run "
+                         f"{_engine_text(kind, decode)}, which no decode worker runs: they "
+                         "stay idle (a prompt's KV passes only between workers of one engine "
+                         "and model version)")
+        for kind in sorted(decode.keys() - prefill.keys()):
+            found.append(f"model {model}: decode worker(s) {', '.join(decode[kind])} run "
+                         f"{_engine_text(kind, prefill)}, which no prefill worker runs: they "
+                         "only take requests whole")
     return found
+
+
+def _engine_text(kind: tuple[str, str], others: Mapping[tuple[str, str], object]) -> str:
+    """"engine E", with the model version when the other role's workers run E too (so the
+    version is what keeps them apart; "no model version" for a worker that gives none)."""
+    engine, version = kind
+    if not any(other == engine for other, _ in others):
+        return f"engine {engine}"
+    return f"engine {engine} at " + (f"model version {version}" if version
+                                     else "no model version")
 
 
 def build_status(

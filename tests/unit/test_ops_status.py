@@ -67,7 +67,8 @@ def test_status_warns_of_prefill_and_decode_workers_no_worker_of_their_engine_pa
     doc = status_doc(fleet)
     assert doc["warnings"] == [
         f"model {MODEL}: prefill worker(s) p-sim run engine sim, which no decode worker "
-        "runs: they stay idle (a prompt's KV passes only between workers of one engine)",
+        "runs: they stay idle (a prompt's KV passes only between workers of one engine and "
+        "model version)",
         f"model {MODEL}: decode worker(s) d-old run engine vllm, which no prefill "
         "worker runs: they only take requests whole"]
     console = Console(record=True, width=400)
@@ -77,6 +78,24 @@ def test_status_warns_of_prefill_and_decode_workers_no_worker_of_their_engine_pa
     # design): nothing to say.
     assert status_doc(fleet[1:3])["warnings"] == []
     assert status_doc([fleet[3]])["warnings"] == []
+
+
+def test_status_warns_of_prefill_and_decode_workers_whose_model_versions_do_not_pair(
+        ) -> None:
+    # One engine, but the decode workers report no --model-version and the prefill worker
+    # does: the scheduler pairs by engine and version, so none of them is paired.
+    fleet = [rec("p1", 0.5, role="prefill", engine="vllm", model_version="v2"),
+             rec("d1", 0.5, role="decode", engine="vllm", partition=1, model_version=None),
+             rec("d2", 0.5, role="decode", engine="vllm", partition=2, model_version=None)]
+    assert status_doc(fleet)["warnings"] == [
+        f"model {MODEL}: prefill worker(s) p1 run engine vllm at model version v2, which no "
+        "decode worker runs: they stay idle (a prompt's KV passes only between workers of "
+        "one engine and model version)",
+        f"model {MODEL}: decode worker(s) d1, d2 run engine vllm at no model version, which "
+        "no prefill worker runs: they only take requests whole"]
+    paired = [rec("p1", 0.5, role="prefill", engine="vllm", model_version="v2"),
+              rec("d1", 0.5, role="decode", engine="vllm", partition=1, model_version="v2")]
+    assert status_doc(paired)["warnings"] == []
 
 
 def test_drain_requested_only_for_this_incarnation() -> None:

@@ -222,7 +222,8 @@ class LlmqPolicy:
         self._schedule(now)
 
     def on_finished(self, job: Job, now: float) -> None:
-        self._ledger.release(str(job.idx), self._attempts.pop(job.idx, 0), at=now)
+        self._ledger.release(str(job.idx), self._attempts.pop(job.idx, 0), at=now,
+                             held_tokens=job.prompt + job.output)
         self._settle(job, job.prompt + job.output, now)
         # The queue's unit, as the live scheduler measures it (prompt + max_tokens).
         self._drain.add(self._model, now, job.prompt + job.max_tokens)

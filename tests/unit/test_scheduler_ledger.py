@@ -206,6 +206,29 @@ def test_a_release_after_the_heartbeat_is_credited_to_the_heartbeat_view(
     assert ledger.headroom(worker) == free / 95_000
 
 
+@pytest.mark.parametrize(("held_tokens", "free"), [
+    (1_250, 33_800 + 1_264),  # ended with 1,250 tokens: 79 blocks of 16 credited
+    (20_000, 33_800 + 10_000),  # never more than its reservation
+    (None, 33_800 + 10_000),  # usage unknown: its reservation, as before
+])
+def test_a_credit_is_what_the_request_can_have_held_not_its_whole_reservation(
+    held_tokens: int | None, free: int,
+) -> None:
+    # Something outside llmq holds 60k of the engine's KV, so the heartbeat view is the
+    # tighter one. Request "a" reserved 10k (prompt 1,000 + max_tokens 9,000) and held
+    # 1,200 at the heartbeat; it stopped early, at 1,250. Crediting the 10k reservation
+    # put 8.8k of KV the engine never freed back into the view (the code before did).
+    ledger = Ledger()
+    worker = make_worker("w0", kv_total_tokens=100_000, kv_free_tokens=100_000 - 60_000 - 1_200,
+                         running=1, heartbeat_ts=2.0)
+    assert ledger.reserve(worker, make_request("a", kv_tokens=10_000))
+    assert ledger.mark_started("a", 0, at=1.0)
+    assert ledger.free_kv(worker) == 33_800  # 38,800 free − 5,000 of safety margin
+    assert ledger.release("a", 0, at=3.0, held_tokens=held_tokens) == 10_000
+    assert ledger.free_kv(worker) == free
+    assert ledger.in_flight(worker) == 0  # its sequence is credited whatever it held
+
+
 def test_credits_never_loosen_the_ledger_view_and_are_dropped_by_newer_heartbeats() -> None:
     ledger = Ledger()
     old = _busy_worker(2.0)

@@ -27,8 +27,13 @@ ledger at once but would stay "used" in the heartbeat view until the next heartb
 made the tighter-of-two rule hide freed capacity for up to an interval. When the caller
 gives times (``mark_started(..., at=s)`` and ``release(..., at=t)``, on the workers'
 clock, as ``heartbeat_ts`` is), a released reservation with ``s < h < t`` is credited back
-to the heartbeat view of a worker whose heartbeat is at ``h``: its ``kv_tokens`` to the
-free KV and one sequence to ``running + waiting``. The bounds are strict — a request
+to the heartbeat view of a worker whose heartbeat is at ``h``: one sequence to ``running +
+waiting``, and to the free KV what the request can have held at ``h`` — its ``kv_tokens``,
+or less when the caller tells how many tokens it ended with (``held_tokens``: prompt +
+generated, in whole blocks of the worker's size): the heartbeat counted the blocks the
+engine had allocated, not the reservation, and crediting the whole reservation of a
+request that stopped early overstated the free KV of a worker whose KV something outside
+llmq also uses (the case the heartbeat view is there for). The bounds are strict — a request
 started at ``h`` may be missing from that heartbeat, one ended at ``h`` is already freed
 in it — and without both times there is no credit (the old behaviour). Credits are kept
 per worker until a heartbeat later than their release is seen, then dropped. The ledger
@@ -81,6 +86,7 @@ class _Book:
     """One worker's reservations and their running totals."""
 
     __slots__ = (
+        "block_size",
         "computing",
         "entries",
         "lanes",
@@ -101,6 +107,7 @@ class _Book:
         self.started_at: dict[ReservationKey, float] = {}  # ... at this time, when told
         self.seen: set[ReservationKey] = set()  # a heartbeat listed it
         self.lanes: dict[str, int] = {}  # reservations per lane
+        self.block_size = 1  # the worker's KV block, as of its last reservation
         self.reserved = 0
         self.unstarted_kv = 0
         self.unstarted_n = 0
@@ -292,6 +299,7 @@ class Ledger:
         if book.reserved + request.kv_tokens > self.usable_kv(worker):
             return False
         book.entries[key] = Reservation(request, worker_id)
+        book.block_size = max(1, worker.block_size)
         book.reserved += request.kv_tokens
         book.lanes[request.lane] = book.lanes.get(request.lane, 0) + 1
         book.unstarted_kv += request.kv_tokens
@@ -308,12 +316,17 @@ class Ledger:
         self._touch(worker_id)
         return True
 
-    def release(self, request_id: str, attempt: int, *, at: float | None = None) -> int:
+    def release(
+        self, request_id: str, attempt: int, *, at: float | None = None,
+        held_tokens: int | None = None,
+    ) -> int:
         """Release a terminal request's reservation; returns the KV freed (0 if none).
 
         ``at``: when the request ended on the worker (the worker's clock). With it, and a
         start time from :meth:`mark_started`, heartbeats older than ``at`` get the freed KV
         and sequence slot credited back (module docstring). Without it, they do not.
+        ``held_tokens``: the tokens the request ended with (its usage: prompt + generated);
+        the KV credited is at most those, in whole blocks (None: its whole reservation).
         """
         key = (request_id, attempt)
         worker_id = self._where.pop(key, None)
@@ -331,7 +344,11 @@ class Ledger:
                 credit = self._credits.get(worker_id)
                 if credit is None:
                     credit = self._credits[worker_id] = _Credit()
-                credit.add(started_at, at, reservation.kv_tokens)
+                kv = reservation.kv_tokens
+                if held_tokens is not None:
+                    size = book.block_size
+                    kv = min(kv, -(-held_tokens // size) * size)
+                credit.add(started_at, at, kv)
         else:
             book.unstarted_kv -= reservation.kv_tokens
             book.unstarted_n -= 1

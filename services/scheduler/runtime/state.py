@@ -296,7 +296,10 @@ class SchedulerState:
             return True
         if not isinstance(event, EventDone | EventFailed | EventAborted):
             return False
-        freed = self.ledger.release(event.request_id, event.attempt, at=ended_at) > 0
+        # What it ended with bounds what the last heartbeat can have counted of it.
+        held = None if event.usage is None else event.usage.total_tokens
+        freed = self.ledger.release(event.request_id, event.attempt, at=ended_at,
+                                    held_tokens=held) > 0
         for older in range(1, event.attempt):
             # A later attempt ended, so every earlier one is over too: a follower that read
             # no assignment of it (requeue ended while queued, or the record comes later)

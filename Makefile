@@ -32,7 +32,7 @@ lint: install  ## ruff + mypy strict on schemas/, services/ and the llmq/ SDK
 	$(BIN)/ruff check schemas services llmq tests scripts
 	$(BIN)/mypy
 
-bench: install  ## the policy matrix on the Azure traces, seed 1 (docs/benchmarks.md; ~25 s)
+bench: install  ## the policy matrix on the Azure traces, seed 1 (docs/benchmarks.md; ~20 s)
 	$(BIN)/llmq bench policies --matrix
 
 clean:  ## remove the venv and caches (keeps .llmq/, the broker cache and data)

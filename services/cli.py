@@ -111,7 +111,8 @@ def main(ctx: click.Context) -> None:
 # -- dev ---------------------------------------------------------------------------------
 @main.group()
 def dev() -> None:
-    """Developer infrastructure on 127.0.0.1: the embedded Kafka broker and topics."""
+    """Developer infrastructure on 127.0.0.1: the embedded Kafka broker, the topics
+    (on LLMQ_KAFKA_BOOTSTRAP's broker when set) and Jaeger."""
 
 
 @dev.group()
@@ -231,7 +232,8 @@ def bench() -> None:
               help="Queued requests.")
 @click.option("--repeats", default=2000, show_default=True, type=click.IntRange(1),
               help="Placements measured.")
-@click.option("--seed", default=1, show_default=True)
+@click.option("--seed", default=1, show_default=True,
+              help="Seed of the fleet and queue drawn (the same seed, the same decisions).")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 def bench_decide(workers: int, pending: int, repeats: int, seed: int, as_json: bool) -> None:
     """Time one placement decision of the scheduling core (µs, p50/p99)."""
@@ -264,13 +266,16 @@ _register_commands()
 @main.command("submit")
 @click.argument("prompt")
 @click.option("--max-tokens", default=128, show_default=True,
-              type=click.IntRange(1, 1 << 20))
+              type=click.IntRange(1, 1 << 20), help="Most tokens to generate.")
 @click.option("--priority", type=click.Choice(["high", "normal", "low"]), default="normal",
-              show_default=True)
+              show_default=True,
+              help="Requested class; admission lowers it to the tenant's max priority.")
 @click.option("--lane", type=click.Choice(["short", "long"]), default=None,
               help="Lane hint (honoured only if the tenant may set it).")
-@click.option("--tenant", default="default", show_default=True)
-@click.option("--model", default="llama-3.1-8b", show_default=True)
+@click.option("--tenant", default="default", show_default=True,
+              help="Tenant the request is accounted to (replies come on its reply topic).")
+@click.option("--model", default="llama-3.1-8b", show_default=True,
+              help="Model as the fleet names it.")
 @click.option("--chat", is_flag=True, help="Send PROMPT as one user chat message.")
 @click.option("--timeout", "timeout_s", default=120.0, show_default=True,
               type=seconds(_MAX_WAIT_S),
@@ -280,7 +285,10 @@ _register_commands()
 @click.pass_obj
 def submit(settings: Settings, prompt: str, max_tokens: int, priority: str, lane: str | None,
            tenant: str, model: str, chat: bool, timeout_s: float, as_json: bool) -> None:
-    """Submit PROMPT over Kafka and stream the generated tokens to the terminal."""
+    """Submit PROMPT over Kafka and stream the generated tokens to the terminal.
+
+    Exit status 0 when the request finished, 1 on an error reply (the error is printed).
+    """
     result = asyncio.run(_submit(settings, prompt, max_tokens, priority, lane, tenant, model,
                                  chat, timeout_s, stream_out=not as_json))
     if as_json:
@@ -343,21 +351,24 @@ async def _submit(settings: Settings, prompt: str, max_tokens: int, priority: st
 
 # -- demo ----------------------------------------------------------------------------------
 @main.command("demo")
-@click.option("--requests", "n", default=200, show_default=True, type=click.IntRange(2))
+@click.option("--requests", "n", default=200, show_default=True, type=click.IntRange(2),
+              help="Requests to replay (the first N of the trace).")
 @click.option("--rate", default=10.0, show_default=True, help="Arrivals per second.",
               type=FiniteFloatRange(0, 10_000, min_open=True))
 @click.option("--trace", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               default=None, help="Trace file (default: the Azure conversation trace).")
 @click.option("--url", default="http://127.0.0.1:8080", show_default=True,
               help="Base URL of the ingest HTTP API.")
-@click.option("--model", default="llama-3.1-8b", show_default=True)
+@click.option("--model", default="llama-3.1-8b", show_default=True,
+              help="Model to ask for.")
 @click.option("--max-prompt", default=4000, show_default=True, type=click.IntRange(1),
               help="Clip prompt tokens to at most this many.")
 @click.option("--max-output", default=400, show_default=True, type=click.IntRange(1),
               help="Clip output tokens to at most this many.")
 @click.option("--timeout", "timeout_s", default=120.0, show_default=True,
               type=seconds(_MAX_WAIT_S), help="Per-request timeout (s).")
-@click.option("--seed", default=1, show_default=True)
+@click.option("--seed", default=1, show_default=True,
+              help="Seed of the tenants, priority classes and filler prompt text drawn.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @click.pass_obj
 def demo(settings: Settings, n: int, rate: float, trace: Path | None, url: str, model: str,
@@ -423,9 +434,12 @@ def lane_workers(prefill_workers: int, short_workers: int, long_workers: int,
 
 @main.command("up")
 @click.option("--detach", is_flag=True, help="Start in the background; stop with `llmq down`.")
-@click.option("--short-workers", default=2, show_default=True, type=click.IntRange(0))
-@click.option("--long-workers", default=1, show_default=True, type=click.IntRange(0))
-@click.option("--any-workers", default=0, show_default=True, type=click.IntRange(0))
+@click.option("--short-workers", default=2, show_default=True, type=click.IntRange(0),
+              help="Sim workers of the short-lane pool.")
+@click.option("--long-workers", default=1, show_default=True, type=click.IntRange(0),
+              help="Sim workers of the long-lane pool.")
+@click.option("--any-workers", default=0, show_default=True, type=click.IntRange(0),
+              help="Sim workers taking both lanes (interleaved 3 short : 1 long).")
 @click.option("--prefill-workers", default=0, show_default=True, type=click.IntRange(0),
               help="Workers that compute prompts and hand their KV cache on (prefill and "
                    "decode apart; give --decode-workers too; the short and long workers "
@@ -446,8 +460,11 @@ def lane_workers(prefill_workers: int, short_workers: int, long_workers: int,
                    "3 plus one per worker and one per scheduler replica past the first).")
 @click.option("--profile", default="llama3-8b-h100", show_default=True,
               help="Engine profile of the sim workers.")
-@click.option("--model", default="llama-3.1-8b", show_default=True)
-@click.option("--kafka-only", is_flag=True, help="Start only Kafka and the topics.")
+@click.option("--model", default="llama-3.1-8b", show_default=True,
+              help="Model the sim workers serve.")
+@click.option("--kafka-only", is_flag=True,
+              help="Start only Kafka and the topics, then return (the broker runs on; "
+                   "`llmq down` stops it).")
 @click.option("--jaeger", "with_jaeger", is_flag=True,
               help="Also run Jaeger on 127.0.0.1:16686 (built with Go on first use) and send "
                    "traces to it; tracing stays off when it cannot start.")
@@ -463,7 +480,8 @@ def up(ctx: click.Context, detach: bool, short_workers: int, long_workers: int,
     """Run the whole local stack on embedded defaults, in the foreground (Ctrl-C stops it).
 
     Kafka (embedded, 127.0.0.1), ingest with the OpenAI-compatible API on
-    127.0.0.1:8080, the scheduler, health, and sim workers (2 short-pool + 1 long-pool).
+    127.0.0.1:8080, the scheduler, health, and sim workers (by default 2 short-pool + 1
+    long-pool; the options below change ports and workers).
     In the foreground, Ctrl-C also stops the broker and Jaeger if this command started
     them (`--keep-kafka` leaves the broker); `--detach` leaves all to `llmq down`.
     At most LLMQ_ASSIGNMENT_PARTITIONS workers (one slot each); the ports must not overlap.
@@ -645,7 +663,8 @@ def _up(ctx: click.Context, settings: Settings, detach: bool, cfg: StackConfig,
 @click.option("--keep-kafka", is_flag=True, help="Leave the embedded broker running.")
 @click.pass_context
 def down(ctx: click.Context, keep_kafka: bool) -> None:
-    """Stop what `llmq up --detach` started (services, then the embedded Kafka).
+    """Stop what `llmq up --detach` started: its services, its Jaeger, then the embedded
+    Kafka broker, whoever started it (`llmq dev kafka up` too; `--keep-kafka` leaves it).
 
     A malformed entry of <LLMQ_HOME>/stack/services.json is skipped with a warning; a file
     that is not a JSON object stops nothing and exits 1.

@@ -79,18 +79,26 @@ class FiniteFloat(click.FloatRange):
 @click.option("--requests", type=click.IntRange(min=2), default=None,
               help="Use only the first N requests (synthetic: how many; default 200000).")
 @click.option("--policies", "policy_list", default=",".join(POLICIES), show_default=True,
-              help="Comma-separated policies to compare.")
-@click.option("--workers", type=click.IntRange(min=1), default=8, show_default=True)
+              help="Comma-separated policies to compare: fifo-rr (one global FIFO, "
+                   "round-robin), least-requests (fewest in flight on arrival), vllm-random "
+                   "(random routing, FCFS engines, no admission), llmq.")
+@click.option("--workers", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Simulated workers (engines of --profile), the same fleet for every "
+                   "policy.")
 @click.option("--profile", default="llama3-8b-h100", show_default=True, help="Engine profile.")
 @click.option("--profiles-file", type=click.Path(dir_okay=False, exists=True, path_type=Path),
               help="Extra engine profiles (TOML, [profiles.NAME] tables) for --profile.")
 @click.option("--load", type=FiniteFloat(min=0.0, min_open=True), default=0.85,
               show_default=True, help="Offered load ρ = λ / (N · μ).")
-@click.option("--seed", type=int, default=1, show_default=True)
+@click.option("--seed", type=int, default=1, show_default=True,
+              help="Seed of tenants, classes and routing draws (deterministic per seed).")
 @click.option("--pools", type=click.Choice(["latency", "proportional", "hybrid", "any", "pd"]),
               default="latency",
-              show_default=True, help="How llmq splits the fleet: into lane pools, or with "
-                                      "'pd' into prefill and decode workers (KV handed off).")
+              show_default=True, help="How llmq splits the fleet: latency (short pool as cool as "
+                                      "the long one allows), proportional (equal utilization), "
+                                      "hybrid (lane pools + one shared worker), any (all "
+                                      "shared, 3:1), or pd (prefill and decode workers, KV "
+                                      "handed off).")
 @click.option("--kv-link-gbps", type=FiniteFloat(min=0.0, min_open=True), default=25.0,
               show_default=True, help="With --pools pd: KV transfer between workers, GB/s.")
 @click.option("--heartbeat-s", type=FiniteFloat(min=0.0, min_open=True), default=1.0,

@@ -127,3 +127,11 @@ def test_up_refuses_ports_and_workers_it_cannot_run(args: list[str], named: str,
     result = CliRunner().invoke(main, ["up", *args], env=env)
     assert result.exit_code == 2, result.output
     assert f"Invalid value for {named}" in result.output.replace("'", "")
+
+
+def test_every_option_says_what_it_does() -> None:
+    # --help is the operator's manual: an option listed bare (name and default only) is
+    # one they must read the source for.
+    bare = [name for name, param in _options(main)
+            if isinstance(param, click.Option) and not param.help]
+    assert bare == []

@@ -226,7 +226,9 @@ class LlmqClient:
         request_id: str | None = None,
     ) -> InferenceRequest:
         """The request :meth:`submit` would send (a new id unless given), validated:
-        ``ValidationError`` naming the field the wire refuses. Needs no running client."""
+        ``ValidationError`` naming the field the wire refuses. Needs no running client.
+        A ``request_id`` of your own must be unique; one with ``:`` must begin with
+        ``<tenant>:`` (ingest refuses ids scoped to another tenant)."""
         return InferenceRequest(
             request_id=f"req-{uuid.uuid4().hex}" if request_id is None else request_id,
             tenant=self.tenant,

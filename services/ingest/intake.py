@@ -8,7 +8,8 @@ No Faust here, so tests drive it with dicts for tables and a list for the produc
   publish an ``AdmittedRequest`` or one terminal ``Error``.
 - :meth:`IntakeHandler.on_settle` (the settle topic, key tenant): pop the request's
   reservation and :func:`~services.ingest.core.settle` the tenant's bucket. The pop is the
-  dedupe: a duplicate event, or one after the reservation expired, finds nothing.
+  dedupe: a duplicate event, or one after the reservation expired, finds nothing; so does
+  one naming another tenant than the reservation's.
 - :meth:`IntakeHandler.on_event` (``llmq.events``, key request_id): forward terminal
   events as settle records keyed by tenant — the re-key that puts settlement on the
   partition owning the tenant's state.
@@ -36,7 +37,11 @@ JSON names a request_id and a tenant with a policy: on that tenant's own reply t
 on an ingest instance's (``_salvage_target``). A request of a tenant with no
 policy (keyed mode: not in the tenants file) is dead-lettered the same way, with no reply:
 its reply topic would be created for it, and the tenant name is the sender's choice, so
-any client could make ingest create topics without bound. A request whose id is in flight
+any client could make ingest create topics without bound. A request id with a ``:`` is
+scoped to the tenant before it (ingest.http's ids for a caller's ``x-request-id`` are
+``<tenant>:<id>``): one scoped to another tenant is refused ``invalid`` on the sender's own
+topic before anything else is looked at, so no tenant can take, or probe for, another's
+ids. A request whose id is in flight
 for the same caller (tenant and reply topic) is a redelivery, and its held admission is
 sent again, only if its body's digest is the reservation's; with another body it is
 dead-lettered on field ``request_id`` with no reply (one under that id would reach the
@@ -228,6 +233,18 @@ class IntakeHandler:
             await self._publish(self._topics.intake, tenant_key, bytes(record.value), headers)
             return
         now = self._clock()
+        if _scoped_to_another(req):
+            # Held by this name, the id would refuse the HTTP call of that tenant's caller
+            # that uses it (a squat, for a day with a long timeout), and the in-flight
+            # check below would tell whether that caller has one in flight.
+            span.set_attribute(tracing.LLMQ_OUTCOME, "invalid")
+            _count_refusal("invalid")
+            await self._send(reply_topic(self._topics.prefix, req.tenant), _error(
+                req.request_id, "invalid",
+                f"request_id {req.request_id!r} is scoped to another tenant: an id with "
+                f"':' must begin with '{req.tenant}:'", now,
+            ))
+            return
         target = authorized_reply_topic(req, self._topics.prefix)
         if target is not None and not await self._instance_topic_ok(target):
             # An ingest instance's topic exists while it runs; one named but missing has
@@ -429,6 +446,12 @@ class IntakeHandler:
         reservation = self._reservations.get(rec.request_id)
         if reservation is None:
             return
+        if reservation.get("tenant") != rec.tenant:
+            # Another tenant's request under the same id (an event read late, after this
+            # one was admitted): its ending is not this reservation's.
+            _log.warning("settle %s: for tenant %r, but the reservation is %r's; ignored",
+                         rec.request_id, rec.tenant, reservation.get("tenant"))
+            return
         tenant = str(reservation["tenant"])
         policy = self._tenancy.policy_for(tenant)
         if policy is None:
@@ -608,6 +631,11 @@ def authorized_reply_topic(req: InferenceRequest, prefix: str) -> str | None:
     if _instance_reply_topic(req.reply_to, prefix) and _own_instance_id(req):
         return req.reply_to
     return None
+
+
+def _scoped_to_another(req: InferenceRequest) -> bool:
+    """``req``'s id is ``<scope>:...`` with a scope other than its own tenant."""
+    return ":" in req.request_id and not req.request_id.startswith(f"{req.tenant}:")
 
 
 def _own_instance_id(req: InferenceRequest) -> bool:

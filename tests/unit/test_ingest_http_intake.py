@@ -295,9 +295,43 @@ async def test_another_tenants_id_may_not_be_answered_on_an_ingest_instances_top
     [(topic, _, value)] = h.sent
     refusal = decode(value, REPLY_ADAPTER)
     assert topic == "llmq.replies.acme" and isinstance(refusal, Error)
-    assert refusal.code == "invalid" and "takes only ids 'acme:<id>'" in refusal.message
+    assert refusal.code == "invalid" and "must begin with 'acme:'" in refusal.message
     await h.submit(request("acme:42", "acme", reply_to="llmq.replies.ingest-a"))
     assert h.sent[-1][0] == "llmq.requests.normal.short"  # its own id: admitted
+
+
+async def test_an_id_scoped_to_another_tenant_is_refused_wherever_it_asks_for_replies(
+) -> None:
+    # Sent to acme's own topic, "victim:42" was admitted: victim's HTTP call using
+    # x-request-id 42 (scoped "victim:42") was then refused as a reused id, for as long
+    # as acme's request and the scheduler's memory of it lasted (a squat).
+    h = Harness(load_tenancy(None))
+    await h.submit(request("victim:42", "acme"))
+    [refusal] = h.replies()
+    assert (refusal.request_id, refusal.code) == ("victim:42", "invalid")
+    assert "scoped to another tenant" in refusal.message
+    assert h.sent[0][0] == "llmq.replies.acme" and h.reservations == {}
+    await h.submit(request("victim:42", "victim", reply_to="llmq.replies.victim"))
+    assert h.sent[-1][0] == "llmq.requests.normal.short"  # the id is victim's to use
+    # And no probe: with victim:42 in flight, acme gets the same answer as for any other
+    # victim id (the in-flight check used to answer first, and differently).
+    await h.submit(request("victim:42", "acme"))
+    await h.submit(request("victim:43", "acme"))
+    assert [r.message for r in h.replies()[1:]] == [
+        refusal.message, refusal.message.replace("victim:42", "victim:43")]
+    for plain in ("job-7", "acme:job-8"):  # unscoped, or acme's own scope: admitted
+        await h.submit(request(plain, "acme"))
+        assert h.sent[-1][0] == "llmq.requests.normal.short"
+
+
+async def test_a_settle_record_of_another_tenant_settles_nothing() -> None:
+    h = Harness(load_tenancy(None))
+    await h.submit(request("job-1", "team-a"))
+    before = dict(h.buckets["team-a"])
+    other = SettleRecord(tenant="team-b", request_id="job-1", used_tokens=1, reason="done",
+                         ts=NOW)
+    await h.handler.on_settle(Record(encode(other), b"team-b", TOPICS.settle))
+    assert "job-1" in h.reservations and h.buckets["team-a"] == before
 
 
 async def test_open_mode_refuses_the_reserved_tenant_names() -> None:

@@ -120,7 +120,7 @@ def test_levels_stay_within_capacity_and_in_flight_never_negative(
         state, throttle = try_consume(state, policy, tokens, now)
         if throttle is None:
             in_flight.append(tokens)
-        assert 0.0 <= state.tokens <= policy.token_capacity
+        assert -policy.token_capacity <= state.tokens <= policy.token_capacity
         assert 0.0 <= state.requests <= policy.request_capacity
         assert 0 <= state.in_flight <= policy.max_concurrency
 

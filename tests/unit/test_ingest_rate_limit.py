@@ -92,7 +92,8 @@ def test_a_stamp_far_ahead_of_the_clock_does_not_lock_the_tenant_out_until_then(
         (59_900.0, 500, 0, 60_000.0),  # refund capped at capacity
         (1_000.0, 500, 500, 1_000.0),  # exact estimate: nothing changes
         (1_000.0, 500, 800, 700.0),  # usage above the reservation is charged
-        (100.0, 500, 5_000, 0.0),  # ...down to an empty bucket, never below
+        (100.0, 500, 5_000, -4_400.0),  # ...into debt, paid by refill before the next
+        (100.0, 500, 200_000, -60_000.0),  # ...of one capacity at most
     ],
 )
 def test_settle_corrects_the_token_bucket(
@@ -209,3 +210,19 @@ def test_a_slow_tier_works_with_a_burst_of_one() -> None:
     assert refused is None
     _, refused = try_consume(state, slow, 10, 0.0)
     assert refused is not None and refused.retry_after_s == pytest.approx(120.0)
+
+
+def test_a_tenant_whose_prompts_the_estimate_undercounts_keeps_to_its_tokens_per_minute() -> None:
+    # Each request reserves 2,000 tokens (what the estimate says) and uses 8,000 (what
+    # the engine counted). Charged only down to an empty bucket, the tenant used about 4x
+    # its 60,000 tokens/min (the code before); in debt, refill pays for what it used.
+    policy = TenantPolicy("t", rpm=100_000, tpm=60_000, max_concurrency=1_000)
+    state, now, used = TenantState.full(policy, 0.0), 0.0, 0
+    while now < 600.0:
+        state, throttle = try_consume(state, policy, 2_000, now)
+        if throttle is None:
+            state = settle(state, policy, 2_000, 8_000, now)
+            used += 8_000
+        now += 0.5
+    # At most one capacity at the start, the refill of 10 minutes, and one request more.
+    assert used <= policy.token_capacity + 60_000 * 10 + 8_000

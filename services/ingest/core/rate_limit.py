@@ -4,9 +4,12 @@ Buckets refill continuously: ``level(t) = min(capacity, level(t0) + rate × (t �
 ``rate = rpm / 60`` (or ``tpm / 60``) per second; capacity defaults to one minute's worth.
 A request takes 1 from the request bucket and ``prompt + max_tokens`` from the token bucket
 up front; :func:`settle` corrects the token bucket by actual usage when it ends and
-releases its concurrency slot. Levels stay in ``[0, capacity]`` at all times, which gives
-the guarantee the property tests check: over any window ``[t, t + W]`` a tenant is admitted
-at most ``capacity + rate × W`` of each resource.
+releases its concurrency slot. The request bucket stays in ``[0, capacity]``; the token
+bucket may go below zero, down to ``−capacity``, when a request used more than it reserved
+(the prompt estimate was low): that debt is paid by refill before the next admission, so
+over any window ``[t, t + W]`` a tenant is admitted at most ``capacity + rate × W`` of each
+resource (the property tests check it) and uses at most that plus one capacity of tokens,
+however its prompts fool the estimate.
 
 Retry-After is exact: the time until both buckets hold what the request needs,
 ``max((need − level) / rate)`` over the two buckets. A bucket counts as holding ``need``
@@ -272,9 +275,11 @@ def settle(
 ) -> TenantState:
     """Correct the token bucket by actual usage and release the concurrency slot.
 
-    ``tokens = clamp(level + reserved − used, 0, capacity)``: unused tokens are refunded
-    (never above capacity); usage above the reservation (the prompt estimate was low) is
-    charged down to an empty bucket, not below it, so levels stay in ``[0, capacity]``.
+    ``tokens = clamp(level + reserved − used, −capacity, capacity)``: unused tokens are
+    refunded (never above capacity); usage above the reservation (the prompt estimate was
+    low: ``ceil(bytes / 4)`` counts 2 tokens for ``"a1a1"``, which Llama-3 splits into 4)
+    is charged, into debt down to ``−capacity``. Stopping at an empty bucket let a tenant
+    whose prompts the estimate undercounts use several times its tokens per minute.
     ``in_flight`` drops by one, never below zero.
 
     Call it once per request, at its terminal event. It is not idempotent: a duplicate
@@ -286,7 +291,7 @@ def settle(
     level = current.tokens + reserved_tokens - used_tokens
     return TenantState(
         current.requests,
-        min(policy.token_capacity, max(0.0, level)),
+        min(policy.token_capacity, max(-policy.token_capacity, level)),
         current.updated_at,
         max(0, current.in_flight - 1),
     )

@@ -115,6 +115,12 @@ _MISSING_FOR_S: Final = 10.0
 _MISSING_MAX: Final = 10_000
 #: How far a client's ``created_at`` may be ahead of ingest's clock (clock skew).
 MAX_CLOCK_AHEAD_S: Final = 300.0
+#: How long past its deadline (``created_at + timeout_s``) a request may be read and still
+#: be admitted: the scheduler's default memory of finished requests
+#: (``LLMQ_SCHEDULER_FINISHED_MEMORY_S``). An older one the scheduler acks with no answer
+#: (it may have been answered and forgotten), so a client whose clock runs hours behind (a
+#: local time sent as UTC) got no reply at all; refused here, it is told why.
+MAX_PAST_DEADLINE_S: Final = 3600.0
 _ID_RE = re.compile(ID_PATTERN)
 _TENANT_RE = re.compile(TENANT_PATTERN)
 
@@ -362,6 +368,14 @@ class IntakeHandler:
                 req.request_id, "invalid",
                 f"created_at is {ahead:.0f} s ahead of ingest's clock (at most "
                 f"{MAX_CLOCK_AHEAD_S:.0f} s allowed): check the client's clock", now,
+            ))
+        late = now - (req.created_at + req.timeout_s)
+        if late > MAX_PAST_DEADLINE_S:
+            return _Decision(target, _error(
+                req.request_id, "invalid",
+                f"created_at is {now - req.created_at:.0f} s behind ingest's clock, so its "
+                f"timeout_s ({req.timeout_s:g} s) ran out {late:.0f} s ago: check the "
+                "client's clock (created_at is Unix seconds, UTC)", now,
             ))
         state = self._state(req.tenant, policy, now)
         result = admit(

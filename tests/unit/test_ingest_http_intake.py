@@ -637,3 +637,22 @@ async def test_an_admission_the_producer_refuses_is_undone_and_answered() -> Non
     assert "r1" not in h.reservations and h.buckets["default"] == before
     [refusal] = [e for e in h.replies() if e.request_id == "r1"]
     assert refusal.code == "overloaded"
+
+
+async def test_a_created_at_so_far_behind_that_its_deadline_is_long_past_is_refused() -> None:
+    # Five hours behind (a local time sent as UTC): admitted, it reached the scheduler
+    # past its deadline by more than the scheduler remembers finished requests, and was
+    # acked there with no answer at all (the code before): the client waited for nothing.
+    later = NOW + 5 * 3600
+    tenancy = load_tenancy(None)
+    tracker = ClusterTracker(tenancy.config.admission.registry, Freshness())
+    tracker.observe_heartbeat(make_heartbeat(worker_id="w", model=MODEL, ts=later))
+    h = Harness(tenancy, tracker)
+    h.now = later
+    await h.submit(request("r1", created_at=NOW, timeout_s=600.0))
+    [refusal] = h.replies()
+    assert refusal.code == "invalid" and "check the client's clock" in refusal.message
+    assert "18000 s behind" in refusal.message and "r1" not in h.reservations
+    # Past its deadline by less: admitted, and the scheduler answers queue_timeout.
+    await h.submit(request("r2", created_at=later - 1800, timeout_s=600.0))
+    assert "r2" in h.reservations

@@ -178,14 +178,16 @@ class LogReader:
         return all(self._handled.get(tp, 0) >= end for tp, end in ends.items())
 
     async def _skip_empty_tails(self) -> None:
-        """A partition whose tail was compacted or deleted has no record at ``end - 1``:
-        once the position passed a waited-for end, everything before it was handled
-        (called between batches, so every record fetched was)."""
-        targets = [] if self.caught_up.is_set() else [self._history]
-        for ends in [*targets, *self._targets]:
-            for tp, end in ends.items():
-                if self._handled.get(tp, 0) < end and await self._consumer.position(tp) >= end:
-                    self._handled[tp] = end
+        """A partition whose tail was compacted or deleted has no record at ``end - 1``
+        (the broker keeps an empty batch there, and the consumer's position moves past
+        it): between batches every record before the position was handled, so the
+        position counts as handled. Without it, a partition whose last records were
+        compacted away (a worker's heartbeats a week after it left) stayed "behind" for
+        good, and :meth:`caught_up_at` with it."""
+        for tp in self._tps:
+            position = await self._consumer.position(tp)
+            if self._handled.get(tp, 0) < position:
+                self._handled[tp] = position
 
 
 def _sync(handler: Handler, record: Any) -> Callable[[], Any]:

@@ -435,7 +435,8 @@ class Scheduler:
         # assignment then, and such a tick, after leadership_lapsed, restarted the takeover
         # wait of a leadership that continues (found by a review of c21e40e).
         leads = self.app.is_leader() and not self._led_until_revoked
-        result = self.state.tick(now, handle_losses=leads, log_read_at=log_read_at)
+        result = self.state.tick(now, handle_losses=leads, log_read_at=log_read_at,
+                                 heard_at=self.reader.caught_up_at(self.rt.topics.heartbeats))
         m = self.metrics
         m.tick(result)
         for worker_id in result.lost_workers:

@@ -15,12 +15,16 @@ A0, A1, B0 = TopicPartition("a", 0), TopicPartition("a", 1), TopicPartition("b",
 class Polled:
     def __init__(self, ends: dict[TopicPartition, tuple[int | None, int | None]]) -> None:
         self.ends = ends
+        self.positions: dict[TopicPartition, int] = {}
 
     def highwater(self, tp: TopicPartition) -> int | None:
         return self.ends[tp][0]
 
     def last_poll_timestamp(self, tp: TopicPartition) -> int | None:
         return self.ends[tp][1]
+
+    async def position(self, tp: TopicPartition) -> int:
+        return self.positions[tp]
 
 
 async def _nowhere(key: bytes | None, value: bytes | None, headers: object) -> None: ...
@@ -38,6 +42,20 @@ def test_the_oldest_fetch_of_a_topic_read_to_its_end_counts() -> None:
     r = reader({A0: (5, 10_500), A1: (0, 10_200), B0: (9, 9_000)}, {A0: 5, B0: 3})
     assert r.caught_up_at("a") == 10.2  # both partitions at their end; the older fetch
     assert r.caught_up_at("b") == 0.0  # 3 of 9 handled: behind
+
+
+async def test_a_partition_whose_last_records_were_compacted_away_counts_as_read() -> None:
+    # "a"/1 ends at offset 7, but its records 3..6 were compacted away (a worker's
+    # heartbeats, a week after it left): the consumer's position moved to 7 past the
+    # empty batch the broker keeps, with only 3 records handled. Counted behind, it held
+    # caught_up_at("a") at 0.0 for good (the code before), and with it every loss the
+    # scheduler decides from the heartbeats.
+    r = reader({A0: (5, 10_500), A1: (7, 10_200), B0: (9, 9_000)}, {A0: 5, A1: 3, B0: 3})
+    assert r.caught_up_at("a") == 0.0
+    r._consumer.positions = {A0: 5, A1: 7, B0: 3}  # type: ignore[attr-defined]
+    await r._skip_empty_tails()  # between batches: every record before a position handled
+    assert r.caught_up_at("a") == 10.2
+    assert r.caught_up_at("b") == 0.0  # position 3 of 9: still behind
 
 
 def test_unknown_until_every_partition_was_fetched() -> None:

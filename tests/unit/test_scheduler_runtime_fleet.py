@@ -75,6 +75,23 @@ def test_a_worker_is_declared_dead_only_when_stale_by_its_ts_and_by_our_clock(
     assert fleet.may_be_alive("w0", now) is may_be_alive
 
 
+@pytest.mark.parametrize(("heard_at", "may_be_alive"), [
+    (T + 0.5, True),   # the reader stalled after T + 0.5: a newer beat may be unread
+    (T + 3.0, True),   # read up to the bound: not silent long enough yet
+    (T + 3.1, False),  # read past it with nothing new: silent, dead
+    (T + 10.0, False),
+])
+def test_a_worker_is_judged_dead_only_as_far_as_the_heartbeats_were_read(
+    heard_at: float, may_be_alive: bool,
+) -> None:
+    # Its lease is renewed by the broker's acks, not by this scheduler reading the beats:
+    # a reader that stalls must not see the fleet go silent (two runs of one attempt).
+    fleet = FleetView(3.0)
+    fleet.observe(hb(ts=T), read_at=T)
+    assert fleet.may_be_alive("w0", T + 10.0, heard_at) is may_be_alive
+    assert fleet.may_be_alive("w0", T + 10.0) is False  # with no reader to wait for
+
+
 @pytest.mark.parametrize(
     ("first", "second", "kept_seq"),
     [

@@ -7,6 +7,7 @@ events, ticks) and checks the records it would produce and the acks it would rel
 from __future__ import annotations
 
 import logging
+import math
 import random
 from dataclasses import replace
 from typing import Any
@@ -98,12 +99,13 @@ def done(a: Assignment, worker: str, ts: float = T + 2) -> EventDone:
 
 
 def tick_and_release(state: SchedulerState, now: float, answered: frozenset[tuple[str, int]]
-                     = frozenset(), *, handle_losses: bool = True) -> TickResult:
+                     = frozenset(), *, handle_losses: bool = True,
+                     heard_at: float = math.inf) -> TickResult:
     """A dispatch cycle around a worker loss, as the app runs it: the tick, its held
     worker_lost endings settled and held requeues released once the reply-topic check is
     back (``answered``: the attempts found answered), and the next tick, which places them.
     The first tick's result, with the effects of all three."""
-    first = state.tick(now, handle_losses=handle_losses)
+    first = state.tick(now, handle_losses=handle_losses, heard_at=heard_at)
     checked = [e for e in first.effects if e.unless_answered is not None]
     settled = state.settle_endings(checked, answered, now)  # the held worker_lost endings
     released = [e for h in first.held for e in state.release(h, h.check[:2] in answered, now)]
@@ -236,6 +238,27 @@ def test_worker_loss_requeues_unstreamed_work_and_fails_streamed() -> None:
     state.answered_after_all("worker_lost")
     state.answered_after_all("worker_lost")  # never below none
     assert state.ended == {"worker_lost": 0}
+
+
+def test_a_stalled_heartbeat_reader_gives_no_work_away() -> None:
+    # The reader handled every heartbeat up to T + 0.5 and then stalled (the scheduler's
+    # process paused, or cut from the broker while the workers were not): w0 kept
+    # beating, its lease renewed by the broker's acks. Declared lost at T + 5, its running
+    # request got worker_lost from the scheduler and Done from w0 (the code before).
+    state = ready_state(("w0", 0))
+    state.on_request(admitted("r1"), ("tp", 0), T)
+    ((_, a),) = assignments(state.tick(T).effects)
+    state.observe_assignment(a)
+    state.observe_event(started(a, "w0"))
+    stalled = state.tick(T + 5, heard_at=T + 0.5)
+    assert stalled.lost_workers == [] and stalled.held == ()
+    assert replies(stalled.effects) == [] and events(stalled.effects) == []
+    # The reader catches up: w0's newer beat, the same process. Nothing to undo.
+    state.observe_heartbeat(beat("w0", 0, ts=T + 4.5, seq=5), read_at=T + 5.05)
+    assert state.tick(T + 5.1, heard_at=T + 5.1).lost_workers == []
+    assert state.log.status("r1") == "active"
+    # Silent for real, and seen to be by a reader that is current: lost.
+    assert tick_and_release(state, T + 9, heard_at=T + 9).lost_workers == ["w0"]
 
 
 def test_only_the_replica_that_handles_losses_acts_on_one() -> None:

@@ -25,6 +25,14 @@ while its lease still holds, and one whose clock runs ahead by more than the bou
 declared dead at every cycle. A beat is read no earlier than it was created, so the time
 since it was read never exceeds its true age. The price: after a scheduler restart, which
 reads every heartbeat anew, a worker that died meanwhile is declared dead one bound later.
+
+Both clocks stop at ``heard_at``: the last time this scheduler's reader had handled every
+heartbeat written (``LogReader.caught_up_at``). A worker's lease is renewed by the broker
+acknowledging its beat, not by this scheduler reading it, so a reader that stalls (the
+scheduler's process paused, starved of CPU, or cut from the broker while the workers are
+not) would otherwise see every worker go silent and give away work still running under a
+valid lease: two runs, two different terminals. A newer beat may be unread only after
+``heard_at``; judged there, a worker is declared dead only when its silence was seen.
 """
 
 from __future__ import annotations
@@ -80,14 +88,17 @@ class FleetView:
         hb = self._beats.get(worker_id)
         return hb is not None and self._fresh(hb, now)
 
-    def may_be_alive(self, worker_id: str, now: float) -> bool:
+    def may_be_alive(self, worker_id: str, now: float, heard_at: float = math.inf) -> bool:
         """Known, and fresh by its heartbeat's ``ts`` or by the time since this scheduler
-        read it: a worker is declared dead only when both are stale (module docstring)."""
+        read it, both judged at ``min(now, heard_at)`` (``heard_at``: every heartbeat
+        written before it was read): a worker is declared dead only when both are stale
+        (module docstring)."""
         hb = self._beats.get(worker_id)
         if hb is None:
             return False
-        return self._fresh(hb, now) or \
-            now - self._read_at[worker_id] <= self.staleness * hb.interval_s
+        at = min(now, heard_at)
+        return self._fresh(hb, at) or \
+            at - self._read_at[worker_id] <= self.staleness * hb.interval_s
 
     def live(self, now: float) -> Iterator[WorkerHeartbeat]:
         return (hb for hb in self._beats.values() if self._fresh(hb, now))

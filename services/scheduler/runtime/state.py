@@ -529,7 +529,7 @@ class SchedulerState:
     # -- the dispatch cycle -----------------------------------------------------------
 
     def tick(self, now: float, *, handle_losses: bool = True,
-             log_read_at: float = math.inf) -> TickResult:
+             log_read_at: float = math.inf, heard_at: float = math.inf) -> TickResult:
         """Worker loss, then one ``schedule()`` call; everything it decided as effects.
 
         ``handle_losses``: this replica acts on lost workers. Every replica reads every
@@ -543,6 +543,10 @@ class SchedulerState:
         (:attr:`Snapshot.log_read_at`; one of several replicas places on a worker in its
         turn only once the log is read up to the turn's start; the app's
         ``_log_read_at``).
+
+        ``heard_at``: every heartbeat written before this wall time has been read; a
+        worker is declared lost only if it was silent by then (:meth:`FleetView.may_be_alive`:
+        a stalled reader must not give away work running under a valid lease).
         """
         effects: list[Effect] = []
         if self._settled:
@@ -563,8 +567,8 @@ class SchedulerState:
         taken_over = handle_losses and now - self._leading_since >= self.config.takeover_s
         if taken_over:
             effects.extend(self._adopt_handoffs(now))
-        lost = [w for w in self.log.workers() if not self.fleet.may_be_alive(w, now)] \
-            if taken_over else []
+        lost = [w for w in self.log.workers()
+                if not self.fleet.may_be_alive(w, now, heard_at)] if taken_over else []
         held: list[HeldRequeue] = []
         for worker_id in lost:
             held.extend(self._lose_worker(worker_id, now, effects))

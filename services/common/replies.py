@@ -149,7 +149,10 @@ class ReplyStream:
         if timeout is None:
             msg = await self._queue.get()
         else:
-            msg = await asyncio.wait_for(self._queue.get(), timeout)
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for drops a cancel that
+            # comes as a reply does (gh-86296), and the caller would wait on.
+            async with asyncio.timeout(timeout):
+                msg = await self._queue.get()
         return self._opened(msg)
 
     def get_nowait(self) -> Reply | None:

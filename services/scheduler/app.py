@@ -410,8 +410,12 @@ class Scheduler:
         its batch, so the pause then waits for that."""
         interval = self.rt.scheduler.dispatch_interval_s
         if self.state.turns[0] == 1 or not len(self.state.pending):
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the wait's result
+            # when a cancel comes as the wake-up does, and drops the cancel (gh-86296): a
+            # stop mid-burst then found the loop running on, and the process exited 1.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.wake.wait(), interval)
+                async with asyncio.timeout(interval):
+                    await self.wake.wait()
             return
         deadline = time.monotonic() + interval
         woken = asyncio.ensure_future(self.wake.wait())

@@ -613,7 +613,8 @@ class Worker:
             if self.check_lease() == "valid":
                 return True
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._lease_settled.wait(), 0.05)
+                async with asyncio.timeout(0.05):  # not wait_for: it can drop a cancel
+                    await self._lease_settled.wait()
 
     def check_lease(self) -> Verdict:
         """The lease now: starts asking (a renewing heartbeat at once) or fences."""
@@ -692,7 +693,8 @@ class Worker:
             # lease counts from there too.
             wait = max(0.0, interval - (time.monotonic() - began))
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._heartbeat_wake.wait(), wait)
+                async with asyncio.timeout(wait):  # not wait_for: it can drop a cancel
+                    await self._heartbeat_wake.wait()
             self._heartbeat_wake.clear()
 
     def heartbeat_fields(self) -> HeartbeatFields:

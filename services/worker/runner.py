@@ -492,8 +492,8 @@ class RequestRun:
             if due is not None:
                 wake = min(wake, due)
             try:
-                item = await asyncio.wait_for(self._inbox.get(),
-                                              max(0.0, wake - self._clock()))
+                async with asyncio.timeout(max(0.0, wake - self._clock())):
+                    item = await self._inbox.get()  # not wait_for: it can drop a cancel
             except TimeoutError:
                 now = self._clock()
                 if now >= self.deadline:

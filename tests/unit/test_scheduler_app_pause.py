@@ -124,3 +124,16 @@ async def test_with_the_reader_behind_it_waits_for_its_batch_not_polling() -> No
     await scheduler._pause(0.0)
     assert 0.5 <= time.monotonic() - began < INTERVAL_S / 2
     assert len(asked) <= 3, len(asked)
+
+
+async def test_a_stop_as_a_wake_up_comes_still_stops_the_pause() -> None:
+    # The cancel and the wake-up in one turn of the loop: Python 3.11's wait_for returned
+    # the wake-up and dropped the cancel, so the dispatch loop ran on past its stop (a CI
+    # run: "task scheduler-dispatch did not end within 10 s of its cancel", exit 1).
+    scheduler = _scheduler(1, [T])
+    pause = asyncio.create_task(scheduler._pause(T))
+    await asyncio.sleep(0)  # waiting for the wake-up
+    scheduler.wake.set()
+    pause.cancel()
+    done, _ = await asyncio.wait((pause,), timeout=1.0)
+    assert done and pause.cancelled()

@@ -246,6 +246,7 @@ class Scheduler:
         )
         self.ready = asyncio.Event()
         self.wake = asyncio.Event()
+        self._stopping = False  # the dispatch loop ends at its next turn (request_stop)
         self._topic_keys = dict((topic, key) for key, topic in topics.requests)
         self._paused: set[Any] = set()
         self._full: set[Any] = set()  # request partitions paused for the records they hold
@@ -302,6 +303,14 @@ class Scheduler:
         _log.error("scheduler: the dispatch task failed", exc_info=exc)
         asyncio.ensure_future(self.app.crash(exc))  # noqa: RUF006  # the app ends with it
 
+    def request_stop(self) -> None:
+        """End the dispatch loop at its next turn, whatever happens to the cancel that
+        follows: Python 3.11's ``asyncio.wait_for`` (in aiokafka and here) returns its
+        result and drops a cancel that comes as it ends (gh-86296), and the loop then ran
+        on until the stop's bound ran out (exit 1)."""
+        self._stopping = True
+        self.wake.set()
+
     def _producer_failed(self, exc: ProducerFailed) -> None:
         """Nothing placed, ended or reported would leave any more: exit 1 at once so a
         supervisor restarts the process with a producer that sends; what was not acked is
@@ -327,6 +336,7 @@ class Scheduler:
                 _log.warning("scheduler: stopping: %s failed; going on", name, exc_info=True)
             took.append(f"{name} {time.monotonic() - start:.1f} s")
 
+        self.request_stop()
         tasks = [t for t in (self._main_task, self._turns_task, self._turns_read) if t]
         for task in tasks:
             task.cancel()
@@ -379,8 +389,10 @@ class Scheduler:
         cfg = self.rt.scheduler
         next_status = 0.0
         read_at = 0.0  # the log read the last cycle placed with
-        while True:
+        while not self._stopping:
             await self._pause(read_at)
+            if self._stopping:
+                return
             self.wake.clear()
             if not self.reader.running:
                 # The fleet view and the ledger would freeze: every worker would look lost.

@@ -12,9 +12,13 @@ timer or a wake-up, as before: no cycle per read.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from types import SimpleNamespace
 
+import pytest
+
+from services.common.log_reader import LogReader
 from services.common.settings import Settings
 from services.scheduler.app import Scheduler, SchedulerRuntime
 from services.scheduler.runtime.topics import SchedulerTopics
@@ -137,3 +141,28 @@ async def test_a_stop_as_a_wake_up_comes_still_stops_the_pause() -> None:
     pause.cancel()
     done, _ = await asyncio.wait((pause,), timeout=1.0)
     assert done and pause.cancelled()
+
+
+async def test_a_stop_ends_the_dispatch_loop_even_if_a_wait_drops_its_cancel(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A cycle whose wait drops the cancel, as Python 3.11's wait_for does when the wait
+    # ends at that moment (aiokafka's sends use it): the loop ran on, and the stop waited
+    # its 10 s for the task and exited 1.
+    scheduler = _scheduler(1, [T])
+    monkeypatch.setattr(LogReader, "running", property(lambda self: True))
+    in_cycle = asyncio.Event()
+
+    async def cycle(now: float, read_at: float) -> None:
+        in_cycle.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(0.05)
+
+    scheduler._cycle = cycle  # type: ignore[method-assign]
+    scheduler._publish_status = lambda now: None  # type: ignore[method-assign]
+    loop = asyncio.create_task(scheduler._dispatch_loop())
+    scheduler.wake.set()
+    await asyncio.wait_for(in_cycle.wait(), 1.0)
+    scheduler.request_stop()
+    loop.cancel()  # dropped by the cycle
+    done, _ = await asyncio.wait((loop,), timeout=1.0)
+    assert done, "the dispatch loop ran on past its stop"

@@ -246,8 +246,10 @@ class Outbox:
                     try:
                         if left <= 0:
                             raise TimeoutError("the flush round's time ran out")
-                        delivery = asyncio.ensure_future(
-                            await asyncio.wait_for(self._send(out), left))
+                        # asyncio.timeout, not wait_for, which can drop a cancel.
+                        async with asyncio.timeout(left):
+                            sent = await self._send(out)
+                        delivery = asyncio.ensure_future(sent)
                     except Exception as exc:  # timeout or producer error: retried next flush
                         _log.warning("outbox: could not send to %s", out.topic, exc_info=True)
                         errors[i] = [(out, exc)]

@@ -244,6 +244,7 @@ def test_credits_never_loosen_the_ledger_view_and_are_dropped_by_newer_heartbeat
     newer = make_worker("w0", kv_total_tokens=100_000, kv_free_tokens=100_000, heartbeat_ts=5.0)
     assert ledger.free_kv(newer) == 15_000
     assert ledger.free_kv(old) == 5_000  # re-asked about the old heartbeat: credit forgotten
+    assert ledger._credits == {}  # and not kept: a worker that left kept one for good
 
 
 def test_reconcile_releases_are_never_credited() -> None:

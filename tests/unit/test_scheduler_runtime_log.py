@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from schemas.base import MAX_TIMEOUT_S
 from schemas.replies import Usage
 from schemas.requests import Assignment
 from schemas.workers import (
@@ -208,3 +209,12 @@ def test_forgetting_a_refused_reuse_forgets_only_its_admission() -> None:
     assert log.forget("r1", 1, T + 60)
     assert log.status("r1") == "finished" and log.is_reuse("r1", T + 60)
     assert not log.is_reuse("r1", first.admitted.admitted_at)
+
+
+def test_a_deadline_header_past_the_longest_timeout_is_capped() -> None:
+    # Any producer to llmq.events can write the header: 1e15 kept the entry for good.
+    log = AssignmentLog(memory_s=100.0)
+    log.observe_event(event("aborted", "r"), admitted_at=T - 1, deadline=1e15)
+    read_at = T + 10  # the event's ts
+    assert log.prune(read_at + MAX_TIMEOUT_S + 99.0) == 0
+    assert log.prune(read_at + MAX_TIMEOUT_S + 101.0) == 1

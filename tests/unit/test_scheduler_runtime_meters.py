@@ -48,3 +48,14 @@ def test_prune_forgets_from_the_oldest_read_until_one_holds() -> None:
     cancels.prune(111.0)  # a (100) and b (110) expired; "late" (105) too, read after b
     assert len(cancels) == 1 and cancels.matches("c", "t", 111.0)
     assert not cancels.matches("late", "t", 111.0)
+
+
+def test_a_cancel_stamped_far_ahead_does_not_hold_the_others_in_memory() -> None:
+    # At the head of the pruning order, one cancel issued "next year" held every cancel
+    # read after it until the capacity pushed them out.
+    cancels = RecentCancels(memory_s=100.0)
+    cancels.add("ahead", "t", issued_at=1e9, now=0.0)
+    for i in range(10):
+        cancels.add(f"r{i}", "t", issued_at=float(i), now=float(i))
+    cancels.prune(200.0)  # past every one's memory, the one ahead counted from now + 60 s
+    assert len(cancels) == 0

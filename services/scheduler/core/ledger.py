@@ -259,6 +259,8 @@ class Ledger:
             credit = credit.for_heartbeat(worker.heartbeat_ts)
             heartbeat_free += credit.kv
             engine -= credit.n
+            if not credit.ended:  # a newer heartbeat shows all of it: nothing left to keep
+                del self._credits[worker_id]
         book = self._books.get(worker_id)
         if book is None:
             free = usable if usable < heartbeat_free else heartbeat_free

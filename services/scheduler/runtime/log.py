@@ -48,6 +48,7 @@ from typing import Literal
 
 from pydantic import JsonValue
 
+from schemas.base import MAX_TIMEOUT_S
 from schemas.requests import Assignment
 from schemas.workers import EventFirstToken, EventPrefilled, EventStarted, LifecycleEvent
 
@@ -157,7 +158,10 @@ class AssignmentLog:
         at = event.ts if at is None else at
         entry.expires_at = max(entry.expires_at, at)
         if deadline is not None:
-            entry.expires_at = max(entry.expires_at, deadline)
+            # No request lives longer than the wire's longest timeout: a header naming a
+            # deadline further out (any producer to llmq.events can write one) kept its
+            # entry for good (found by an audit of unbounded memory).
+            entry.expires_at = max(entry.expires_at, min(deadline, at + MAX_TIMEOUT_S))
         if admitted_at is not None:
             entry.admissions.add(admitted_at)
         if isinstance(event, EventPrefilled):

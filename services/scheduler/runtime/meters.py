@@ -29,7 +29,11 @@ class RecentCancels:
         return len(self._items)
 
     def add(self, request_id: str, tenant: str, issued_at: float, now: float) -> bool:
-        """Remember a cancel; False when it is already too old to matter."""
+        """Remember a cancel; False when it is already too old to matter. An ``issued_at``
+        ahead of ``now`` by more than ``CLOCK_MARGIN_S`` counts as ``now`` plus that: one
+        stamped far ahead sat at the head of the pruning order and held every later one
+        in memory until the capacity pushed them out (found by an audit)."""
+        issued_at = min(issued_at, now + CLOCK_MARGIN_S)
         expires_at = issued_at + self.memory_s
         if expires_at <= now:
             return False

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Final
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
@@ -37,6 +37,9 @@ from services.health.core import DrainRequest, WorkerRecord
 from services.health.lag import describe_partitions, offsets_by_topic
 
 _log = logging.getLogger(__name__)
+
+#: How long a silent worker is kept (shown ``gone``) before :meth:`FleetTracker.prune`.
+GONE_KEPT_S: Final = 3600.0
 
 
 class FleetTracker:
@@ -85,6 +88,20 @@ class FleetTracker:
         # The last one read: statuses of a model share a key, so the log orders them (by
         # its own stamp, one from a clock far ahead would shadow every later one).
         self._statuses[(status.model, status.scheduler_id)] = status
+
+    def prune(self, now: float, keep_s: float = GONE_KEPT_S) -> None:
+        """Forget workers silent for more than ``keep_s`` (an hour: ``gone`` for that long
+        in ``llmq status`` and /status), and drain commands for workers not kept. Nothing
+        writes a heartbeat tombstone, so every worker id ever seen (a pod name per
+        restart) stayed for the process's life (found by an audit)."""
+        for worker_id in [w for w, hb in self._beats.items() if abs(now - hb.ts) > keep_s]:
+            del self._beats[worker_id]
+            self._tombstoned.discard(worker_id)
+        for worker_id in [w for w, d in self._drains.items()
+                          if w not in self._beats and abs(now - d.issued_at) > keep_s]:
+            del self._drains[worker_id]
+        for key in [k for k, st in self._statuses.items() if abs(now - st.ts) > keep_s]:
+            del self._statuses[key]
 
     def record(self, worker_id: str) -> WorkerRecord | None:
         """What is known of one worker; None when no heartbeat of it was ever read."""

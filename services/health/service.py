@@ -261,6 +261,7 @@ class HealthService:
         """Refresh the gauges and, with a registry, reconcile it once."""
         now = self._clock()
         self._ticks += 1
+        self.tracker.prune(now)
         records = self.tracker.records()
         self.metrics.observe([_gauge(rec, worker_state(rec, now, self.policy))
                               for rec in records.values()])

@@ -519,7 +519,7 @@ class Scheduler:
             # (the topic is compacted by model; only the newest counts).
             self.outbox.submit([Effect(first=tuple(Outgoing.of(topic, s) for s in statuses))],
                                key=topic)
-        self.state.prune(now)
+        self.metrics.forget_workers(self.state.prune(now))
 
     async def _flush(self) -> None:
         outbox = self.outbox

@@ -52,3 +52,17 @@ def test_newest_drain_and_status() -> None:
     t.observe_status(qs("m1", "s1", 3_605.0, pending=9))  # stamped by a clock an hour ahead
     t.observe_status(qs("m1", "s1", 5.0, pending=3))  # read later: the scheduler's latest
     assert [(q.model, q.pending_requests) for q in t.queue_statuses()] == [("m1", 3), ("m2", 1)]
+
+
+def test_workers_silent_for_an_hour_are_forgotten_with_their_drains() -> None:
+    t = FleetTracker()
+    t.observe_heartbeat(heartbeat("old", ts=1_000.0))
+    t.observe_heartbeat(heartbeat("new", ts=4_000.0))
+    t.observe_drain(DrainWorker(worker_id="old", reason="x", issued_by="ops", issued_at=1_000.0))
+    t.observe_drain(DrainWorker(worker_id="never-seen", reason="x", issued_by="ops",
+                              issued_at=1_000.0))
+    t.observe_status(qs("m", "sched-old", 1_000.0))
+    t.prune(4_000.0)  # 3,000 s: "gone", still shown
+    assert set(t.records()) == {"old", "new"}
+    t.prune(4_601.0)
+    assert set(t.records()) == {"new"} and t._drains == {} and t.queue_statuses() == []

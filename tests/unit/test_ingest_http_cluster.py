@@ -148,3 +148,17 @@ def test_a_worker_of_no_partition_of_the_assignments_topic_is_no_capacity() -> N
     capacity = t.view(NOW).models["llama-3.1-8b"]
     assert (capacity.live_workers, capacity.max_usable_kv_tokens) == (1, 1000)
     assert [hb.worker_id for hb in t.live_workers(NOW)] == ["ok"]
+
+
+def test_workers_and_statuses_long_silent_are_forgotten() -> None:
+    # Nothing writes a heartbeat tombstone: every worker id ever seen stayed, and every
+    # admission's view walked them all.
+    t = tracker()
+    for i in range(1_000):
+        t.observe_heartbeat(beat(f"old{i}"))  # type: ignore[arg-type]
+        t.observe_status(status(LLAMA, f"sched-{i}", 10, 1.0, NOW))
+    t.observe_heartbeat(beat("live", ts=NOW + 400.0))  # type: ignore[arg-type]
+    assert len(t.view(NOW + 100.0).models) == 1  # within model_memory_s: all kept
+    assert len(t._workers) == 1_001
+    t.view(NOW + 400.0)
+    assert list(t._workers) == ["live"] and t._statuses == {}

@@ -289,6 +289,18 @@ def test_reserved_kv_series_of_a_departed_worker_is_removed() -> None:
     assert value("llmq_reserved_kv_tokens", worker="obs-stays") == 3
 
 
+def test_placement_series_of_a_forgotten_worker_are_removed() -> None:
+    m.PLACEMENTS.labels(worker="obs-left", lane="short").inc()
+    m.DECODE_STAGES.labels(worker="obs-left", lane="long").inc()
+    m.PLACEMENTS.labels(worker="obs-here", lane="short").inc()
+    SchedulerMetrics.forget_workers(["obs-left", "obs-never-placed"])
+    for name in ("llmq_placements_total", "llmq_decode_stages_total"):
+        for lane in ("short", "long"):
+            assert m.REGISTRY.get_sample_value(name, {"worker": "obs-left", "lane": lane}) \
+                is None
+    assert value("llmq_placements_total", worker="obs-here", lane="short") >= 1
+
+
 # -- worker --------------------------------------------------------------------------------
 def _fields(**changes: Any) -> HeartbeatFields:
     base: dict[str, Any] = {

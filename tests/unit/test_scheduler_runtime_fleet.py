@@ -157,3 +157,17 @@ def test_block_size_is_the_live_workers_when_any_is_live() -> None:
     assert fleet.block_size("m", T + 3_600) == 16
     assert fleet.block_size("m") == 16_384  # a restore: no clock, every known one
     assert fleet.block_size("m", T + 7_200) == 16_384  # none live: every known one
+
+
+def test_workers_long_silent_and_holding_nothing_are_forgotten() -> None:
+    # Nothing writes a heartbeat tombstone: every worker id ever seen (a pod name per
+    # restart) stayed, and each dispatch cycle walked them all.
+    fleet = FleetView(3.0, recent_s=300.0)
+    for i in range(1_000):
+        fleet.observe(hb(f"old{i}", ts=T), read_at=T)
+    fleet.observe(hb("held", ts=T), read_at=T)  # the log still holds work of it
+    fleet.observe(hb("live", ts=T + 400.0), read_at=T + 400.0)
+    assert fleet.prune(T + 299.0, keep=set()) == []  # still "recent": kept
+    gone = fleet.prune(T + 400.0, keep={"held"})
+    assert len(gone) == 1_000 and set(fleet.workers()) == {"held", "live"}
+    assert list(fleet.snapshot(T + 400.0).workers) == ["live"]

@@ -1119,3 +1119,16 @@ def test_a_held_worker_lost_ending_keeps_its_trace_through_a_prune() -> None:
     out = state.settle_endings(checked, frozenset(), T + 6)
     headers = [dict(o.headers or ()) for e in out for o in (*e.first, *e.then)]
     assert len(headers) == 2 and all("traceparent" in h for h in headers)
+
+
+def test_prune_forgets_workers_long_gone_but_not_one_whose_work_the_log_holds() -> None:
+    state = ready_state(("w0", 0), ("w1", 1))
+    state.on_request(admitted("r1"), ("tp", 0), T)
+    ((_, a),) = assignments(state.tick(T).effects)
+    state.observe_assignment(a)
+    busy = a.worker_id
+    idle = "w1" if busy == "w0" else "w0"
+    assert state.prune(T + 100.0) == []
+    assert state.prune(T + 400.0) == [idle]  # silent 5 min, holding nothing
+    assert set(state.fleet.workers()) == {busy}
+    assert idle not in state.reserved_by_worker()  # its KV gauge series goes too

@@ -38,7 +38,7 @@ valid lease: two runs, two different terminals. A newer beat may be unread only 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 
 from schemas.workers import WorkerHeartbeat
 from services.scheduler import DEFAULT_STALE_AFTER_S, Snapshot, WorkerState
@@ -78,6 +78,20 @@ class FleetView:
 
     def get(self, worker_id: str) -> WorkerHeartbeat | None:
         return self._beats.get(worker_id)
+
+    def prune(self, now: float, keep: Container[str]) -> list[str]:
+        """Forget workers silent for more than ``recent_s`` (by their ``ts`` and since this
+        scheduler read them) that are not in ``keep`` (what the log or the ledger still
+        holds of them); returns their ids. Nothing forgotten counted for anything: they
+        were neither candidates nor ``recent``. Nothing writes a heartbeat tombstone, so
+        without this every worker id ever seen (a pod name per restart) stayed, and each
+        dispatch cycle walked them all (found by an audit: 20,000 ids, 48 ms a cycle)."""
+        gone = [worker_id for worker_id, hb in self._beats.items()
+                if worker_id not in keep and abs(now - hb.ts) > self.recent_s
+                and now - self._read_at[worker_id] > self.recent_s]
+        for worker_id in gone:
+            self.forget(worker_id)
+        return gone
 
     def workers(self) -> list[str]:
         """Every worker with a heartbeat in the view (alive or not)."""

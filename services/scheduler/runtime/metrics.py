@@ -11,11 +11,12 @@ the fleet view nor holds bookings, so a departed worker stops being reported.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterable, Mapping
 from itertools import product
 from typing import get_args
 
-from schemas.common import ErrorCode, Lane, Priority
+from schemas.common import LANES, ErrorCode, Lane, Priority
 from services.common import metrics as m
 from services.scheduler.runtime.results import TickResult
 
@@ -70,6 +71,15 @@ class SchedulerMetrics:
         # Every class, so that one that emptied shows 0 rather than its last depth.
         for priority, lane in _CLASSES:
             m.QUEUE_DEPTH.labels(priority=priority, lane=lane).set(depth.get((priority, lane), 0))
+
+    @staticmethod
+    def forget_workers(worker_ids: Iterable[str]) -> None:
+        """Drop the per-worker series of workers the fleet view forgot (they left)."""
+        for worker_id in worker_ids:
+            for lane in LANES:
+                for counter in (m.PLACEMENTS, m.DECODE_STAGES):
+                    with contextlib.suppress(KeyError):
+                        counter.remove(worker_id, lane)
 
     def set_reserved(self, reserved: Mapping[str, int]) -> None:
         for worker, tokens in reserved.items():

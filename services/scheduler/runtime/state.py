@@ -806,9 +806,23 @@ class SchedulerState:
             )
         return out
 
-    def prune(self, now: float) -> None:
+    def prune(self, now: float) -> list[str]:
+        """Forget what has expired; returns the workers forgotten (for their metrics)."""
         self.log.prune(now)
         self.cancels.prune(now)
+        held = set(self.log.workers()) | set(self._renewals)
+        gone = self.fleet.prune(now, held)
+        for worker_id in gone:
+            self._restarted.discard(worker_id)  # followers never clear it otherwise
+        for worker_id, lost in list(self._lost_incarnations.items()):
+            # A newer process beat since: an older one's lease can never be renewed
+            # (lease_refusal), so its incarnations need not be remembered. Those of a
+            # worker not heard from are kept: it may come back asking.
+            hb = self.fleet.get(worker_id)
+            if hb is not None:
+                lost.difference_update([s for s in lost if s < hb.started_at])
+                if not lost:
+                    del self._lost_incarnations[worker_id]
         # A taken-back placement whose record went to another replica (or a requeue or
         # decode stage, which no record brings back) is not asked for again.
         for request_id in [r for r, (_, deadline) in self._taken_back.items() if deadline < now]:
@@ -818,6 +832,7 @@ class SchedulerState:
         for request_id in [r for r in self._active_trace
                            if self.log.status(r) not in ("active", "handoff")]:
             del self._active_trace[request_id]
+        return gone
 
     # -- views --------------------------------------------------------------------------
 

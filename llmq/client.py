@@ -54,8 +54,11 @@ from services.common.replies import AttemptText, ReplyRouter, ReplyStream
 _log = logging.getLogger(__name__)
 
 #: How much longer than ``timeout_s`` a client waits for llmq's own terminal by default:
-#: the same as ingest.http's ``reply_grace_s`` (services/ingest/settings.py).
-DEFAULT_REPLY_GRACE_S = 10.0
+#: the same as ingest.http's ``reply_grace_s`` (services/ingest/settings.py), and longer
+#: than a worker goes on sending a terminal past the deadline (``give_up_after_s``, 12 s):
+#: at 10 s a Done sent again after a broker blip could land after the client gave up, its
+#: tokens charged and its caller told TimeoutError (found by an audit).
+DEFAULT_REPLY_GRACE_S = 15.0
 
 
 class TopicMissing(RuntimeError):

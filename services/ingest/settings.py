@@ -59,8 +59,9 @@ class IngestSettings(BaseSettings):
         "model's context when the prompt leaves less, as vLLM does.",
     )
     reply_grace_s: float = Field(
-        default=10.0, gt=0, le=600, description="HTTP waits timeout + this for the terminal "
-        "reply before answering 504 and cancelling.",
+        default=15.0, gt=0, le=600, description="HTTP waits timeout + this for the terminal "
+        "reply before answering 504 and cancelling (longer than a worker sends a terminal "
+        "past the deadline: 12 s).",
     )
     heartbeat_staleness: float = Field(
         default=3.0, gt=0, le=100, description="A heartbeat is fresh within this many of its "

@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 from pydantic import ValidationError
 
-from llmq.client import LlmqClient
+from llmq.client import DEFAULT_REPLY_GRACE_S, LlmqClient
 from schemas.codec import decode
 from schemas.control import CancelRequest
 from schemas.replies import Done, Error, Timings, TokenChunk, Usage
@@ -374,3 +374,18 @@ def test_kafka_down_is_one_line_without_aiokafkas_own() -> None:
     assert done.returncode == 1
     assert done.stderr.strip().splitlines() == [done.stderr.strip()], done.stderr
     assert done.stderr.startswith("Error: Kafka at 127.0.0.1:1 did not answer")
+
+
+def test_clients_wait_longer_than_a_worker_sends_a_terminal_past_the_deadline() -> None:
+    # At 10 s of grace, a Done a worker sent again after a broker blip (it tries for 12 s
+    # past the deadline) could land after the caller was told TimeoutError / 504.
+    import dataclasses
+
+    from services.ingest.settings import IngestSettings
+    from services.worker.runner import RunConfig
+
+    give_up = next(f.default for f in dataclasses.fields(RunConfig)
+                   if f.name == "give_up_after_s")
+    assert isinstance(give_up, float)
+    assert give_up < DEFAULT_REPLY_GRACE_S
+    assert IngestSettings.model_fields["reply_grace_s"].default > give_up

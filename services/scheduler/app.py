@@ -129,6 +129,9 @@ _TURNS_EVERY_S = 30.0
 _READ_CHECK_S = 0.005
 #: A worker heartbeating a partition the topic lacks is logged again every so many beats.
 _STRAY_LOG_EVERY = 60
+#: Stray worker processes remembered (one dead letter each); beyond, the oldest is
+#: forgotten and dead-lettered again if it still beats (an audit: one per process, kept).
+_STRAYS_KEPT = 1_000
 _RAW: dict[str, Any] = {
     "key_type": bytes, "value_type": bytes, "key_serializer": "raw", "value_serializer": "raw",
 }
@@ -782,6 +785,8 @@ class Scheduler:
                                  self._strays[stray])
                 return
             self._strays[stray] = 0
+            while len(self._strays) > _STRAYS_KEPT:  # the oldest first: an id per restart
+                del self._strays[next(iter(self._strays))]
             raise SchemaError((FieldError(
                 "partition", "out_of_range",
                 f"{hb.partition} is not a partition of {self.rt.topics.assignments} "

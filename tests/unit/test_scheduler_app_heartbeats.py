@@ -73,3 +73,15 @@ def test_the_same_process_is_refused_once_then_only_counted(
                     f"the dead letter)"]
     with pytest.raises(SchemaError):  # a new process of it: dead-lettered once again
         scheduler._on_heartbeat(_beat("stray", 9, started_at=T - 1))
+
+
+def test_the_stray_processes_remembered_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    # One entry per stray process, never forgotten: a flood of ids, or one stray worker
+    # restarting, grew it for good (an audit of unbounded memory).
+    monkeypatch.setattr(scheduler_app, "_STRAYS_KEPT", 10)
+    scheduler = _scheduler()
+    for i in range(50):
+        with pytest.raises(SchemaError):
+            scheduler._on_heartbeat(_beat(f"stray-{i}", SLOTS))
+    assert len(scheduler._strays) == 10
+    scheduler._on_heartbeat(_beat("stray-49", SLOTS))  # the newest are still known

@@ -31,9 +31,11 @@ partition keeps the headers it came with. Refusals count in ``llmq_rejections_to
 ``llmq_requests_total`` (a refusal is the request's terminal), admissions add their
 reservation (prompt + max_tokens) to ``llmq_admitted_tokens_total`` of the tenant.
 
-Failure rules (docs/live-system.md, "Guards"): an undecodable intake record raises
-``SchemaError`` to the guard (dead letter) after an ``invalid`` Error is sent if the raw
-JSON names a request_id and a tenant with a policy: on that tenant's own reply topic, never
+Failure rules (docs/live-system.md, "Guards"): an undecodable intake record naming a
+tenant with a policy is first moved to that tenant's partition, as a valid one is (only
+there do the reservations tell a broken copy of a request in flight from a new one); there
+it raises ``SchemaError`` to the guard (dead letter) after an ``invalid`` Error is sent if
+the raw JSON names a request_id and a tenant with a policy: on that tenant's own reply topic, never
 on an ingest instance's (``_salvage_target``). A request of a tenant with no
 policy (keyed mode: not in the tenants file) is dead-lettered the same way, with no reply:
 its reply topic would be created for it, and the tenant name is the sender's choice, so
@@ -219,6 +221,15 @@ class IntakeHandler:
         try:
             req = decode(record.value, InferenceRequest)
         except SchemaError as exc:
+            tenant = _salvage_tenant(record.value, self._has_policy)
+            if tenant is not None and not self._owns(record, tenant.encode()):
+                # Moved, as a valid record is: only on its tenant's partition do the
+                # reservations tell a broken copy of a request in flight (refused there,
+                # that one would get a second terminal) from a new one. Dead-lettered there.
+                span.set_attribute(tracing.LLMQ_OUTCOME, "moved")
+                await self._publish(self._topics.intake, tenant.encode(),
+                                    bytes(record.value), headers)
+                return
             span.set_attribute(tracing.LLMQ_OUTCOME, exc.error_code)
             await self._refuse_undecodable(record.value, exc)
             raise
@@ -742,6 +753,27 @@ def _fallback_target(req: InferenceRequest, prefix: str) -> str:
     return authorized_reply_topic(req, prefix) or reply_topic(prefix, req.tenant)
 
 
+def _salvage_tenant(raw: Any, has_policy: Callable[[str], bool]) -> str | None:
+    """The tenant a record that failed validation names, if it is one with a policy."""
+    data = _salvage(raw)
+    tenant = None if data is None else data.get("tenant")
+    if isinstance(tenant, str) and _TENANT_RE.fullmatch(tenant) and has_policy(tenant):
+        return tenant
+    return None
+
+
+def _salvage(raw: Any) -> dict[str, Any] | None:
+    """The JSON object of a record that failed validation, if it is one (and not over the
+    record bound)."""
+    if not isinstance(raw, bytes | bytearray) or len(raw) > MAX_RECORD_BYTES:
+        return None
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
 def _salvage_target(
     raw: Any, prefix: str, has_policy: Callable[[str], bool]
 ) -> tuple[str, str] | None:
@@ -750,17 +782,11 @@ def _salvage_target(
     ingest instance's topic, whatever ``reply_to`` says: ingest writes only valid records
     for its HTTP callers, and there the holder of the id listens (a broken record naming a
     caller's id would end that caller's call with its error)."""
-    if not isinstance(raw, bytes | bytearray) or len(raw) > MAX_RECORD_BYTES:
+    data = _salvage(raw)
+    if data is None:
         return None
-    try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError):
-        return None
-    if not isinstance(data, dict):
-        return None
-    request_id, tenant = data.get("request_id"), data.get("tenant")
+    request_id = data.get("request_id")
     if not isinstance(request_id, str) or not _ID_RE.fullmatch(request_id):
         return None
-    if isinstance(tenant, str) and _TENANT_RE.fullmatch(tenant) and has_policy(tenant):
-        return request_id, reply_topic(prefix, tenant)
-    return None
+    tenant = _salvage_tenant(raw, has_policy)
+    return None if tenant is None else (request_id, reply_topic(prefix, tenant))

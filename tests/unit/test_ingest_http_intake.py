@@ -656,3 +656,17 @@ async def test_a_created_at_so_far_behind_that_its_deadline_is_long_past_is_refu
     # Past its deadline by less: admitted, and the scheduler answers queue_timeout.
     await h.submit(request("r2", created_at=later - 1800, timeout_s=600.0))
     assert "r2" in h.reservations
+
+
+async def test_a_broken_record_off_its_tenants_partition_is_moved_there_not_answered() -> None:
+    # On another instance's partition the reservations of its tenant are not at hand, so
+    # a broken copy of a request in flight there was answered invalid at attempt 0, a
+    # second terminal, which clients took over the real one still to come.
+    h = Harness(load_tenancy(None), owner_partition=lambda key: 3)
+    bad = encode(request("r1", tenant="acme")).replace(b'"max_tokens":10', b'"max_tokens":0')
+    await h.handler.on_request(Record(bad, b"acme", partition=1))  # moved: no raise
+    assert h.sent == [(TOPICS.intake, b"acme", bad)] and h.replies() == []
+    with pytest.raises(SchemaError):  # on its tenant's partition: answered, dead-lettered
+        await h.handler.on_request(Record(bad, b"acme", partition=3))
+    [refusal] = h.replies()
+    assert (refusal.request_id, refusal.code) == ("r1", "invalid")

@@ -282,6 +282,7 @@ class Scheduler:
 
     async def start(self) -> None:
         cfg = self.rt.scheduler
+        self._stopping = False
         if cfg.takeover_s <= cfg.send_timeout_s:
             _log.warning("scheduler: LLMQ_SCHEDULER_TAKEOVER_S (%g s) is not above "
                          "LLMQ_SCHEDULER_SEND_TIMEOUT_S (%g s): a new leader may decide a loss "

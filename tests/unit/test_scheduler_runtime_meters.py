@@ -59,3 +59,11 @@ def test_a_cancel_stamped_far_ahead_does_not_hold_the_others_in_memory() -> None
         cancels.add(f"r{i}", "t", issued_at=float(i), now=float(i))
     cancels.prune(200.0)  # past every one's memory, the one ahead counted from now + 60 s
     assert len(cancels) == 0
+
+
+def test_a_cancel_from_a_clock_ahead_still_matches_its_request() -> None:
+    # The expiry is clamped, not the issued_at matches() compares with the request's
+    # created_at: a client 200 s ahead stamps both alike (a review of the clamp).
+    cancels = RecentCancels(memory_s=600.0)
+    cancels.add("r1", "t", issued_at=1_210.0, now=1_000.0)
+    assert cancels.matches("r1", "t", 1_005.0, created_at=1_200.0)

@@ -1132,3 +1132,18 @@ def test_prune_forgets_workers_long_gone_but_not_one_whose_work_the_log_holds() 
     assert state.prune(T + 400.0) == [idle]  # silent 5 min, holding nothing
     assert set(state.fleet.workers()) == {busy}
     assert idle not in state.reserved_by_worker()  # its KV gauge series goes too
+
+
+def test_a_lost_process_is_refused_its_lease_after_a_newer_one_came_and_was_forgotten(
+) -> None:
+    # A review of the pruning: a lost incarnation dropped once a newer process beat, and
+    # the newer one forgotten 5 min after it left, the thawed lost process was granted.
+    state, _ = _w0_running_r1()  # process A (started_at T - 100) runs r1
+    assert tick_and_release(state, T + 3.5).lost_workers == ["w0"]
+    state.observe_heartbeat(beat("w0", 0, ts=T + 10, started_at=T + 9, seq=0))  # process B
+    state.prune(T + 11)
+    state.prune(T + 10 + 301)  # B left, silent 5 min: forgotten
+    assert "w0" not in state.fleet
+    state.observe_heartbeat(beat("w0", 0, ts=T + 400, seq=9, renew=True))  # A asks
+    (answer,) = lease_answers(state.tick(T + 400).effects)
+    assert not answer.granted

@@ -29,12 +29,13 @@ class RecentCancels:
         return len(self._items)
 
     def add(self, request_id: str, tenant: str, issued_at: float, now: float) -> bool:
-        """Remember a cancel; False when it is already too old to matter. An ``issued_at``
-        ahead of ``now`` by more than ``CLOCK_MARGIN_S`` counts as ``now`` plus that: one
-        stamped far ahead sat at the head of the pruning order and held every later one
-        in memory until the capacity pushed them out (found by an audit)."""
-        issued_at = min(issued_at, now + CLOCK_MARGIN_S)
-        expires_at = issued_at + self.memory_s
+        """Remember a cancel; False when it is already too old to matter. It expires
+        ``memory_s`` from ``issued_at``, or from ``now`` plus ``CLOCK_MARGIN_S`` when it
+        claims to be issued later than that: one stamped far ahead sat at the head of the
+        pruning order and held every later one in memory until the capacity pushed them out
+        (found by an audit). ``matches`` compares the ``issued_at`` given (a client whose
+        clock runs ahead stamps its request and its cancel alike)."""
+        expires_at = min(issued_at, now + CLOCK_MARGIN_S) + self.memory_s
         if expires_at <= now:
             return False
         key = (request_id, tenant)

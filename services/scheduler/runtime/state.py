@@ -814,15 +814,9 @@ class SchedulerState:
         gone = self.fleet.prune(now, held)
         for worker_id in gone:
             self._restarted.discard(worker_id)  # followers never clear it otherwise
-        for worker_id, lost in list(self._lost_incarnations.items()):
-            # A newer process beat since: an older one's lease can never be renewed
-            # (lease_refusal), so its incarnations need not be remembered. Those of a
-            # worker not heard from are kept: it may come back asking.
-            hb = self.fleet.get(worker_id)
-            if hb is not None:
-                lost.difference_update([s for s in lost if s < hb.started_at])
-                if not lost:
-                    del self._lost_incarnations[worker_id]
+        # Lost incarnations are kept (a float each): a process declared lost may thaw and
+        # ask to renew its lease after a newer one came and went and was forgotten (found
+        # by a review: pruned once a newer process beat, it was granted).
         # A taken-back placement whose record went to another replica (or a requeue or
         # decode stage, which no record brings back) is not asked for again.
         for request_id in [r for r, (_, deadline) in self._taken_back.items() if deadline < now]:

@@ -487,18 +487,22 @@ class RequestRun:
 
     async def _stream(self) -> _Stop | _Failed | _Ended:
         while True:
-            wake = self.deadline
+            # The deadline and a due batch are checked before each wait, not only when one
+            # times out: a wait on an inbox that already holds a delta returns without
+            # ever timing out, so a run behind its engine streamed past its deadline
+            # (found by a review of the move from wait_for to asyncio.timeout).
+            now = self._clock()
+            if now >= self.deadline:
+                return _Stop("timeout", f"deadline passed after {self._tokens} tokens")
             due = self._batcher.due_at()
-            if due is not None:
-                wake = min(wake, due)
+            if due is not None and now >= due:
+                await self._send_chunk(self._batcher.flush(now))
+                continue
+            wake = self.deadline if due is None else min(self.deadline, due)
             try:
-                async with asyncio.timeout(max(0.0, wake - self._clock())):
+                async with asyncio.timeout(wake - now):
                     item = await self._inbox.get()  # not wait_for: it can drop a cancel
             except TimeoutError:
-                now = self._clock()
-                if now >= self.deadline:
-                    return _Stop("timeout", f"deadline passed after {self._tokens} tokens")
-                await self._send_chunk(self._batcher.flush(now))
                 continue
             if not isinstance(item, TokenDelta):
                 return item

@@ -642,3 +642,32 @@ async def test_a_reply_the_producer_never_took_is_replaced_by_the_last_resorts()
     producer = Flaky()
     await _run(_FineEngine(0), producer)
     assert producer.terminals() == [("error", "worker_lost"), ("event.failed", "worker_lost")]
+
+
+class _SlowProducer(_Producer):
+    """A broker a little slower than the engine: the run falls behind, its inbox full."""
+
+    async def send(self, topic: str, value: bytes, *, key: bytes,
+                   headers: list[tuple[str, bytes]] | None = None) -> asyncio.Future[None]:
+        await asyncio.sleep(0.004)
+        return await super().send(topic, value, key=key, headers=headers)
+
+
+class _FastEngine(_BrokenEngine):
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
+        for _ in range(self.tokens):
+            await asyncio.sleep(0.001)
+            yield TokenDelta("ab", 1)
+        yield TokenDelta("", 0, finish_reason="length", prompt_tokens=7,
+                         completion_tokens=self.tokens)
+
+
+async def test_a_run_behind_its_engine_still_ends_at_its_deadline() -> None:
+    # A wait on an inbox that already holds a delta returns without timing out: checked
+    # only when a wait timed out, the deadline of a run behind its engine passed unseen,
+    # and it streamed to the engine's end (2.8 s against a 0.3 s deadline; a review).
+    producer = _SlowProducer()
+    run = RequestRun(_assignment(timeout_s=0.3), _FastEngine(600), Publisher(producer, 5.0),
+                     _CFG)
+    out = await asyncio.wait_for(run.run(), 30)
+    assert out.terminal == "timeout" and out.tokens < 600  # not "done" with all 600

@@ -317,7 +317,7 @@ class IntakeHandler:
             return
         prior = self._buckets.get(req.tenant)  # to undo an admission that never left
         try:
-            decision = self._decide(req, policy, now, digest)
+            decision = self._decide(req, policy, now, digest, _produced_at(record, now))
             self._record(req, decision)
         except Exception:
             # Nothing was published for it yet: this Error is its one terminal reply.
@@ -362,7 +362,7 @@ class IntakeHandler:
         )
 
     def _decide(self, req: InferenceRequest, policy: TenantPolicy, now: float,
-                digest: str) -> _Decision:
+                digest: str, produced_at: float | None = None) -> _Decision:
         prefix = self._topics.prefix
         target = authorized_reply_topic(req, prefix)
         if target is None:
@@ -380,13 +380,18 @@ class IntakeHandler:
                 f"created_at is {ahead:.0f} s ahead of ingest's clock (at most "
                 f"{MAX_CLOCK_AHEAD_S:.0f} s allowed): check the client's clock", now,
             ))
-        late = now - (req.created_at + req.timeout_s)
+        # Against when the record was produced, not read: a request read late (ingest
+        # down an hour, then a redelivery of one answered before) is not the client's
+        # fault, and refusing it could be its second terminal (a review).
+        sent = now if produced_at is None else produced_at
+        late = sent - (req.created_at + req.timeout_s)
         if late > MAX_PAST_DEADLINE_S:
             return _Decision(target, _error(
                 req.request_id, "invalid",
-                f"created_at is {now - req.created_at:.0f} s behind ingest's clock, so its "
-                f"timeout_s ({req.timeout_s:g} s) ran out {late:.0f} s ago: check the "
-                "client's clock (created_at is Unix seconds, UTC)", now,
+                f"created_at is {sent - req.created_at:.0f} s behind the time the record "
+                f"was produced, so its timeout_s ({req.timeout_s:g} s) ran out {late:.0f} s "
+                "before it was sent: check the client's clock (created_at is Unix seconds, "
+                "UTC)", now,
             ))
         state = self._state(req.tenant, policy, now)
         result = admit(
@@ -655,6 +660,15 @@ def authorized_reply_topic(req: InferenceRequest, prefix: str) -> str | None:
         return own
     if _instance_reply_topic(req.reply_to, prefix) and _own_instance_id(req):
         return req.reply_to
+    return None
+
+
+def _produced_at(record: SourceRecord, now: float) -> float | None:
+    """The record's Kafka timestamp in seconds (faust's ``Message.timestamp``), when it
+    has a plausible one (not ahead of ``now``); None otherwise."""
+    ts = getattr(record, "timestamp", None)
+    if isinstance(ts, int | float) and 0 < ts <= now + MAX_CLOCK_AHEAD_S:
+        return float(ts)
     return None
 
 

@@ -42,6 +42,7 @@ class Record:
     key: Any
     topic: str = TOPICS.intake
     partition: int = 0
+    timestamp: float | None = None  # faust's Message.timestamp (seconds)
 
 
 class Harness:
@@ -656,6 +657,11 @@ async def test_a_created_at_so_far_behind_that_its_deadline_is_long_past_is_refu
     # Past its deadline by less: admitted, and the scheduler answers queue_timeout.
     await h.submit(request("r2", created_at=later - 1800, timeout_s=600.0))
     assert "r2" in h.reservations
+    # Read late, not sent late (produced in time, ingest down for hours, or a redelivery
+    # of one answered before): not the client's clock, not refused here.
+    late = encode(request("r3", created_at=NOW, timeout_s=600.0))
+    await h.handler.on_request(Record(late, b"default", timestamp=NOW + 1.0))
+    assert "r3" in h.reservations
 
 
 async def test_a_broken_record_off_its_tenants_partition_is_moved_there_not_answered() -> None:

@@ -50,6 +50,7 @@ class LogReader:
         poll_ms: int = 50,
         name: str = "log-reader",
     ) -> None:
+        self._read_up_to: dict[TopicPartition, float] = {}  # read_up_to, per partition
         self.caught_up = asyncio.Event()
         self._bootstrap = bootstrap
         self._handlers = dict(handlers)
@@ -129,6 +130,26 @@ class LogReader:
             self._targets.remove(ends)
         return self._reached(ends)
 
+    def read_up_to(self, topic: str) -> dict[int, float]:
+        """Per partition of ``topic``: the latest wall time (seconds) of a fetch after which
+        the partition was handled up to its end as the broker reported it then, so that
+        everything written to it before about that time was handled. Only moves forward;
+        0.0 while never. Per partition, unlike :meth:`caught_up_at`: one partition that
+        cannot be fetched (its leader offline) holds only its own time back."""
+        consumer = self._consumer
+        found: dict[int, float] = {}
+        for tp in self._tps:
+            if tp.topic != topic:
+                continue
+            if consumer is not None:
+                end, polled = consumer.highwater(tp), consumer.last_poll_timestamp(tp)
+                if end is not None and polled is not None and self._handled.get(tp, 0) >= end:
+                    at = polled / 1000.0
+                    if at > self._read_up_to.get(tp, 0.0):
+                        self._read_up_to[tp] = at
+            found[tp.partition] = self._read_up_to.get(tp, 0.0)
+        return found
+
     def caught_up_at(self, topic: str) -> float:
         """The wall time (seconds) of the latest fetch after which every partition of
         ``topic`` was handled up to its end as the broker reported it then: everything
@@ -184,8 +205,12 @@ class LogReader:
         position counts as handled. Without it, a partition whose last records were
         compacted away (a worker's heartbeats a week after it left) stayed "behind" for
         good, and :meth:`caught_up_at` with it."""
+        consumer = self._consumer
         for tp in self._tps:
-            position = await self._consumer.position(tp)
+            end = consumer.highwater(tp)
+            if end is None or self._handled.get(tp, 0) >= end:
+                continue  # not behind (or never fetched): no position to ask for
+            position = await consumer.position(tp)
             if self._handled.get(tp, 0) < position:
                 self._handled[tp] = position
 

@@ -79,7 +79,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, cast
@@ -132,6 +132,8 @@ _STRAY_LOG_EVERY = 60
 #: Stray worker processes remembered (one dead letter each); beyond, the oldest is
 #: forgotten and dead-lettered again if it still beats (an audit: one per process, kept).
 _STRAYS_KEPT = 1_000
+#: A heartbeats partition not read to its end this long is warned of (_warn_unread).
+_UNREAD_WARN_S = 60.0
 _RAW: dict[str, Any] = {
     "key_type": bytes, "value_type": bytes, "key_serializer": "raw", "value_serializer": "raw",
 }
@@ -250,6 +252,7 @@ class Scheduler:
         self.ready = asyncio.Event()
         self.wake = asyncio.Event()
         self._stopping = False  # the dispatch loop ends at its next turn (request_stop)
+        self._unread_warned_at = -math.inf  # _warn_unread
         self._topic_keys = dict((topic, key) for key, topic in topics.requests)
         self._paused: set[Any] = set()
         self._full: set[Any] = set()  # request partitions paused for the records they hold
@@ -455,8 +458,10 @@ class Scheduler:
         # assignment then, and such a tick, after leadership_lapsed, restarted the takeover
         # wait of a leadership that continues (found by a review of c21e40e).
         leads = self.app.is_leader() and not self._led_until_revoked
+        heard = self.reader.read_up_to(self.rt.topics.heartbeats)
+        self._warn_unread(heard, now)
         result = self.state.tick(now, handle_losses=leads, log_read_at=log_read_at,
-                                 heard_at=self.reader.caught_up_at(self.rt.topics.heartbeats))
+                                 heard=heard)
         m = self.metrics
         m.tick(result)
         for worker_id in result.lost_workers:
@@ -477,6 +482,16 @@ class Scheduler:
         m.ended(self.state.ended)
         if result.more:
             self.wake.set()
+
+    def _warn_unread(self, heard: Mapping[int, float], now: float) -> None:
+        """Say (once a minute) which heartbeats partitions have not been read to their end
+        for a minute: the losses of their workers wait for them."""
+        behind = sorted(p for p, at in heard.items() if 0.0 < at < now - _UNREAD_WARN_S)
+        if behind and now >= self._unread_warned_at + _UNREAD_WARN_S:
+            self._unread_warned_at = now
+            _log.warning("scheduler: heartbeats partition(s) %s not read to their end for "
+                         "over %.0f s (leader offline?): losses of the workers there wait "
+                         "until they are", behind, _UNREAD_WARN_S)
 
     def _log_read_at(self) -> float:
         """Up to when the assignments are read: with several replicas, one places on a
@@ -794,7 +809,7 @@ class Scheduler:
                 f"(0 to {len(slots) - 1} when this scheduler started): worker "
                 f"{hb.worker_id!r} was not added to the fleet. Give it a slot of the topic, "
                 "or restart the schedulers after adding partitions"),))
-        self.state.observe_heartbeat(hb, read_at=self.clock())
+        self.state.observe_heartbeat(hb, read_at=self.clock(), source=record.partition)
         if hb.renew:
             self.wake.set()  # a worker holds its output until the next cycle answers it
 

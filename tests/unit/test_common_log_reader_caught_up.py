@@ -62,3 +62,15 @@ def test_unknown_until_every_partition_was_fetched() -> None:
     assert reader({A0: (5, 10_500), A1: (None, None), B0: (0, 1)}, {A0: 5}).caught_up_at(
         "a") == 0.0
     assert reader({A0: (0, 1), A1: (0, 1), B0: (0, 1)}, {}).caught_up_at("c") == 0.0
+
+
+def test_read_up_to_is_per_partition_and_only_moves_forward() -> None:
+    r = reader({A0: (5, 10_500), A1: (7, 10_200), B0: (9, 9_000)}, {A0: 5, A1: 7, B0: 3})
+    assert r.read_up_to("a") == {0: 10.5, 1: 10.2}
+    assert r.read_up_to("b") == {0: 0.0}  # 3 of 9 handled: never read to its end
+    # A1's next fetch fails (its leader offline: no new timestamp) and A0 moves on: A0's
+    # time moves, A1's stays, and neither goes back when a batch is being handled.
+    r._consumer.ends = {A0: (8, 12_000), A1: (7, 10_200), B0: (9, 9_000)}  # type: ignore[attr-defined]
+    assert r.read_up_to("a") == {0: 10.5, 1: 10.2}  # A0: 5 of 8 handled, held at 10.5
+    r._handled[A0] = 8
+    assert r.read_up_to("a") == {0: 12.0, 1: 10.2}

@@ -38,7 +38,7 @@ def _scheduler() -> Scheduler:
 
 def _beat(worker_id: str, partition: int, started_at: float = T - 60) -> Any:
     hb = make_heartbeat(worker_id=worker_id, partition=partition, started_at=started_at, ts=T)
-    return SimpleNamespace(value=encode(hb), key=worker_id.encode())
+    return SimpleNamespace(value=encode(hb), key=worker_id.encode(), partition=0)
 
 
 def test_a_heartbeat_of_a_partition_the_topic_has_joins_the_fleet() -> None:

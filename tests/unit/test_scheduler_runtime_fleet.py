@@ -87,9 +87,22 @@ def test_a_worker_is_judged_dead_only_as_far_as_the_heartbeats_were_read(
     # Its lease is renewed by the broker's acks, not by this scheduler reading the beats:
     # a reader that stalls must not see the fleet go silent (two runs of one attempt).
     fleet = FleetView(3.0)
-    fleet.observe(hb(ts=T), read_at=T)
-    assert fleet.may_be_alive("w0", T + 10.0, heard_at) is may_be_alive
+    fleet.observe(hb(ts=T), read_at=T, source=2)  # read from heartbeats partition 2
+    assert fleet.may_be_alive("w0", T + 10.0, {2: heard_at, 5: T + 10.0}) is may_be_alive
     assert fleet.may_be_alive("w0", T + 10.0) is False  # with no reader to wait for
+
+
+def test_one_partition_read_no_further_holds_back_only_its_own_workers() -> None:
+    # A review of the first cut, which took the oldest time of every partition: one
+    # partition whose leader went offline stopped every loss in the fleet, for good.
+    fleet = FleetView(3.0)
+    fleet.observe(hb("w-frozen", ts=T), read_at=T, source=0)
+    fleet.observe(hb("w-dead", ts=T), read_at=T, source=1)
+    heard = {0: T + 0.5, 1: T + 3600.0}  # partition 0 not fetched since T + 0.5
+    assert fleet.may_be_alive("w-frozen", T + 3600.0, heard)
+    assert not fleet.may_be_alive("w-dead", T + 3600.0, heard)
+    fleet.observe(hb("w-unknown", ts=T), read_at=T)  # its partition not known: now
+    assert not fleet.may_be_alive("w-unknown", T + 3600.0, heard)
 
 
 @pytest.mark.parametrize(

@@ -7,8 +7,8 @@ events, ticks) and checks the records it would produce and the acks it would rel
 from __future__ import annotations
 
 import logging
-import math
 import random
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -100,12 +100,12 @@ def done(a: Assignment, worker: str, ts: float = T + 2) -> EventDone:
 
 def tick_and_release(state: SchedulerState, now: float, answered: frozenset[tuple[str, int]]
                      = frozenset(), *, handle_losses: bool = True,
-                     heard_at: float = math.inf) -> TickResult:
+                     heard: Mapping[int, float] | None = None) -> TickResult:
     """A dispatch cycle around a worker loss, as the app runs it: the tick, its held
     worker_lost endings settled and held requeues released once the reply-topic check is
     back (``answered``: the attempts found answered), and the next tick, which places them.
     The first tick's result, with the effects of all three."""
-    first = state.tick(now, handle_losses=handle_losses, heard_at=heard_at)
+    first = state.tick(now, handle_losses=handle_losses, heard=heard)
     checked = [e for e in first.effects if e.unless_answered is not None]
     settled = state.settle_endings(checked, answered, now)  # the held worker_lost endings
     released = [e for h in first.held for e in state.release(h, h.check[:2] in answered, now)]
@@ -246,19 +246,20 @@ def test_a_stalled_heartbeat_reader_gives_no_work_away() -> None:
     # beating, its lease renewed by the broker's acks. Declared lost at T + 5, its running
     # request got worker_lost from the scheduler and Done from w0 (the code before).
     state = ready_state(("w0", 0))
+    state.observe_heartbeat(beat("w0", 0, ts=T, seq=2), read_at=T, source=3)
     state.on_request(admitted("r1"), ("tp", 0), T)
     ((_, a),) = assignments(state.tick(T).effects)
     state.observe_assignment(a)
     state.observe_event(started(a, "w0"))
-    stalled = state.tick(T + 5, heard_at=T + 0.5)
+    stalled = state.tick(T + 5, heard={3: T + 0.5})
     assert stalled.lost_workers == [] and stalled.held == ()
     assert replies(stalled.effects) == [] and events(stalled.effects) == []
     # The reader catches up: w0's newer beat, the same process. Nothing to undo.
-    state.observe_heartbeat(beat("w0", 0, ts=T + 4.5, seq=5), read_at=T + 5.05)
-    assert state.tick(T + 5.1, heard_at=T + 5.1).lost_workers == []
+    state.observe_heartbeat(beat("w0", 0, ts=T + 4.5, seq=5), read_at=T + 5.05, source=3)
+    assert state.tick(T + 5.1, heard={3: T + 5.1}).lost_workers == []
     assert state.log.status("r1") == "active"
     # Silent for real, and seen to be by a reader that is current: lost.
-    assert tick_and_release(state, T + 9, heard_at=T + 9).lost_workers == ["w0"]
+    assert tick_and_release(state, T + 9, heard={3: T + 9}).lost_workers == ["w0"]
 
 
 def test_only_the_replica_that_handles_losses_acts_on_one() -> None:

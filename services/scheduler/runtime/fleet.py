@@ -26,19 +26,22 @@ declared dead at every cycle. A beat is read no earlier than it was created, so 
 since it was read never exceeds its true age. The price: after a scheduler restart, which
 reads every heartbeat anew, a worker that died meanwhile is declared dead one bound later.
 
-Both clocks stop at ``heard_at``: the last time this scheduler's reader had handled every
-heartbeat written (``LogReader.caught_up_at``). A worker's lease is renewed by the broker
-acknowledging its beat, not by this scheduler reading it, so a reader that stalls (the
-scheduler's process paused, starved of CPU, or cut from the broker while the workers are
-not) would otherwise see every worker go silent and give away work still running under a
-valid lease: two runs, two different terminals. A newer beat may be unread only after
-``heard_at``; judged there, a worker is declared dead only when its silence was seen.
+Both clocks stop at ``heard``: per partition of the heartbeats topic, the last time this
+scheduler's reader had handled every heartbeat written there (``LogReader.read_up_to``);
+a worker is judged by the partition its beats come from. A worker's lease is renewed by
+the broker acknowledging its beat, not by this scheduler reading it, so a reader that
+stalls (the scheduler's process paused, starved of CPU, or cut from the broker while the
+workers are not) would otherwise see every worker go silent and give away work still
+running under a valid lease: two runs, two different terminals. A newer beat may be unread
+only after that time; judged there, a worker is declared dead only when its silence was
+seen. Per partition, so that one partition that cannot be read (its leader offline) holds
+back only the losses of its own workers (whose leases lapse: their beats are not acked).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Container, Iterator
+from collections.abc import Container, Iterator, Mapping
 
 from schemas.workers import WorkerHeartbeat
 from services.scheduler import DEFAULT_STALE_AFTER_S, Snapshot, WorkerState
@@ -54,6 +57,7 @@ class FleetView:
         self.recent_s = recent_s
         self._beats: dict[str, WorkerHeartbeat] = {}
         self._read_at: dict[str, float] = {}  # our clock when the newest beat was read
+        self._source: dict[str, int] = {}  # the heartbeats partition it was read from
 
     def __len__(self) -> int:
         return len(self._beats)
@@ -61,19 +65,26 @@ class FleetView:
     def __contains__(self, worker_id: object) -> bool:
         return worker_id in self._beats
 
-    def observe(self, hb: WorkerHeartbeat, read_at: float | None = None) -> bool:
+    def observe(self, hb: WorkerHeartbeat, read_at: float | None = None,
+                source: int | None = None) -> bool:
         """Keep ``hb`` if it is the worker's newest; True when the view changed.
-        ``read_at``: this scheduler's clock as it read the beat (None: its ``ts``)."""
+        ``read_at``: this scheduler's clock as it read the beat (None: its ``ts``);
+        ``source``: the heartbeats partition it was read from (None: not known)."""
         old = self._beats.get(hb.worker_id)
         if old is not None and (hb.started_at, hb.seq) <= (old.started_at, old.seq):
             return False
         self._beats[hb.worker_id] = hb
         self._read_at[hb.worker_id] = hb.ts if read_at is None else read_at
+        if source is None:
+            self._source.pop(hb.worker_id, None)
+        else:
+            self._source[hb.worker_id] = source
         return True
 
     def forget(self, worker_id: str) -> bool:
         """A tombstone: the worker left the fleet. True if it was known."""
         self._read_at.pop(worker_id, None)
+        self._source.pop(worker_id, None)
         return self._beats.pop(worker_id, None) is not None
 
     def get(self, worker_id: str) -> WorkerHeartbeat | None:
@@ -102,15 +113,18 @@ class FleetView:
         hb = self._beats.get(worker_id)
         return hb is not None and self._fresh(hb, now)
 
-    def may_be_alive(self, worker_id: str, now: float, heard_at: float = math.inf) -> bool:
+    def may_be_alive(self, worker_id: str, now: float,
+                     heard: Mapping[int, float] | None = None) -> bool:
         """Known, and fresh by its heartbeat's ``ts`` or by the time since this scheduler
-        read it, both judged at ``min(now, heard_at)`` (``heard_at``: every heartbeat
-        written before it was read): a worker is declared dead only when both are stale
+        read it, both judged at ``min(now, heard[its partition])`` (``heard``: per
+        heartbeats partition, every beat written there before that time was read; None:
+        no reader to wait for): a worker is declared dead only when both are stale
         (module docstring)."""
         hb = self._beats.get(worker_id)
         if hb is None:
             return False
-        at = min(now, heard_at)
+        source = self._source.get(worker_id)
+        at = now if heard is None or source is None else min(now, heard.get(source, 0.0))
         return self._fresh(hb, at) or \
             at - self._read_at[worker_id] <= self.staleness * hb.interval_s
 

@@ -199,10 +199,12 @@ class SchedulerState:
 
     # -- fleet ------------------------------------------------------------------------
 
-    def observe_heartbeat(self, hb: WorkerHeartbeat, read_at: float | None = None) -> bool:
-        """A heartbeat, read at ``read_at`` on this scheduler's clock (None: its ``ts``)."""
+    def observe_heartbeat(self, hb: WorkerHeartbeat, read_at: float | None = None,
+                          source: int | None = None) -> bool:
+        """A heartbeat, read at ``read_at`` on this scheduler's clock (None: its ``ts``)
+        from partition ``source`` of the heartbeats topic."""
         old = self.fleet.get(hb.worker_id)
-        changed = self.fleet.observe(hb, read_at)
+        changed = self.fleet.observe(hb, read_at, source)
         if changed and (old is None or old.started_at != hb.started_at):
             self._restarted.add(hb.worker_id)  # work placed on its earlier process is lost
         if hb.renew:
@@ -529,7 +531,8 @@ class SchedulerState:
     # -- the dispatch cycle -----------------------------------------------------------
 
     def tick(self, now: float, *, handle_losses: bool = True,
-             log_read_at: float = math.inf, heard_at: float = math.inf) -> TickResult:
+             log_read_at: float = math.inf,
+             heard: Mapping[int, float] | None = None) -> TickResult:
         """Worker loss, then one ``schedule()`` call; everything it decided as effects.
 
         ``handle_losses``: this replica acts on lost workers. Every replica reads every
@@ -544,9 +547,10 @@ class SchedulerState:
         turn only once the log is read up to the turn's start; the app's
         ``_log_read_at``).
 
-        ``heard_at``: every heartbeat written before this wall time has been read; a
-        worker is declared lost only if it was silent by then (:meth:`FleetView.may_be_alive`:
-        a stalled reader must not give away work running under a valid lease).
+        ``heard``: per heartbeats partition, every beat written there before that wall time
+        has been read; a worker is declared lost only if it was silent by then
+        (:meth:`FleetView.may_be_alive`: a stalled reader must not give away work running
+        under a valid lease).
         """
         effects: list[Effect] = []
         if self._settled:
@@ -568,7 +572,7 @@ class SchedulerState:
         if taken_over:
             effects.extend(self._adopt_handoffs(now))
         lost = [w for w in self.log.workers()
-                if not self.fleet.may_be_alive(w, now, heard_at)] if taken_over else []
+                if not self.fleet.may_be_alive(w, now, heard)] if taken_over else []
         held: list[HeldRequeue] = []
         for worker_id in lost:
             held.extend(self._lose_worker(worker_id, now, effects))

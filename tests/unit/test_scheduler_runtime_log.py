@@ -218,3 +218,20 @@ def test_a_deadline_header_past_the_longest_timeout_is_capped() -> None:
     read_at = T + 10  # the event's ts
     assert log.prune(read_at + MAX_TIMEOUT_S + 99.0) == 0
     assert log.prune(read_at + MAX_TIMEOUT_S + 101.0) == 1
+
+
+def test_attempt_sets_behave_as_sets_of_ints() -> None:
+    # The log's per-request attempt sets are ints' bits (memory: 56 bytes, not 216).
+    from services.scheduler.runtime.log import _Attempts
+
+    seen = _Attempts()
+    assert not seen and list(seen) == [] and max(seen, default=0) == 0 and 1 not in seen
+    for attempt in (3, 1, 64, 1):
+        seen.add(attempt)
+    assert seen and list(seen) == [1, 3, 64] and max(seen) == 64
+    assert 3 in seen and 2 not in seen and -1 not in seen and "3" not in seen
+    seen.discard(3)
+    seen.discard(7)  # absent: nothing
+    assert list(seen) == [1, 64]
+    seen.clear()
+    assert not seen

@@ -42,7 +42,7 @@ Plain state, no I/O: one owner feeds it.
 
 from __future__ import annotations
 
-from collections.abc import Container, Mapping
+from collections.abc import Container, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -65,13 +65,48 @@ class _Own:
     made: bool
 
 
+class _Attempts:
+    """A set of attempt numbers (small non-negative ints) as the bits of one int: 56 bytes
+    where a set takes 216. The log keeps every finished request for its deadline plus
+    ``memory_s``, five of these each: as sets that was 1.6 KB a finished request (0.6 GiB
+    at 100 requests a second, an audit of unbounded memory found)."""
+
+    __slots__ = ("bits",)
+
+    def __init__(self) -> None:
+        self.bits = 0
+
+    def add(self, attempt: int) -> None:
+        self.bits |= 1 << attempt
+
+    def discard(self, attempt: int) -> None:
+        self.bits &= ~(1 << attempt)
+
+    def clear(self) -> None:
+        self.bits = 0
+
+    def __contains__(self, attempt: object) -> bool:
+        return isinstance(attempt, int) and attempt >= 0 and bool(self.bits >> attempt & 1)
+
+    def __bool__(self) -> bool:
+        return self.bits != 0
+
+    def __iter__(self) -> Iterator[int]:
+        bits, attempt = self.bits, 0
+        while bits:
+            if bits & 1:
+                yield attempt
+            bits >>= 1
+            attempt += 1
+
+
 @dataclass(slots=True)
 class _Entry:
-    assigned: set[int] = field(default_factory=set)
-    started: set[int] = field(default_factory=set)
-    streamed: set[int] = field(default_factory=set)
-    ended: set[int] = field(default_factory=set)
-    lost: set[int] = field(default_factory=set)
+    assigned: _Attempts = field(default_factory=_Attempts)
+    started: _Attempts = field(default_factory=_Attempts)
+    streamed: _Attempts = field(default_factory=_Attempts)
+    ended: _Attempts = field(default_factory=_Attempts)
+    lost: _Attempts = field(default_factory=_Attempts)
     #: Prefill stages that handed their KV on: attempt -> the parameters they reported.
     prefilled: dict[int, Mapping[str, JsonValue]] = field(default_factory=dict)
     #: ... and when (the event's time): how long the prompt's KV has waited.

@@ -228,8 +228,13 @@ async def test_a_started_stream_that_llmq_restarts_ends_with_worker_lost() -> No
 
 async def test_a_stream_restarted_before_it_sent_text_carries_on() -> None:
     # Attempt 1's chunk was still queued, unread, when attempt 2's came: nothing was sent.
-    api = Api([(0.01, attempt_chunk(1, "old")), (0.01, attempt_chunk(2, "new")),
-               (0.02, attempt_done(2))])
+    # Both come in one turn of the loop (one gate), not on two timers of the same delay:
+    # those could fire a turn apart, and the first chunk was then sent (a CI run failed
+    # so once: the stream ended worker_lost, as it must when text was sent).
+    both = asyncio.Event()
+    api = Api([(both, attempt_chunk(1, "old")), (both, attempt_chunk(2, "new")),
+               (0.05, attempt_done(2))])
+    asyncio.get_running_loop().call_later(0.01, both.set)
     out = await api.post({"model": "m", "prompt": "x", "stream": True})
     sent = events(out.body)
     assert [e["choices"][0]["text"] for e in sent[:-1]] == ["new", ""]

@@ -51,6 +51,8 @@ class LogReader:
         name: str = "log-reader",
     ) -> None:
         self._read_up_to: dict[TopicPartition, float] = {}  # read_up_to, per partition
+        #: The latest fetch stamp seen per partition, and the one before it (_advance).
+        self._stamps: dict[TopicPartition, tuple[float | None, float | None]] = {}
         self.caught_up = asyncio.Event()
         self._bootstrap = bootstrap
         self._handlers = dict(handlers)
@@ -136,19 +138,34 @@ class LogReader:
         everything written to it before about that time was handled. Only moves forward;
         0.0 while never. Per partition, unlike :meth:`caught_up_at`: one partition that
         cannot be fetched (its leader offline) holds only its own time back."""
-        consumer = self._consumer
         found: dict[int, float] = {}
         for tp in self._tps:
-            if tp.topic != topic:
-                continue
-            if consumer is not None:
-                end, polled = consumer.highwater(tp), consumer.last_poll_timestamp(tp)
-                if end is not None and polled is not None and self._handled.get(tp, 0) >= end:
-                    at = polled / 1000.0
-                    if at > self._read_up_to.get(tp, 0.0):
-                        self._read_up_to[tp] = at
-            found[tp.partition] = self._read_up_to.get(tp, 0.0)
+            if tp.topic == topic:
+                self._advance(tp)
+                found[tp.partition] = self._read_up_to.get(tp, 0.0)
         return found
+
+    def _advance(self, tp: TopicPartition) -> None:
+        """Move :meth:`read_up_to` of ``tp`` on. aiokafka stamps a fetch response when it
+        processes it, which can be long after the broker built it (a pause in between),
+        so the time credited is the stamp of an *earlier* response: aiokafka sends the
+        next fetch only once the last one was processed, so the response now in hand was
+        built after that earlier stamp, and its highwater covers what was written before
+        it (a review found the current stamp let a pause declare live workers dead)."""
+        consumer = self._consumer
+        if consumer is None:
+            return
+        end, polled = consumer.highwater(tp), consumer.last_poll_timestamp(tp)
+        if polled is None:
+            return
+        stamp = polled / 1000.0
+        current, earlier = self._stamps.get(tp, (None, None))
+        if stamp != current:
+            current, earlier = stamp, current
+            self._stamps[tp] = (current, earlier)
+        if end is not None and earlier is not None and self._handled.get(tp, 0) >= end \
+                and earlier > self._read_up_to.get(tp, 0.0):
+            self._read_up_to[tp] = earlier
 
     def caught_up_at(self, topic: str) -> float:
         """The wall time (seconds) of the latest fetch after which every partition of
@@ -179,6 +196,8 @@ class LogReader:
             if batches and self._on_batch is not None:
                 self._on_batch()
             await self._skip_empty_tails()
+            for tp in self._tps:  # every fetch stamp seen keeps read_up_to's lag short
+                self._advance(tp)
             if not self.caught_up.is_set() and self._reached(self._history):
                 self.caught_up.set()
             async with self._progress:

@@ -64,13 +64,20 @@ def test_unknown_until_every_partition_was_fetched() -> None:
     assert reader({A0: (0, 1), A1: (0, 1), B0: (0, 1)}, {}).caught_up_at("c") == 0.0
 
 
-def test_read_up_to_is_per_partition_and_only_moves_forward() -> None:
+def test_read_up_to_is_per_partition_credits_an_earlier_fetch_and_only_moves_forward(
+) -> None:
     r = reader({A0: (5, 10_500), A1: (7, 10_200), B0: (9, 9_000)}, {A0: 5, A1: 7, B0: 3})
+    # A response is stamped when aiokafka processes it, maybe long after the broker built
+    # it (a pause in between): the time credited is an earlier response's stamp, before
+    # which the response in hand was built (a review: the current stamp let a pause
+    # declare live workers dead).
+    assert r.read_up_to("a") == {0: 0.0, 1: 0.0}  # one stamp seen: nothing credited yet
+    r._consumer.ends = {A0: (5, 10_550), A1: (7, 10_250), B0: (9, 9_050)}  # type: ignore[attr-defined]
     assert r.read_up_to("a") == {0: 10.5, 1: 10.2}
     assert r.read_up_to("b") == {0: 0.0}  # 3 of 9 handled: never read to its end
-    # A1's next fetch fails (its leader offline: no new timestamp) and A0 moves on: A0's
-    # time moves, A1's stays, and neither goes back when a batch is being handled.
-    r._consumer.ends = {A0: (8, 12_000), A1: (7, 10_200), B0: (9, 9_000)}  # type: ignore[attr-defined]
-    assert r.read_up_to("a") == {0: 10.5, 1: 10.2}  # A0: 5 of 8 handled, held at 10.5
+    # A1's fetches stop (its leader offline: no new stamp) and A0's go on, its newest
+    # response not handled yet: A0 holds, then moves once handled; A1 stays; none goes back.
+    r._consumer.ends = {A0: (8, 12_000), A1: (7, 10_250), B0: (9, 9_050)}  # type: ignore[attr-defined]
+    assert r.read_up_to("a") == {0: 10.5, 1: 10.2}  # A0: 5 of 8 handled
     r._handled[A0] = 8
-    assert r.read_up_to("a") == {0: 12.0, 1: 10.2}
+    assert r.read_up_to("a") == {0: 10.55, 1: 10.2}  # the stamp before 12.0

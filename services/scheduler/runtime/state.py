@@ -570,7 +570,7 @@ class SchedulerState:
         self.leading = handle_losses
         taken_over = handle_losses and now - self._leading_since >= self.config.takeover_s
         if taken_over:
-            effects.extend(self._adopt_handoffs(now))
+            effects.extend(self._adopt_handoffs(now, heard))
         lost = [w for w in self.log.workers()
                 if not self.fleet.may_be_alive(w, now, heard)] if taken_over else []
         held: list[HeldRequeue] = []
@@ -648,7 +648,8 @@ class SchedulerState:
             self._give_up_requeues(now)
         self.leading = False
 
-    def _adopt_handoffs(self, now: float) -> list[Effect]:
+    def _adopt_handoffs(self, now: float,
+                        heard: Mapping[int, float] | None = None) -> list[Effect]:
         """Queue the decode stage of every prefill that handed its KV on and is not queued
         here yet (the leader's alone, like requeues: every replica reads the same
         event.prefilled, one places the next attempt). A cancel remembered for it ends it
@@ -684,7 +685,7 @@ class SchedulerState:
             if tracked.prefill is None or tracked.queued.phase != "decode" \
                     or tracked.queued.request_id not in self.pending:
                 continue  # (not in the queue: cancelled, this cycle reports it)
-            if self._prefill_gone(tracked.prefill, now):
+            if self._prefill_gone(tracked.prefill, now, heard):
                 self._start_over(tracked, "whose worker is gone", now)
             elif self._handoff_expired(tracked.prefill, now):
                 self._start_over(tracked, "whose KV has waited past handoff_ttl_s "
@@ -699,10 +700,12 @@ class SchedulerState:
         at = self.log.prefilled_at(prefill.request_id, prefill.attempt)
         return at is not None and now - at > ttl
 
-    def _prefill_gone(self, prefill: Assignment, now: float) -> bool:
-        """Whether the process that computed a hand-off's prompt is gone (stale, or
-        replaced by a newer process of the worker): its KV went with it."""
-        if not self.fleet.may_be_alive(prefill.worker_id, now):
+    def _prefill_gone(self, prefill: Assignment, now: float,
+                      heard: Mapping[int, float] | None = None) -> bool:
+        """Whether the process that computed a hand-off's prompt is gone (stale as far as
+        its heartbeats were read, or replaced by a newer process of the worker): its KV
+        went with it."""
+        if not self.fleet.may_be_alive(prefill.worker_id, now, heard):
             return True
         hb = self.fleet.get(prefill.worker_id)
         return hb is not None and prefill.worker_started_at is not None \

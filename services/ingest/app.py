@@ -185,10 +185,11 @@ def _publisher(app: faust.App) -> Publish:
     flushes its producer before it commits the offset of the record being handled."""
 
     async def publish(
-        topic: str, key: bytes, value: bytes, headers: Headers | None = None
+        topic: str, key: bytes, value: bytes, headers: Headers | None = None,
+        timestamp: float | None = None,
     ) -> None:
         producer = await app.maybe_start_producer()
-        await producer.send(topic, key, value, None, None, headers or None)
+        await producer.send(topic, key, value, None, timestamp, headers or None)
 
     return publish
 

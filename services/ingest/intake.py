@@ -145,10 +145,12 @@ class SettleRecord(WireMessage):
 
 class Publish(Protocol):
     """Produce one record (the Faust producer in the service, a list in tests); ``headers``
-    carry the trace context."""
+    carry the trace context; ``timestamp`` (seconds): the record's, None for now (a moved
+    record keeps the one it was produced with)."""
 
     def __call__(
-        self, topic: str, key: bytes, value: bytes, headers: tracing.Headers | None = None
+        self, topic: str, key: bytes, value: bytes, headers: tracing.Headers | None = None,
+        timestamp: float | None = None,
     ) -> Awaitable[object]: ...
 
 
@@ -228,7 +230,7 @@ class IntakeHandler:
                 # that one would get a second terminal) from a new one. Dead-lettered there.
                 span.set_attribute(tracing.LLMQ_OUTCOME, "moved")
                 await self._publish(self._topics.intake, tenant.encode(),
-                                    bytes(record.value), headers)
+                                    bytes(record.value), headers, _timestamp(record))
                 return
             span.set_attribute(tracing.LLMQ_OUTCOME, exc.error_code)
             await self._refuse_undecodable(record.value, exc)
@@ -247,7 +249,9 @@ class IntakeHandler:
             # Tenant state lives on the tenant's partition: move the record there (with
             # its own trace context: the admission that counts is the one over there).
             span.set_attribute(tracing.LLMQ_OUTCOME, "moved")
-            await self._publish(self._topics.intake, tenant_key, bytes(record.value), headers)
+            # With the time it was produced: "deadline long past" is judged against it.
+            await self._publish(self._topics.intake, tenant_key, bytes(record.value), headers,
+                                _timestamp(record))
             return
         now = self._clock()
         if _scoped_to_another(req):
@@ -663,13 +667,16 @@ def authorized_reply_topic(req: InferenceRequest, prefix: str) -> str | None:
     return None
 
 
-def _produced_at(record: SourceRecord, now: float) -> float | None:
-    """The record's Kafka timestamp in seconds (faust's ``Message.timestamp``), when it
-    has a plausible one (not ahead of ``now``); None otherwise."""
+def _timestamp(record: SourceRecord) -> float | None:
+    """The record's Kafka timestamp in seconds (faust's ``Message.timestamp``), if any."""
     ts = getattr(record, "timestamp", None)
-    if isinstance(ts, int | float) and 0 < ts <= now + MAX_CLOCK_AHEAD_S:
-        return float(ts)
-    return None
+    return float(ts) if isinstance(ts, int | float) and ts > 0 else None
+
+
+def _produced_at(record: SourceRecord, now: float) -> float | None:
+    """:func:`_timestamp`, when plausible (not ahead of ``now``); None otherwise."""
+    ts = _timestamp(record)
+    return ts if ts is not None and ts <= now + MAX_CLOCK_AHEAD_S else None
 
 
 def _scoped_to_another(req: InferenceRequest) -> bool:

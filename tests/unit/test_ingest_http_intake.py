@@ -52,6 +52,7 @@ class Harness:
         existing: set[str] | None = None,
     ) -> None:
         self.sent: list[tuple[str, bytes, bytes]] = []
+        self.stamps: list[float | None] = []  # the timestamp each was published with
         self.ensured: list[str] = []
         self.buckets: dict[str, Any] = {}
         self.reservations: dict[str, Any] = {}
@@ -69,8 +70,10 @@ class Harness:
         self.checked: list[str] = []
 
     async def _publish(self, topic: str, key: bytes, value: bytes,
-                       headers: list[tuple[str, bytes]] | None = None) -> None:
+                       headers: list[tuple[str, bytes]] | None = None,
+                       timestamp: float | None = None) -> None:
         self.sent.append((topic, key, value))
+        self.stamps.append(timestamp)
 
     async def _ensure(self, topic: str) -> None:
         self.ensured.append(topic)
@@ -153,8 +156,11 @@ async def test_record_on_another_partition_than_its_tenant_is_moved() -> None:
     # A client library whose default partitioner is not murmur2 (librdkafka's is CRC32).
     h = Harness(load_tenancy(None), owner_partition=lambda key: 3)
     req = request()
-    await h.handler.on_request(Record(encode(req), b"default", partition=1))
+    await h.handler.on_request(Record(encode(req), b"default", partition=1, timestamp=NOW - 5))
     assert h.sent == [(TOPICS.intake, b"default", encode(req))]
+    # With the time it was produced: "deadline long past" is judged against it (a review:
+    # moved with the time of the move, a record read late was refused as if sent late).
+    assert h.stamps == [NOW - 5]
     await h.handler.on_request(Record(encode(req), b"default", partition=3))
     assert [t for t, _, _ in h.sent][-1] == "llmq.requests.normal.short"
 

@@ -231,9 +231,9 @@ async def test_a_stream_restarted_before_it_sent_text_carries_on() -> None:
     # Both come in one turn of the loop (one gate), not on two timers of the same delay:
     # those could fire a turn apart, and the first chunk was then sent (a CI run failed
     # so once: the stream ended worker_lost, as it must when text was sent).
-    both = asyncio.Event()
+    both = asyncio.Event()  # and the Done after them, in the same turn, in order
     api = Api([(both, attempt_chunk(1, "old")), (both, attempt_chunk(2, "new")),
-               (0.05, attempt_done(2))])
+               (both, attempt_done(2))])
     asyncio.get_running_loop().call_later(0.01, both.set)
     out = await api.post({"model": "m", "prompt": "x", "stream": True})
     sent = events(out.body)

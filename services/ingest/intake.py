@@ -223,7 +223,8 @@ class IntakeHandler:
         try:
             req = decode(record.value, InferenceRequest)
         except SchemaError as exc:
-            tenant = _salvage_tenant(record.value, self._has_policy)
+            salvaged = _salvage(record.value)  # parsed once: it may be 8 MiB
+            tenant = _salvage_tenant(salvaged, self._has_policy)
             if tenant is not None and not self._owns(record, tenant.encode()):
                 # Moved, as a valid record is: only on its tenant's partition do the
                 # reservations tell a broken copy of a request in flight (refused there,
@@ -233,7 +234,7 @@ class IntakeHandler:
                                     bytes(record.value), headers, _timestamp(record))
                 return
             span.set_attribute(tracing.LLMQ_OUTCOME, exc.error_code)
-            await self._refuse_undecodable(record.value, exc)
+            await self._refuse_undecodable(salvaged, exc)
             raise
         digest = _digest(bytes(record.value))
         span.set_attributes(tracing.request_attributes(**{
@@ -455,9 +456,9 @@ class IntakeHandler:
                 message.prompt_tokens + req.max_tokens
             )
 
-    async def _refuse_undecodable(self, raw: Any, exc: SchemaError) -> None:
+    async def _refuse_undecodable(self, data: dict[str, Any] | None, exc: SchemaError) -> None:
         """Send ``invalid``/``too_large`` if the raw JSON says who is waiting; never raises."""
-        target = _salvage_target(raw, self._topics.prefix, self._has_policy)
+        target = _salvage_target(data, self._topics.prefix, self._has_policy)
         if target is None:
             return
         request_id, topic = target
@@ -774,9 +775,11 @@ def _fallback_target(req: InferenceRequest, prefix: str) -> str:
     return authorized_reply_topic(req, prefix) or reply_topic(prefix, req.tenant)
 
 
-def _salvage_tenant(raw: Any, has_policy: Callable[[str], bool]) -> str | None:
-    """The tenant a record that failed validation names, if it is one with a policy."""
-    data = _salvage(raw)
+def _salvage_tenant(
+    data: dict[str, Any] | None, has_policy: Callable[[str], bool]
+) -> str | None:
+    """The tenant a record that failed validation names (its :func:`_salvage`d JSON), if
+    it is one with a policy."""
     tenant = None if data is None else data.get("tenant")
     if isinstance(tenant, str) and _TENANT_RE.fullmatch(tenant) and has_policy(tenant):
         return tenant
@@ -796,18 +799,18 @@ def _salvage(raw: Any) -> dict[str, Any] | None:
 
 
 def _salvage_target(
-    raw: Any, prefix: str, has_policy: Callable[[str], bool]
+    data: dict[str, Any] | None, prefix: str, has_policy: Callable[[str], bool]
 ) -> tuple[str, str] | None:
     """``(request_id, reply topic)`` from a record that failed validation, if it names them:
     the tenant's own reply topic, for a tenant with a policy (module docstring). Never an
     ingest instance's topic, whatever ``reply_to`` says: ingest writes only valid records
     for its HTTP callers, and there the holder of the id listens (a broken record naming a
-    caller's id would end that caller's call with its error)."""
-    data = _salvage(raw)
+    caller's id would end that caller's call with its error). ``data``: the record's
+    :func:`_salvage`d JSON."""
     if data is None:
         return None
     request_id = data.get("request_id")
     if not isinstance(request_id, str) or not _ID_RE.fullmatch(request_id):
         return None
-    tenant = _salvage_tenant(raw, has_policy)
+    tenant = _salvage_tenant(data, has_policy)
     return None if tenant is None else (request_id, reply_topic(prefix, tenant))

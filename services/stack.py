@@ -173,10 +173,20 @@ _NAMED_BY_THE_STACK: Final = frozenset({
 
 
 def _pump(name: str, colour: str, stream: IO[bytes], out: IO[str], tty: bool) -> None:
+    """Copy a child's output to ``out``, each line prefixed with the child's name. If ``out``
+    goes away (``llmq up | head``, a pager quit) the child's output is still read, and
+    dropped: a child whose pipe nobody reads blocks in its next write once the pipe's
+    buffer is full, alive, so the stack never noticed it had stopped working."""
     prefix = f"\x1b[{colour}m{name:>10} |\x1b[0m " if tty else f"{name:>10} | "
+    sink: IO[str] | None = out
     for raw in iter(stream.readline, b""):
-        out.write(prefix + raw.decode(errors="replace"))
-        out.flush()
+        if sink is None:
+            continue
+        try:
+            sink.write(prefix + raw.decode(errors="replace"))
+            sink.flush()
+        except (OSError, ValueError):  # a closed pipe; ValueError: a closed file object
+            sink = None
 
 
 class Stack:

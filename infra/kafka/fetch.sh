@@ -1,19 +1,26 @@
 #!/usr/bin/env bash
 # Fetch the Apache Kafka broker jars from Maven Central into a local cache folder.
 # Usage: infra/kafka/fetch.sh CACHE_DIR   (idempotent: a complete cache is left alone)
+#
+# Maven checks every jar against the checksum Maven Central publishes and fails on a
+# mismatch (-C: Maven 3 only warns by default, and -q would hide the warning). The cache
+# is complete when its marker names the pom it was fetched for: a changed pom (another
+# log4j, another plugin) fetches again.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cache="$(mkdir -p "${1:?usage: fetch.sh CACHE_DIR}" && cd "$1" && pwd)"
 version="$(sed -n 's:.*<kafka.version>\(.*\)</kafka.version>.*:\1:p' "$here/pom.xml")"
 libs="$cache/kafka-$version/libs"
-if [ -f "$libs/.complete" ]; then
+pom_sum="$(sha256sum "$here/pom.xml" | cut -d' ' -f1)"
+if [ -f "$libs/.complete" ] && [ "$(cat "$libs/.complete")" = "$pom_sum" ]; then
   echo "$libs"
   exit 0
 fi
-command -v mvn >/dev/null || { echo "fetch.sh: Maven (mvn) is required to fetch Kafka; install it or use infra/compose.yml" >&2; exit 1; }
-command -v java >/dev/null || { echo "fetch.sh: Java 17+ is required to run Kafka" >&2; exit 1; }
+command -v java >/dev/null || { echo "fetch.sh: Java 17+ is required to run Kafka; install a JDK 17 (apt install openjdk-17-jre-headless)" >&2; exit 1; }
+command -v mvn >/dev/null || { echo "fetch.sh: Maven (mvn) is required to fetch the Kafka jars from Maven Central; install it (apt install maven), or set LLMQ_KAFKA_BOOTSTRAP to a broker you run" >&2; exit 1; }
+rm -rf "$libs"
 mkdir -p "$libs"
-mvn -q -B -f "$here/pom.xml" dependency:copy-dependencies \
+mvn -q -B -C -f "$here/pom.xml" dependency:copy-dependencies \
   -DincludeScope=runtime -DoutputDirectory="$libs" >&2
-touch "$libs/.complete"
+echo "$pom_sum" > "$libs/.complete"
 echo "$libs"

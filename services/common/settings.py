@@ -70,6 +70,14 @@ class Settings(BaseSettings):
         "follows the root's decision.",
     )
 
+    @field_validator("home", "kafka_data_dir")
+    @classmethod
+    def _absolute(cls, value: Path | None) -> Path | None:
+        """An absolute path (``~`` expanded): the broker and Jaeger run in their data
+        folder, so a relative one (``LLMQ_HOME=state``) named files that were not there
+        and the broker failed to start."""
+        return None if value is None else value.expanduser().resolve()
+
     @field_validator("otlp_endpoint")
     @classmethod
     def _traces_url(cls, value: str | None) -> str | None:

@@ -17,7 +17,9 @@ serves the query API in full and a placeholder page at ``/``.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -115,18 +117,23 @@ class Jaeger:
         with (self.binary.parent / "build.log").open("wb") as log:
             proc = subprocess.Popen(
                 [go, "build", "-o", str(partial), MODULE], cwd=INFRA_DIR, stdout=log,
-                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
             )
-            while proc.poll() is None:
-                elapsed = time.monotonic() - started
-                if elapsed > timeout_s:
-                    proc.kill()
-                    proc.wait()
-                    raise JaegerError(f"go build did not finish within {timeout_s:.0f} s")
-                time.sleep(0.5)
-                if time.monotonic() >= next_note:
-                    next_note += 30.0
-                    echo(f"  still building Jaeger ({time.monotonic() - started:.0f} s)…")
+            try:
+                while proc.poll() is None:
+                    if time.monotonic() - started > timeout_s:
+                        raise JaegerError(f"go build did not finish within {timeout_s:.0f} s")
+                    time.sleep(0.5)
+                    if time.monotonic() >= next_note:
+                        next_note += 30.0
+                        echo(f"  still building Jaeger ({time.monotonic() - started:.0f} s)…")
+            except BaseException:
+                # Timed out, or this process was told to stop (SIGTERM is SystemExit here):
+                # a build left running would race the next `llmq up`'s over .partial.
+                os.killpg(proc.pid, signal.SIGKILL)  # go and the compilers it runs
+                proc.wait()
+                partial.unlink(missing_ok=True)
+                raise
         if proc.returncode != 0:
             tail = (self.binary.parent / "build.log").read_text(errors="replace")[-2000:]
             partial.unlink(missing_ok=True)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import os
+import signal
 import subprocess
 import uuid
 from collections.abc import Callable
@@ -135,23 +137,32 @@ class KafkaBroker:
 
     # -- provisioning -------------------------------------------------------------------
     def provision(self) -> Path:
-        """Fetch the jars into the cache (once) and return the libs folder."""
+        """Fetch the jars into the cache (once) and return the libs folder.
+
+        The fetch runs in a process group of its own, stopped whole if this process is
+        interrupted (SIGTERM, Ctrl-C): killing the script alone left its Maven running, and
+        the next ``llmq up`` started a second fetch into the same folder."""
         script = INFRA_DIR / "fetch.sh"
         try:
-            out = subprocess.run(
-                ["bash", str(script), str(self.cfg.cache_dir)],
-                check=True,
-                capture_output=True,
-                text=True,
+            fetch = subprocess.Popen(
+                ["bash", str(script), str(self.cfg.cache_dir)], stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+                start_new_session=True,
             )
         except FileNotFoundError as exc:
             raise BrokerError(f"cannot run {script}: {exc}") from exc
-        except subprocess.CalledProcessError as exc:
+        try:
+            out, err = fetch.communicate()
+        except BaseException:
+            os.killpg(fetch.pid, signal.SIGKILL)
+            fetch.wait()
+            raise
+        if fetch.returncode != 0:
             raise BrokerError(
                 f"fetching Kafka from Maven Central failed (needs mvn and java 17+):\n"
-                f"{exc.stderr.strip()[-2000:]}"
-            ) from exc
-        return Path(out.stdout.strip().splitlines()[-1])
+                f"{err.strip()[-2000:]}"
+            )
+        return Path(out.strip().splitlines()[-1])
 
     def _java_cmd(self, libs: Path, main: str, *args: str) -> list[str]:
         return [
@@ -212,8 +223,11 @@ class KafkaBroker:
                 if outcome == "timeout":
                     raise BrokerError(f"the broker did not answer within {timeout_s:.0f} s; "
                                       f"see {self.log_file}")
-                if proc is not None:  # freshly started: let it create __consumer_offsets
-                    asyncio.run(wait_for_group_coordinator(self.cfg.bootstrap, 60.0))
+                # Freshly started: let it create __consumer_offsets, or say it did not.
+                if proc is not None and not asyncio.run(
+                        wait_for_group_coordinator(self.cfg.bootstrap, 60.0)):
+                    raise BrokerError("the broker answers but coordinated no consumer group "
+                                      f"within 60 s; see {self.log_file}")
         except BaseException:
             if proc is not None:
                 self._proc = None  # stopped and reaped above

@@ -485,13 +485,16 @@ def up(ctx: click.Context, detach: bool, short_workers: int, long_workers: int,
     In the foreground, Ctrl-C also stops the broker and Jaeger if this command started
     them (`--keep-kafka` leaves the broker); `--detach` leaves all to `llmq down`.
     At most LLMQ_ASSIGNMENT_PARTITIONS workers (one slot each); the ports must not overlap.
-    Exit status 2 on a bad option, before anything starts.
+    Exit status 2 on a bad option, before anything starts. One `llmq up` at a time per
+    LLMQ_HOME: a second is refused (exit 1) while one starts or runs.
     """
     from services.stack import (
         ServicesFileError,
+        StackBusy,
         StackConfig,
         config_problem,
         running_services,
+        start_lock,
     )
 
     if (prefill_workers == 0) != (decode_workers == 0):
@@ -531,6 +534,11 @@ def up(ctx: click.Context, detach: bool, short_workers: int, long_workers: int,
         raise click.ClickException(
             f"a stack is already running here ({', '.join(running)}); stop it with "
             "`llmq down` first")
+    try:
+        if not kafka_only:  # the broker alone is started once (its own pid file)
+            ctx.with_resource(start_lock(settings))  # held until this command returns
+    except StackBusy as exc:
+        raise click.ClickException(str(exc)) from exc
     started_kafka = not settings.kafka_bootstrap and not _broker(settings).status().running
     started_jaeger = False
     # Until the stack's own handlers take over, SIGTERM, SIGHUP and SIGQUIT end this command

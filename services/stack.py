@@ -10,6 +10,8 @@ pid file per child under ``<home>/stack/`` instead, and ``llmq down`` stops them
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import itertools
 import json
 import os
@@ -18,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Final
@@ -369,6 +371,29 @@ def run_foreground(stack: Stack, on_started: Callable[[], object] | None = None)
 def stack_dir(settings: Settings) -> Path:
     """``<home>/stack``: services.json and, when detached, one log file per service."""
     return settings.home / "stack"
+
+
+class StackBusy(Exception):
+    """Another ``llmq up`` holds this home's start lock."""
+
+
+@contextlib.contextmanager
+def start_lock(settings: Settings) -> Iterator[None]:
+    """Hold ``<home>/stack/up.lock`` (an exclusive ``flock``) for as long as an ``llmq up``
+    runs: services.json, which tells a second ``llmq up`` that a stack runs, is written only
+    once the broker, Jaeger and the services are up, minutes after the start; a second one
+    started meanwhile overwrote it and, failing on the ports, deleted it, and the first
+    stack ran on unrecorded (``llmq down`` stopped nothing). The kernel drops the lock when
+    its holder exits, however it exits; the children started do not inherit it."""
+    path = stack_dir(settings) / "up.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise StackBusy(f"another `llmq up` is starting or running with this LLMQ_HOME "
+                            f"({path} is locked); wait for it, or stop it first") from None
+        yield
 
 
 def metrics_url(spec: ServiceSpec) -> str | None:

@@ -5,6 +5,7 @@ later with exit 1 instead."""
 
 from __future__ import annotations
 
+import fcntl
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -135,3 +136,18 @@ def test_every_option_says_what_it_does() -> None:
     bare = [name for name, param in _options(main)
             if isinstance(param, click.Option) and not param.help]
     assert bare == []
+
+
+@pytest.mark.timeout(60)
+def test_up_refuses_while_another_up_is_starting(env: dict[str, str], tmp_path: Path) -> None:
+    """services.json is written only once a start is done (minutes, the first time): a
+    second `llmq up` started meanwhile overwrote it, then deleted it on failing, and the
+    first stack ran on unrecorded (`llmq down` stopped nothing)."""
+    lock = tmp_path / "home" / "stack" / "up.lock"
+    lock.parent.mkdir(parents=True)
+    with lock.open("a") as held:  # the first `llmq up`, still starting
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        result = CliRunner().invoke(main, ["up", "--detach"], env=env)
+    assert result.exit_code == 1, result.output
+    assert "another `llmq up` is starting or running" in result.output
+    assert not (tmp_path / "home" / "stack" / "services.json").exists()

@@ -20,7 +20,21 @@ A request's own timeout ends it in llmq with ``Error(timeout)`` or ``queue_timeo
 ``created_at + timeout_s``, plus a dispatch cycle and the delivery. The client waits for
 that terminal ``reply_grace_s`` longer (like ingest.http); only when that passes too does it
 send a cancel and raise ``TimeoutError``. Leaving the ``async for`` early does not cancel —
-call ``handle.cancel()`` for that.
+call ``handle.cancel()`` for that. The wait is measured on this machine's monotonic clock
+from the moment of ``submit``, so a step of the wall clock (NTP, a resumed VM) does not end
+it; but llmq's deadline runs from ``created_at``, this machine's wall-clock time, so a clock
+running ahead of llmq's by more than ``reply_grace_s`` gives up before llmq answers.
+
+A handle nobody reads to its end (a caller cancelled, or that stopped iterating) is
+forgotten a minute after it would have given up: its stream is closed and its replies
+dropped. ``handle.close()`` (or ``async with handle``) forgets it at once, without
+cancelling the request.
+
+Request ids: ``submit()`` makes a new one unless given one. Retry a refused or failed
+request with a new id: a second delivery of the first refusal (Kafka delivers at least
+once) would otherwise end the retry too, and after a ``submit()`` that failed or was
+cancelled mid-send the client asks llmq to cancel the id, as the request may still have
+been delivered.
 
 With a tenants file (keyed mode), a tenant the file does not list gets no reply at all:
 ingest dead-letters its requests (a reply topic per unknown name would let any client make
@@ -47,7 +61,7 @@ from schemas.common import Lane, Priority
 from schemas.control import CancelRequest
 from schemas.replies import Done, Error, TokenChunk
 from schemas.requests import ChatMessage, InferenceRequest, Role
-from schemas.topics import catalog, message_key, reply_spec
+from schemas.topics import INSTANCE_REPLIES, catalog, message_key, reply_spec
 from services.common.kafka import TopicRequest, ensure_topics, make_producer, topic_exists
 from services.common.replies import AttemptText, ReplyRouter, ReplyStream
 
@@ -59,6 +73,11 @@ _log = logging.getLogger(__name__)
 #: at 10 s a Done sent again after a broker blip could land after the client gave up, its
 #: tokens charged and its caller told TimeoutError (found by an audit).
 DEFAULT_REPLY_GRACE_S = 15.0
+#: A handle still unread this long after it would have given up is forgotten (its reader
+#: would have given up first: only abandoned handles reach it).
+ABANDONED_AFTER_S = 60.0
+#: How long a cancel or a request send may take.
+SEND_TIMEOUT_S = 30.0
 
 
 class TopicMissing(RuntimeError):
@@ -80,6 +99,10 @@ class RequestHandle:
     submitted_at: float = field(default_factory=time.time)
     result: Done | Error | None = None
     first_token_at: float | None = None
+    #: When to give up, on ``time.monotonic()`` (module docstring); set by ``submit``.
+    give_up_at: float = field(default=0.0)
+    #: True once it gave up (TimeoutError): later reads raise at once, and send nothing.
+    given_up: bool = field(default=False, init=False)
 
     @property
     def request_id(self) -> str:
@@ -88,12 +111,24 @@ class RequestHandle:
     def __aiter__(self) -> AsyncIterator[TokenChunk]:
         return self._chunks()
 
+    async def __aenter__(self) -> RequestHandle:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop waiting for the request here (its replies are dropped from now on); does
+        not cancel it in llmq (:meth:`cancel` does). Idempotent."""
+        self.client._router_close(self.request_id, self.stream)
+        self.stream.close("closed by its caller")
+
     async def _chunks(self) -> AsyncIterator[TokenChunk]:
-        # llmq's deadline runs from created_at; its terminal for it comes a little later.
-        deadline = self.request.created_at + self.timeout_s + self.reply_grace_s
         try:
+            if self.given_up:
+                raise TimeoutError
             while self.result is None:
-                remaining = deadline - time.time()
+                remaining = self.give_up_at - time.monotonic()
                 if remaining > 0:
                     msg = await self.stream.get(timeout=remaining)
                 else:  # what already came is still this request's, read late or not
@@ -108,22 +143,25 @@ class RequestHandle:
                 else:
                     self.result = msg
         except TimeoutError:
-            # Given up: stop routing its replies here (a retry may reuse the id), and ask
-            # llmq to drop it. (Leaving the loop early keeps the stream: iterate again.)
-            self.client._router_close(self.request_id)
-            if self.stream.closed is None:  # a stopped client has nothing to cancel with
-                try:
-                    await self.cancel("client timeout")
-                except Exception as exc:  # the timeout is the news, not the cancel's fate
-                    _log.warning("request %s: its cancel after the timeout failed: %r",
-                                 self.request_id, exc)
+            # Given up, once: stop routing its replies here (a retry may reuse the id), and
+            # ask llmq to drop it. (Leaving the loop early keeps the stream: iterate again.)
+            if not self.given_up:
+                self.given_up = True
+                self.client._router_close(self.request_id, self.stream)
+                if self.stream.closed is None:  # a stopped client has nothing to cancel with
+                    self.stream.close("gave up waiting")
+                    try:
+                        await self.client.cancel(self.request_id, "client timeout")
+                    except Exception as exc:  # the timeout is the news, not the cancel's
+                        _log.warning("request %s: its cancel after the timeout failed: %r",
+                                     self.request_id, exc)
             raise TimeoutError(
                 f"no terminal reply for {self.request_id} within its timeout of "
                 f"{_seconds(self.timeout_s)} (and {_seconds(self.reply_grace_s)} of grace)"
             ) from None
         finally:
             if self.result is not None:
-                self.client._router_close(self.request_id)
+                self.client._router_close(self.request_id, self.stream)
 
     async def wait(self) -> tuple[str, Done | Error]:
         """Collect the text of the newest attempt and the terminal message."""
@@ -135,8 +173,11 @@ class RequestHandle:
         return text.text, self.result
 
     async def cancel(self, reason: str = "cancelled by client") -> None:
-        """Ask llmq to drop or abort the request (idempotent); its terminal is `cancelled`."""
-        await self.client.cancel(self.request_id, reason)
+        """Ask llmq to drop or abort the request (idempotent); its terminal is `cancelled`.
+        Sends nothing once the handle has its terminal or gave up (a cancel by id would
+        hit a retry that reuses the id)."""
+        if self.result is None and not self.given_up:
+            await self.client.cancel(self.request_id, reason)
 
 
 def _seconds(value: float) -> str:
@@ -165,6 +206,11 @@ class LlmqClient:
     ) -> None:
         if not reply_grace_s >= 0:
             raise ValueError(f"reply_grace_s must be >= 0, not {reply_grace_s}")
+        if tenant.startswith(INSTANCE_REPLIES):
+            # Its reply topic would be an ingest instance's; ingest dead-letters such
+            # requests unanswered, and every handle would wait out its whole timeout.
+            raise ValueError(f"tenant names starting {INSTANCE_REPLIES!r} are reserved for "
+                             f"ingest's own reply topics: {tenant!r}")
         self.bootstrap = bootstrap
         self.replication_factor = replication_factor
         self.reply_grace_s = reply_grace_s
@@ -176,10 +222,23 @@ class LlmqClient:
         self._control = next(s.name for s in catalog(prefix) if s.name.endswith(".control"))
         self._router = ReplyRouter(bootstrap, self._spec.name)
         self._producer: Any = None
+        self._starting = False
+        #: Cancels sent after a failed submit, awaited by stop().
+        self._cancels: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         """Make the tenant's reply topic if need be and start reading it; raises
-        :class:`TopicMissing` when llmq's intake topic is not on the broker."""
+        :class:`TopicMissing` when llmq's intake topic is not on the broker, and
+        ``RuntimeError`` when already started (``start()`` and then ``async with``)."""
+        if self._producer is not None or self._starting:
+            raise RuntimeError("LlmqClient is already started")
+        self._starting = True
+        try:
+            await self._start()
+        finally:
+            self._starting = False
+
+    async def _start(self) -> None:
         if not await topic_exists(self.bootstrap, self._intake):  # before making anything
             raise TopicMissing(
                 f"Kafka at {self.bootstrap} has no topic {self._intake}: start llmq there "
@@ -202,6 +261,8 @@ class LlmqClient:
         """Stop reading replies and producing; open handles end with ``StreamClosed``
         (all of it even when one part fails to stop: that error is raised after)."""
         try:
+            if self._cancels:  # each bounded by SEND_TIMEOUT_S
+                await asyncio.gather(*self._cancels, return_exceptions=True)
             await self._router.stop()
         finally:
             self._router.close_all("LlmqClient was stopped: no more replies will come")
@@ -269,18 +330,36 @@ class LlmqClient:
         request = self.new_request(prompt=prompt, messages=messages, max_tokens=max_tokens,
                                    model=model, priority=priority, lane=lane,
                                    timeout_s=timeout_s, request_id=request_id)
-        stream = self._router.open(request.request_id)
+        # llmq's deadline runs from created_at; its terminal for it comes a little later.
+        give_up_at = (time.monotonic() + request.created_at + timeout_s - time.time()
+                      + self.reply_grace_s)
+        stream = self._router.open(request.request_id,
+                                   expires_at=give_up_at + ABANDONED_AFTER_S)
         try:
-            await asyncio.wait_for(
-                self._producer.send_and_wait(
-                    self._intake, encode(request), key=message_key(request)
-                ),
-                30.0,
-            )
+            async with asyncio.timeout(SEND_TIMEOUT_S):
+                await self._producer.send_and_wait(
+                    self._intake, encode(request), key=message_key(request))
         except BaseException:
-            self._router.close(request.request_id)
+            self._router.close(request.request_id, stream)
+            stream.close("its submit failed")
+            # The record may be in a batch the producer still delivers (a cancelled or
+            # timed-out wait does not take it back): ask llmq to drop it, in the background.
+            self._cancel_soon(request.request_id, "client: submit failed or cancelled")
             raise
-        return RequestHandle(request, stream, self, timeout_s, self.reply_grace_s)
+        return RequestHandle(request, stream, self, timeout_s, self.reply_grace_s,
+                             give_up_at=give_up_at)
+
+    def _cancel_soon(self, request_id: str, reason: str) -> None:
+        async def cancel() -> None:
+            try:
+                await self.cancel(request_id, reason)
+            except Exception as exc:  # best effort: the submit's own error is the news
+                _log.warning("request %s: its cancel after a failed submit failed: %r",
+                             request_id, exc)
+
+        task = asyncio.get_running_loop().create_task(cancel())
+        self._cancels.add(task)
+        task.add_done_callback(self._cancels.discard)
 
     async def cancel(self, request_id: str, reason: str = "cancelled by client") -> None:
         """Ask llmq to drop or abort ``request_id``; ``RuntimeError`` when not running."""
@@ -295,10 +374,9 @@ class LlmqClient:
             issued_by="client",
             issued_at=time.time(),
         )
-        await asyncio.wait_for(
-            self._producer.send_and_wait(self._control, encode(cancel), key=message_key(cancel)),
-            30.0,
-        )
+        async with asyncio.timeout(SEND_TIMEOUT_S):
+            await self._producer.send_and_wait(self._control, encode(cancel),
+                                               key=message_key(cancel))
 
-    def _router_close(self, request_id: str) -> None:
-        self._router.close(request_id)
+    def _router_close(self, request_id: str, stream: ReplyStream) -> None:
+        self._router.close(request_id, stream)

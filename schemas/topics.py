@@ -120,6 +120,11 @@ def request_topics(prefix: str = "llmq") -> list[str]:
     return [request_topic(prefix, p, lane) for p in PRIORITIES for lane in LANES]
 
 
+#: An ingest instance's reply topic is ``reply_topic(prefix, INSTANCE_REPLIES + instance_id)``;
+#: no tenant may have a name starting with it.
+INSTANCE_REPLIES: Final = "ingest-"
+
+
 def reply_topic(prefix: str, tenant: str) -> str:
     """``{prefix}.replies.{tenant}``: the default reply topic of a tenant."""
     _check_prefix(prefix)

@@ -280,7 +280,8 @@ _register_commands()
 @click.option("--timeout", "timeout_s", default=120.0, show_default=True,
               type=seconds(_MAX_WAIT_S),
               help="The request's timeout in seconds: llmq ends it (queue_timeout, or timeout "
-                   "once running) past this; the command waits 10 s more for that answer.")
+                   "once running) past this; the command waits 15 s more for that answer "
+                   "(llmq.client's DEFAULT_REPLY_GRACE_S).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object at the end.")
 @click.pass_obj
 def submit(settings: Settings, prompt: str, max_tokens: int, priority: str, lane: str | None,

@@ -39,8 +39,11 @@ Usage::
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import logging
 import time
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -230,6 +233,10 @@ class ReplyRouter:
         self._poll_ms = int(poll_timeout_s * 1000)
         self._options = consumer_options
         self._streams: dict[str, ReplyStream] = {}
+        #: (expires_at, n, request_id, stream) of streams opened with an expiry, soonest
+        #: first; weak, so a stream closed and dropped by its reader is not kept.
+        self._expiry: list[tuple[float, int, str, weakref.ref[ReplyStream]]] = []
+        self._order = itertools.count()
         self._consumer: Any = None
         self._task: asyncio.Task[None] | None = None
         self._assigned = False
@@ -261,6 +268,15 @@ class ReplyRouter:
         self._consumer = consumer
         self._assigned = True
         self._task = asyncio.create_task(self._run(), name=f"reply-router:{self.topic}")
+        self._task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        """Say so when routing stops on an error (fetch_forever rides out Kafka's own): its
+        waiters get nothing more, and ``assigned`` turns False."""
+        if not task.cancelled() and task.exception() is not None:
+            _log.error("reply router %s stopped: %r; its %d waiters get no more replies",
+                       self.topic, task.exception(), len(self._streams),
+                       exc_info=task.exception())
 
     async def stop(self) -> None:
         """Stop routing and close the consumer; open streams get nothing more."""
@@ -280,17 +296,38 @@ class ReplyRouter:
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
 
-    def open(self, request_id: str) -> ReplyStream:
-        """Start waiting for ``request_id``; call before producing the request."""
+    def open(self, request_id: str, *, expires_at: float | None = None) -> ReplyStream:
+        """Start waiting for ``request_id``; call before producing the request.
+
+        ``expires_at`` (``time.monotonic()``): when to close and forget the stream, read to
+        its end or not. A waiter abandoned unread (a caller cancelled, or that stopped
+        iterating) otherwise kept its stream, and every reply that came for it, for the
+        router's life, and its id stayed taken."""
+        self.expire(time.monotonic())
         if request_id in self._streams:
             raise DuplicateRequestError(f"request {request_id!r} is already awaited")
         stream = ReplyStream(request_id)
         self._streams[request_id] = stream
+        if expires_at is not None:
+            heapq.heappush(self._expiry,
+                           (expires_at, next(self._order), request_id, weakref.ref(stream)))
         return stream
 
-    def close(self, request_id: str) -> None:
-        """Stop waiting for ``request_id`` (idempotent); later records of it are skipped."""
-        self._streams.pop(request_id, None)
+    def close(self, request_id: str, stream: ReplyStream | None = None) -> None:
+        """Stop waiting for ``request_id`` (idempotent); later records of it are skipped.
+        With ``stream``, only if that is still the one open for the id: a reader of an old
+        stream must not end a newer request that reuses the id (a retry)."""
+        if stream is None or self._streams.get(request_id) is stream:
+            self._streams.pop(request_id, None)
+
+    def expire(self, now: float) -> None:
+        """Close and forget the streams whose ``expires_at`` is ``now`` or earlier."""
+        while self._expiry and self._expiry[0][0] <= now:
+            _, _, request_id, ref = heapq.heappop(self._expiry)
+            stream = ref()
+            if stream is not None:
+                self.close(request_id, stream)
+                stream.close("expired: its reader never took its terminal")
 
     def close_all(self, reason: str) -> None:
         """Stop waiting for every request and :meth:`ReplyStream.close` their streams, so
@@ -308,6 +345,7 @@ class ReplyRouter:
         async for batches in fetch_forever(
             self._consumer, self._poll_ms, f"reply router {self.topic}"
         ):
+            self.expire(time.monotonic())
             for records in batches.values():
                 for record in records:
                     await self._handle(record)

@@ -84,7 +84,7 @@ from schemas.common import ErrorCode
 from schemas.messages import EVENT_ADAPTER
 from schemas.replies import Error
 from schemas.requests import AdmittedRequest, InferenceRequest
-from schemas.topics import reply_topic, request_topic, request_topics
+from schemas.topics import INSTANCE_REPLIES, reply_topic, request_topic, request_topics
 from schemas.workers import EventAborted, EventDone, EventFailed
 from services.common import tracing
 from services.common.metrics import ADMITTED_TOKENS, REJECTIONS, REQUESTS
@@ -103,7 +103,7 @@ from services.ingest.core import (
     settle,
 )
 from services.ingest.tenants import Tenancy
-from services.ingest.topics import INSTANCE_REPLIES, IngestTopics
+from services.ingest.topics import IngestTopics
 
 _log = logging.getLogger(__name__)
 _T = TypeVar("_T")

@@ -40,8 +40,8 @@ from typing import Any, Final
 import yaml
 
 from schemas.base import TENANT_PATTERN
+from schemas.topics import INSTANCE_REPLIES
 from services.ingest.core import ConfigError, IngestConfig, TenantPolicy
-from services.ingest.topics import INSTANCE_REPLIES
 
 DEFAULT_TENANT: Final = "default"
 #: The open mode's policy: high enough that only the cluster limits a local user.

@@ -20,13 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
-from schemas.topics import TopicSpec, catalog, find_topic, reply_spec
+from schemas.topics import INSTANCE_REPLIES, TopicSpec, catalog, find_topic, reply_spec
 from services.common.faust_app import leader_topic
 from services.common.kafka import TopicRequest
 
-#: An instance's reply topic is ``reply_topic(prefix, INSTANCE_REPLIES + instance_id)``; no
-#: tenant may have a name starting with it.
-INSTANCE_REPLIES: Final = "ingest-"
 #: Ingest's Faust tables; each has the changelog ``<app id>-<table>-changelog``.
 TABLES: Final = ("buckets", "reservations")
 

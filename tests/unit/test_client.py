@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -389,3 +390,122 @@ def test_clients_wait_longer_than_a_worker_sends_a_terminal_past_the_deadline() 
     assert isinstance(give_up, float)
     assert give_up < DEFAULT_REPLY_GRACE_S
     assert IngestSettings.model_fields["reply_grace_s"].default > give_up
+
+
+# -- found by an audit of the SDK (each fails on the code before) --------------------------
+
+def _cancels(producer: _Producer) -> list[str]:
+    return [decode(v, CancelRequest).request_id for t, v in producer.sent
+            if t.endswith("control")]
+
+
+async def test_a_handle_nobody_reads_is_forgotten_after_its_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A caller cancelled while waiting (a web handler whose caller left) kept its stream,
+    and every reply of it, for the client's life; the id stayed taken."""
+    monkeypatch.setattr("llmq.client.ABANDONED_AFTER_S", 0.05)
+    client, _ = _client(reply_grace_s=0.0)
+    handle = await client.submit(prompt="hi", max_tokens=4, timeout_s=0.05, request_id="r1")
+    waiter = asyncio.create_task(handle.wait())
+    await asyncio.sleep(0.01)
+    waiter.cancel()  # abandoned before its deadline
+    await asyncio.gather(waiter, return_exceptions=True)
+    assert client._router.open_requests == 1
+    await asyncio.sleep(0.15)
+    client._router.expire(time.monotonic())  # what the router's loop does every poll
+    assert client._router.open_requests == 0
+    assert not client._router.route(_chunk("r1", 0))
+    assert (await client.submit(prompt="hi", max_tokens=4, request_id="r1")).request_id == "r1"
+
+
+async def test_close_forgets_a_handle_without_cancelling_it() -> None:
+    client, producer = _client()
+    async with await client.submit(prompt="hi", max_tokens=4, request_id="r1") as handle:
+        assert client._router.open_requests == 1
+    assert client._router.open_requests == 0 and _cancels(producer) == []
+    assert handle.stream.closed == "closed by its caller"
+
+
+async def test_an_old_handle_read_again_leaves_a_retry_with_its_id_alone() -> None:
+    """Reading an old handle again closed the stream of a newer request with the same id
+    (its Done then went nowhere), and a timed-out one sent a second cancel that ended it."""
+    client, producer = _client(reply_grace_s=0.0)
+    refused = await client.submit(prompt="hi", max_tokens=4, request_id="r1")
+    client._router.route(make_error(request_id="r1", attempt=0, code="rate_limited"))
+    assert (await refused.wait())[1].kind == "error"
+    late = await client.submit(prompt="hi", max_tokens=4, timeout_s=0.05, request_id="r2")
+    with pytest.raises(TimeoutError):
+        await late.wait()
+    assert _cancels(producer) == ["r2"]
+
+    retries = [await client.submit(prompt="hi", max_tokens=4, request_id=rid)
+               for rid in ("r1", "r2")]
+    assert (await refused.wait())[1].kind == "error"  # read again: still its own result
+    with pytest.raises(TimeoutError):
+        await late.wait()  # given up before: at once, and no second cancel
+    await refused.cancel()
+    await late.cancel()  # finished or given up: nothing to cancel (it would end the retry)
+    assert _cancels(producer) == ["r2"]
+    for retry in retries:
+        rid = retry.request_id
+        assert client._router.route(_chunk(rid, 0))
+        assert client._router.route(make_done(request_id=rid, attempt=1))
+        text, end = await asyncio.wait_for(retry.wait(), 5)
+        assert (text, end.kind) == ("t0", "done")
+
+
+async def test_a_submit_cancelled_mid_send_cancels_the_request_in_llmq() -> None:
+    """aiokafka delivers a batched record whose wait was cancelled: llmq ran a request
+    nobody waited for, charged to the tenant, and a retry ran it twice."""
+    client, producer = _client()
+    stuck = asyncio.Event()
+
+    async def slow_send(topic: str, value: bytes, key: Any = None, headers: Any = None) -> None:
+        producer.sent.append((topic, value))  # in the producer's batch
+        if topic.endswith("intake"):
+            await stuck.wait()
+
+    producer.send_and_wait = slow_send  # type: ignore[method-assign]
+    submit = asyncio.create_task(client.submit(prompt="hi", max_tokens=4, request_id="r1"))
+    await asyncio.sleep(0.01)
+    submit.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await submit
+    await client.stop()  # waits for the cancel it sent
+    assert _cancels(producer) == ["r1"]
+    assert client._router.open_requests == 0
+
+
+async def test_a_step_of_the_wall_clock_does_not_end_a_running_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The deadline was compared with time.time(): an NTP step of +700 s ended a healthy
+    600 s request at its next chunk, with a cancel."""
+    client, producer = _client()
+    handle = await client.submit(prompt="hi", max_tokens=4, timeout_s=600, request_id="r1")
+    stepped = time.time() + 700
+    monkeypatch.setattr("llmq.client.time.time", lambda: stepped)
+    client._router.route(_chunk("r1", 0))
+    asyncio.get_running_loop().call_later(0.05, client._router.route,
+                                          make_done(request_id="r1", attempt=1))
+    text, end = await asyncio.wait_for(handle.wait(), 5)
+    assert (text, end.kind) == ("t0", "done") and _cancels(producer) == []
+
+
+async def test_a_client_started_twice_is_refused() -> None:
+    client, _ = _client()  # running: it has its producer
+    with pytest.raises(RuntimeError, match="already started"):
+        await client.start()
+
+
+def test_a_reserved_tenant_name_is_refused_at_once() -> None:
+    """ingest dead-letters a tenant named like its own reply topics, unanswered: every
+    handle waited out its whole timeout."""
+    with pytest.raises(ValueError, match="reserved"):
+        LlmqClient("127.0.0.1:9", tenant="ingest-a")
+
+
+def test_submit_help_names_the_grace_the_client_waits() -> None:
+    out = " ".join(CliRunner().invoke(main, ["submit", "--help"]).output.split())
+    assert f"waits {DEFAULT_REPLY_GRACE_S:g} s more" in out

@@ -6,9 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from schemas.topics import reply_topic
+from schemas.topics import INSTANCE_REPLIES, reply_topic
 from services.ingest.settings import IngestSettings
-from services.ingest.topics import INSTANCE_REPLIES
 
 
 def test_env_names_and_flag_overrides(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -479,7 +479,7 @@ class Scheduler:
         await self._apply_pauses()
         m.set_depth(self.state.depth())
         m.set_reserved(self.state.reserved_by_worker())
-        m.ended(self.state.ended)
+        m.ended(self.state.ended, self.state.requeued)
         if result.more:
             self.wake.set()
 

@@ -266,10 +266,14 @@ def test_scheduler_counts_worker_loss_requeue_and_its_own_terminals() -> None:
     timeouts = value("llmq_requests_total", outcome="queue_timeout")
     later = state.tick(T + 30.0)  # no heartbeat for 30 s: the worker is dead
     metrics.tick(later)
-    metrics.ended(state.ended)
+    metrics.ended(state.ended, state.requeued)
     metrics.set_reserved(state.reserved_by_worker())
     assert later.lost_workers == ["obs-w2"]
     assert value("llmq_worker_losses_total") == losses + 1
+    assert value("llmq_requeues_total") == requeues  # held for its reply-topic check
+    [held] = later.held
+    state.release(held, False, T + 30.5)  # not answered: requeued
+    metrics.ended(state.ended, state.requeued)
     assert value("llmq_requeues_total") == requeues + 1
     assert value("llmq_requests_total", outcome="queue_timeout") == timeouts + 1
     metrics.ended(state.ended)  # cumulative: counted once

@@ -631,6 +631,61 @@ def test_a_requeue_whose_attempt_was_answered_is_not_requeued() -> None:
     assert [(a.request_id, a.attempt) for a in again] == [("other", 2)]
 
 
+def test_requeues_and_worker_lost_endings_are_counted_when_done_not_when_decided() -> None:
+    """Found by an audit of the metrics: a held requeue found answered counted as a
+    worker_lost terminal (only its event goes: the worker's own terminal is the one), and
+    requeues were counted when held, so one found answered counted too."""
+    state, _, result = _quiet_started_and_other_on_a_dead_w0()
+    held = {h.record.request_id: h for h in result.held}
+    assert state.requeued == 0  # held, not requeued yet
+    state.release(held["quiet"], True, T + 6)
+    state.release(held["other"], False, T + 6)
+    assert state.ended.get("worker_lost", 0) == 0 and state.requeued == 1
+
+
+def test_a_loss_given_back_and_decided_again_is_one_loss() -> None:
+    """Leadership lapsed during the reply-topic check: the loss is given back and decided
+    again when this replica leads again. It was counted (and logged dead) twice."""
+    state = ready_state(("w0", 0))
+    state.on_request(admitted("q"), ("tp", 0), T)
+    placed = {a.request_id: a for _, a in assignments(state.tick(T).effects)}
+    state.observe_event(started(placed["q"], "w0"))
+    first = state.tick(T + 5)
+    assert first.lost_workers == ["w0"]
+    state.tick(T + 5.5, handle_losses=False)  # a rebalance: another replica leads
+    for h in first.held:
+        assert state.release(h, False, T + 5.6) == []  # given back to the leader
+    again = state.tick(T + 6)  # this replica leads again: the same loss, decided again
+    assert again.lost_workers == [] and len(again.held) == 1
+    for h in again.held:
+        state.release(h, False, T + 6.1)
+    assert state.requeued == 1
+
+
+def test_an_ending_taken_back_is_not_counted_again_by_the_next_one() -> None:
+    """SchedulerMetrics.ended() took a lower total (an ending withdrawn at a rebalance,
+    never sent) as its new base, and counted the next ending of that code twice."""
+    from services.common import metrics as m
+    from services.scheduler.runtime.metrics import SchedulerMetrics
+
+    def exported() -> float:
+        return m.REGISTRY.get_sample_value("llmq_requests_total",
+                                           {"outcome": "queue_timeout"}) or 0.0
+
+    before, metrics = exported(), SchedulerMetrics()
+    state = new_state()
+    state.restore()
+    state.on_request(admitted("a", timeout_s=1.0), ("tp", 0), T)
+    (ending,) = [e for e in state.tick(T + 2).effects if e.decision is not None]
+    metrics.ended(state.ended)  # exported before the rebalance took it back
+    assert state.withdraw(ending, T + 2) and state.ended["queue_timeout"] == 0
+    metrics.ended(state.ended)
+    state.on_request(admitted("b", timeout_s=1.0), ("tp", 1), T + 2)
+    state.tick(T + 4)  # b ends queue_timeout, sent
+    metrics.ended(state.ended)
+    assert exported() - before == 1  # one ending counted for the one sent and the other
+
+
 def test_a_requeue_is_dropped_when_the_terminal_event_comes_during_the_check() -> None:
     state, placed, result = _quiet_started_and_other_on_a_dead_w0()
     state.observe_event(done(placed["quiet"], "w0"))  # its event, read while checking

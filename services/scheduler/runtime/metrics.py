@@ -28,6 +28,7 @@ class SchedulerMetrics:
 
     def __init__(self) -> None:
         self._ended: dict[ErrorCode, int] = {}
+        self._requeued = 0
         self._reserved_workers: set[str] = set()
 
     @staticmethod
@@ -48,8 +49,6 @@ class SchedulerMetrics:
             )
         for reason, n in result.deferred.items():
             m.PLACEMENT_FAILURES.labels(reason=reason).inc(n)
-        if result.requeued:
-            m.REQUEUES.inc(result.requeued)
         if result.lost_workers:
             m.WORKER_LOSSES.inc(len(result.lost_workers))
         if result.restarted_workers:
@@ -57,14 +56,22 @@ class SchedulerMetrics:
         for _, granted in result.leases:
             m.LEASE_ANSWERS.labels(answer="granted" if granted else "refused").inc()
 
-    def ended(self, totals: Mapping[ErrorCode, int]) -> None:
-        """The cumulative count of terminals the scheduler sent, by code: adds what is new
-        (they also end outside a cycle: a cancel before queueing)."""
+    def ended(self, totals: Mapping[ErrorCode, int], requeued: int = 0) -> None:
+        """The cumulative counts of terminals the scheduler sent, by code, and of requeues
+        done: adds what is new (they also happen outside a cycle: a cancel before queueing,
+        a requeue once its reply-topic check is back). A total that went down (an ending
+        taken back, or found answered by its worker) leaves the counter as it is, and the
+        next endings of that code are not counted until the total passes its highest
+        again: a Prometheus counter cannot go down, and counting from the lower total
+        counted the same ending twice."""
         for code, total in totals.items():
             new = total - self._ended.get(code, 0)
             if new > 0:
                 m.REQUESTS.labels(outcome=code).inc(new)
-            self._ended[code] = total
+                self._ended[code] = total
+        if requeued > self._requeued:
+            m.REQUEUES.inc(requeued - self._requeued)
+            self._requeued = requeued
 
     @staticmethod
     def set_depth(depth: Mapping[tuple[Priority, Lane], int]) -> None:

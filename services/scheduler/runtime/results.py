@@ -164,7 +164,11 @@ class TickResult:
     effects: list[Effect]
     placed: int
     rejected: dict[ErrorCode, int]
+    #: Lost work held this cycle for its reply-topic check (``held``): requeued, or
+    #: ended, once that is back (``SchedulerState.requeued`` counts the requeues done).
     requeued: int
+    #: Workers declared lost this cycle; not again when a loss given back (leadership
+    #: lapsed during its check) is decided again.
     lost_workers: list[str]
     schedule_s: float
     #: True when the cycle stopped at ``max_placements``: run another one soon.

@@ -145,6 +145,8 @@ class SchedulerState:
         self.spans: SpanRecorder = spans or NoSpans()
         #: Terminals the scheduler sent itself since start, by code (for metrics).
         self.ended: dict[ErrorCode, int] = {}
+        #: Requests requeued (put back in the queue after their worker was lost), in all.
+        self.requeued = 0
         #: Requeues and hand-offs withdrawn from the queue because the log showed them
         #: decided meanwhile: the lost attempt's terminal event came after all, or the
         #: previous leader placed them (:meth:`_withdraw_decided`).
@@ -573,6 +575,9 @@ class SchedulerState:
             effects.extend(self._adopt_handoffs(now, heard))
         lost = [w for w in self.log.workers()
                 if not self.fleet.may_be_alive(w, now, heard)] if taken_over else []
+        # A loss given back (leadership lapsed during its reply-topic check) is decided
+        # again: it is the same loss, for the log and the metric.
+        first_lost = [w for w in lost if not self._lost_before(w)]
         held: list[HeldRequeue] = []
         for worker_id in lost:
             held.extend(self._lose_worker(worker_id, now, effects))
@@ -623,7 +628,7 @@ class SchedulerState:
         placed_n = len(placements)
         self.drain.waiting(now, [m for m, (n, _) in self._pending_models.items() if n > 0])
         more = self.config.max_placements is not None and placed_n >= self.config.max_placements
-        return TickResult(effects, placed_n, rejected, len(held), lost, schedule_s, more,
+        return TickResult(effects, placed_n, rejected, len(held), first_lost, schedule_s, more,
                           tuple(placements), deferred, restarted, tuple(held), tuple(leases))
 
     def leadership_continued(self, continued: bool = True) -> None:
@@ -776,6 +781,7 @@ class SchedulerState:
         effect = self._end(record.admitted, record.attempt, "worker_lost",
                            f"{held.fate.reason}; answered before", now, (),
                            trace=self._active_trace.get(record.request_id, ()))
+        self.answered_after_all("worker_lost")
         return [Effect(then=effect.then)]  # the event only: the reply is there
 
     def statuses(self, now: float) -> list[QueueStatus]:
@@ -997,6 +1003,11 @@ class SchedulerState:
             # found stale again): whoever leads next must see it (_replaced_work).
             self._restarted.add(record.worker_id)
 
+    def _lost_before(self, worker_id: str) -> bool:
+        """Whether the worker's current process was declared lost already."""
+        hb = self.fleet.get(worker_id)
+        return hb is not None and hb.started_at in self._lost_incarnations.get(worker_id, ())
+
     def _lost_incarnation(self, worker_id: str, started_at: float | None) -> None:
         if started_at is not None:
             self._lost_incarnations.setdefault(worker_id, set()).add(started_at)
@@ -1020,6 +1031,7 @@ class SchedulerState:
             self.ledger.release(request.request_id, older)  # stage held is over
         self.pending.push(request, force=True)  # already admitted work: past the bound
         self._track(_Tracked(record.admitted, request, "requeue", since=now, trace=trace))
+        self.requeued += 1
         return []
 
     def settle_endings(self, effects: list[Effect], answered: Collection[tuple[str, int]],

@@ -288,7 +288,9 @@ class IntakeHandler:
                     # first one's reservation (its checks skipped); an Error under this id,
                     # on the topic where the first one's answer goes, would end that one.
                     span.set_attribute(tracing.LLMQ_OUTCOME, "invalid")
-                    _count_refusal("invalid")
+                    # Refused, and dead-lettered: no terminal of its own (the id's terminal
+                    # is the first body's, counted when it comes).
+                    REJECTIONS.labels(code="invalid").inc()
                     raise _reused_id(req.request_id)
                 span.set_attribute(tracing.LLMQ_OUTCOME, "duplicate")
                 again = _admission_again(req, held, self._topics.prefix)
@@ -346,6 +348,9 @@ class IntakeHandler:
                     self._buckets[req.tenant] = prior
             await self._overloaded(req, now)
             raise
+        if not isinstance(decision.message, Error):  # sent: admitted
+            ADMITTED_TOKENS.labels(tenant=self._tenancy.metric_label(req.tenant)).inc(
+                decision.message.prompt_tokens + req.max_tokens)
 
     async def _overloaded(self, req: InferenceRequest, now: float) -> None:
         """The one terminal of a request ingest failed to admit (an internal error)."""
@@ -435,7 +440,8 @@ class IntakeHandler:
                          message, result.new_state, reservation)
 
     def _record(self, req: InferenceRequest, decision: _Decision) -> None:
-        """Write the decision's reservation and tenant state (tables), count it. A write
+        """Write the decision's reservation and tenant state (tables), count a refusal
+        (admitted tokens are counted once the admission is sent). A write
         that fails leaves neither (the caller answers ``overloaded``): a bucket charged
         with no reservation to settle it held the tenant's slot for good."""
         if decision.reservation is not None:
@@ -448,13 +454,8 @@ class IntakeHandler:
                     with contextlib.suppress(Exception):
                         del self._reservations[req.request_id]
                 raise
-        message = decision.message
-        if isinstance(message, Error):
-            _count_refusal(message.code)
-        else:
-            ADMITTED_TOKENS.labels(tenant=self._tenancy.metric_label(req.tenant)).inc(
-                message.prompt_tokens + req.max_tokens
-            )
+        if isinstance(decision.message, Error):
+            _count_refusal(decision.message.code)
 
     async def _refuse_undecodable(self, data: dict[str, Any] | None, exc: SchemaError) -> None:
         """Send ``invalid``/``too_large`` if the raw JSON says who is waiting; never raises."""

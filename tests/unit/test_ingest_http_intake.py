@@ -682,3 +682,43 @@ async def test_a_broken_record_off_its_tenants_partition_is_moved_there_not_answ
         await h.handler.on_request(Record(bad, b"acme", partition=3))
     [refusal] = h.replies()
     assert (refusal.request_id, refusal.code) == ("r1", "invalid")
+
+
+def _sample(name: str, **labels: str) -> float:
+    from services.common.metrics import REGISTRY
+
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+async def test_a_reused_id_for_another_body_is_no_terminal_in_the_counts() -> None:
+    """Found by an audit of the metrics: dead-lettered without a reply, it was counted in
+    llmq_requests_total{invalid}, and the id's own terminal was counted again later."""
+    h = Harness(load_tenancy(None))
+    await h.submit(request("r1"))
+    terminals = _sample("llmq_requests_total", outcome="invalid")
+    refusals = _sample("llmq_rejections_total", code="invalid")
+    with pytest.raises(SchemaError):
+        await h.submit(request("r1", max_tokens=11))
+    assert h.replies() == []
+    assert _sample("llmq_requests_total", outcome="invalid") == terminals
+    assert _sample("llmq_rejections_total", code="invalid") == refusals + 1
+
+
+async def test_an_admission_the_producer_refused_is_not_counted_as_admitted_tokens() -> None:
+    h = Harness(load_tenancy(None))
+    admitted = _sample("llmq_admitted_tokens_total", tenant="default")
+    publish = h.handler._publish
+
+    async def refusing(topic: str, *args: Any, **kwargs: Any) -> None:
+        if topic.startswith("llmq.requests."):
+            raise KafkaTimeoutError()
+        await publish(topic, *args, **kwargs)
+
+    h.handler._publish = refusing  # type: ignore[method-assign]
+    with pytest.raises(KafkaTimeoutError):
+        await h.submit(request("r2"))
+    assert [e.code for e in h.replies()] == ["overloaded"]
+    assert _sample("llmq_admitted_tokens_total", tenant="default") == admitted
+    h.handler._publish = publish  # type: ignore[method-assign]
+    await h.submit(request("r3"))
+    assert _sample("llmq_admitted_tokens_total", tenant="default") == admitted + 20

@@ -65,6 +65,38 @@ def test_on_records_child_spans_and_sampling_follows_the_parent() -> None:
         tracing.setup("test", None)
 
 
+@pytest.mark.parametrize("ratio", [0.0, 1.0])
+def test_an_http_callers_traceparent_is_a_link_and_ingest_decides_sampling(
+    ratio: float,
+) -> None:
+    """Found by an audit of the tracing: the API's span was the child of the caller's
+    traceparent, so any caller (no API key needed) made every hop record and export its
+    calls at a ratio of 0, and chose its trace ids."""
+    from starlette.requests import Request
+
+    from services.ingest.http.routes import _http_span
+
+    exporter = InMemorySpanExporter()
+    tracing.setup("test", None, ratio, extra_processors=[SimpleSpanProcessor(exporter)])
+    try:
+        call = Request({"type": "http", "method": "POST", "path": "/v1/chat/completions",
+                        "headers": [(b"traceparent", TRACEPARENT.encode())],
+                        "query_string": b""})
+        span = _http_span(call, "chat")
+        assert span.is_recording() == (ratio == 1.0)
+        span.end()
+        if ratio == 1.0:
+            [finished] = exporter.get_finished_spans()
+            assert finished.parent is None  # a root of its own trace
+            assert finished.context.trace_id != int(TRACEPARENT.split("-")[1], 16)
+            [link] = finished.links
+            assert link.context.span_id == int(TRACEPARENT.split("-")[2], 16)
+        else:
+            assert exporter.get_finished_spans() == ()
+    finally:
+        tracing.setup("test", None)
+
+
 def test_headers_of_reads_aiokafka_and_faust_shapes() -> None:
     class Record:
         def __init__(self, headers: Any) -> None:

@@ -117,6 +117,13 @@ REQUESTS: Final = Counter(
     "llmq_requests_total", "Requests by terminal outcome (done or an error code).",
     ["outcome"], registry=REGISTRY,
 )
+HTTP_RESPONSES: Final = Counter(
+    "llmq_http_responses_total",
+    "Completion calls to ingest's OpenAI-compatible API, by the HTTP status answered: its "
+    "own refusals before anything is queued (400, 401, 409, 413, 503: Kafka out of reach) "
+    "too, which no other counter sees; 499: the caller left.", ["status"],
+    registry=REGISTRY,
+)
 REJECTIONS: Final = Counter(
     "llmq_rejections_total", "Requests refused at admission, by code.", ["code"],
     registry=REGISTRY,
@@ -276,7 +283,7 @@ REGISTRY.register(HEALTH_FLEET)
 
 #: The families each service's endpoint shows (module docstring).
 OWNED: Final[dict[str, tuple[MetricWrapperBase | Collector, ...]]] = {
-    "ingest": (REQUESTS, REJECTIONS, ADMITTED_TOKENS, DEAD_LETTERS),
+    "ingest": (REQUESTS, REJECTIONS, ADMITTED_TOKENS, HTTP_RESPONSES, DEAD_LETTERS),
     "scheduler": (
         QUEUE_DEPTH, QUEUE_WAIT, SCHEDULE_DECISION, PLACEMENTS, DECODE_STAGES, HANDOFF_WAIT,
         PLACEMENT_FAILURES, REQUEUES,

@@ -140,3 +140,23 @@ async def test_a_bug_is_a_500_in_openai_shape_not_plain_text() -> None:
     assert r.json()["error"] == {
         "message": "internal error in llmq ingest (RuntimeError); see its log",
         "type": "server_error", "param": None, "code": "internal_error"}
+
+
+async def test_the_apis_own_refusals_are_counted(keyed: Tenancy) -> None:
+    """Found by an audit of the metrics: a 401, or a 503 while Kafka is out of reach (the
+    gateway here never connects), changed no metric: llmq_requests_total stayed flat
+    while every call failed."""
+    from services.common.metrics import REGISTRY
+
+    def answered(status: int) -> float:
+        return REGISTRY.get_sample_value("llmq_http_responses_total",
+                                         {"status": str(status)}) or 0.0
+
+    before = {status: answered(status) for status in (401, 503)}
+    body = {"model": "public-model", "messages": [{"role": "user", "content": "hi"}]}
+    async with api(keyed, serving(keyed, "public-model")) as client:
+        no_key = await client.post("/v1/chat/completions", json=body)
+        no_kafka = await client.post("/v1/chat/completions", json=body,
+                                     headers={"authorization": "Bearer acme-key"})
+    assert (no_key.status_code, no_kafka.status_code) == (401, 503)
+    assert {status: answered(status) - before[status] for status in before} == {401: 1, 503: 1}

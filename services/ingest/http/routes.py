@@ -51,6 +51,7 @@ from schemas.base import ID_PATTERN
 from schemas.codec import MAX_RECORD_BYTES
 from schemas.replies import Done, Error, TokenChunk
 from services.common import tracing
+from services.common.metrics import HTTP_RESPONSES
 from services.common.replies import AttemptText, Reply, ReplyStream
 from services.ingest.cluster import ClusterWatcher
 from services.ingest.core import (
@@ -517,6 +518,8 @@ def _refused_at_admission(terminal: Done | Error | None) -> bool:
 
 
 def _end_span(span: Span, status: int, outcome: str, why: str | None = None) -> None:
+    """End a completion call's span, and count its answer (every call ends here once)."""
+    HTTP_RESPONSES.labels(status=str(status)).inc()
     span.set_attributes({"http.response.status_code": status, tracing.LLMQ_OUTCOME: outcome})
     if status >= 500:
         span.set_status(Status(StatusCode.ERROR, why or outcome))

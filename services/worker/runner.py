@@ -516,9 +516,11 @@ class RequestRun:
             self._first_token_at = now
             ttft = max(0.0, now - self.assignment.request.created_at)
             self._span.add_event(tracing.FIRST_TOKEN_EVENT, {"llmq.ttft_s": ttft})
+            await self._send(self.cfg.events_topic, self._event(EventFirstToken, ttft_s=ttft))
+            # Counted once sent: a fenced run sends nothing, and its request is requeued,
+            # whose next attempt's first token is the one the client sees.
             if self._on_first_token is not None:
                 self._on_first_token(ttft)
-            await self._send(self.cfg.events_topic, self._event(EventFirstToken, ttft_s=ttft))
         self._tokens += delta.tokens
         if self._on_tokens is not None and delta.tokens:
             self._on_tokens(delta.tokens)
@@ -575,6 +577,7 @@ class RequestRun:
         except Exception as exc:  # a bug: still tell the scheduler the attempt is over
             _log.exception("request %s: could not send its terminal", self.engine_id)
             self._span.set_attribute(tracing.LLMQ_OUTCOME, "unsent")
+            replied = False  # the worker_lost reply below went (and is counted)
             with contextlib.suppress(Exception):
                 if self._may_send is not None and not await self._may_send():
                     # Fenced after all: the scheduler holds its own ending or requeue of
@@ -584,13 +587,15 @@ class RequestRun:
                 records = [_Sent(self.cfg.events_topic, self._event(
                     EventFailed, code="worker_lost", message=why))]
                 # The client's one terminal, unless a reply is acknowledged or on its way.
-                if self._reply is None or self._reply.lost:
+                replying = self._reply is None or self._reply.lost
+                if replying:
                     records.insert(0, _Sent(self.assignment.admitted.reply_topic,
                                             self._error("worker_lost", why, self._clock())))
-                await self._until_acked(records, ask_first=False,
-                                        give_up_at=self._event_give_up_at())
+                replied = replying and await self._until_acked(
+                    records, ask_first=False, give_up_at=self._event_give_up_at()) == "acked"
             # As after a given-up reply: an offset held open would stop the commit point.
-            return Outcome("failed", self._tokens, acked=True)
+            return Outcome("failed", self._tokens, acked=True,
+                           terminal="worker_lost" if replied else None)
 
     async def _send_terminal(self, ending: _Stop | _Failed | _Ended) -> Outcome:
         await self._check_fence()

@@ -249,6 +249,42 @@ async def test_a_run_held_for_the_lease_ends_unanswered_when_it_is_refused() -> 
     assert [r["kind"] for _, r in producer.records] == ["event.started", "event.first_token"]
 
 
+async def test_a_run_fenced_before_its_first_token_went_out_counts_no_ttft() -> None:
+    """Found by an audit of the metrics: the time to first token was observed when the
+    token was generated, before its event went; a run fenced then sent nothing, its request
+    was requeued, and the next attempt observed it again (two samples, one bogus)."""
+    producer, gate = _Producer(), _HoldingGate(hold_at=2)
+    gate.granted = False
+    ttft: list[float] = []
+    run = RequestRun(_assignment(), _FineEngine(tokens=0), Publisher(producer, 5.0), _CFG,
+                     may_send=gate, on_first_token=ttft.append)
+    task = asyncio.create_task(run.run())
+    await asyncio.wait_for(gate.held.wait(), 5.0)
+    gate.answer.set()
+    outcome = await asyncio.wait_for(task, 10.0)
+    assert (outcome.kind, ttft) == ("superseded", [])
+    ran = RequestRun(_assignment(), _FineEngine(tokens=0), Publisher(_Producer(), 5.0), _CFG,
+                     on_first_token=ttft.append)
+    await asyncio.wait_for(ran.run(), 10.0)
+    assert len(ttft) == 1
+
+
+async def test_the_worker_lost_reply_of_a_terminal_that_failed_is_counted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bug while sending the terminal: the run still answers worker_lost; that reply is
+    its terminal and was missing from llmq_requests_total (Outcome.terminal None)."""
+    async def broken(self: RequestRun, ending: Any) -> Outcome:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(RequestRun, "_send_terminal", broken)
+    producer = _Producer()
+    run = RequestRun(_assignment(), _FineEngine(tokens=0), Publisher(producer, 5.0), _CFG)
+    outcome = await asyncio.wait_for(run.run(), 10.0)
+    assert (outcome.kind, outcome.terminal) == ("failed", "worker_lost")
+    assert producer.terminals() == [("error", "worker_lost"), ("event.failed", "worker_lost")]
+
+
 # Sends of the normal path: 0 event.started, 1 event.first_token, 2 chunk, 3 the done
 # reply, 4 event.done (then more for every try again).
 @pytest.mark.parametrize(("fail", "nack"), [

@@ -25,6 +25,7 @@ plus llmq's own under ``llmq.*`` (tenant, priority, lane, worker, attempt, outco
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -93,6 +94,7 @@ class _State:
 
     provider: ClassVar[TracerProvider | None] = None
     tracers: ClassVar[dict[str, trace.Tracer]] = {}
+    ratio: ClassVar[float] = 1.0
 
 
 def setup(
@@ -104,6 +106,7 @@ def setup(
     """Install this process's tracer provider and return it; None when tracing is off
     (no ``endpoint`` and no ``extra_processors``). Replaces an earlier one (tests)."""
     processors = list(extra_processors)
+    _State.ratio = ratio
     if not endpoint and not processors:
         _install(None)
         return None
@@ -159,6 +162,22 @@ def inject(headers: Sequence[tuple[str, bytes]] | None = None,
     carrier: Headers = list(headers or [])
     _PROPAGATOR.inject(carrier, context=ctx, setter=_SETTER)
     return carrier
+
+
+def sampled_by_us(caller: Context) -> Context:
+    """``caller``'s trace context (an untrusted one: an HTTP caller's ``traceparent``) with
+    the sampling decided here, at the configured ratio, instead of by its sampled flag:
+    the trace goes on under the caller's ids, but with a sampler that follows the parent,
+    any caller (one without an API key too) could otherwise make every hop record and
+    export its calls at a ratio of 0, or turn them off. An empty context if it has none."""
+    theirs = trace.get_current_span(caller).get_span_context()
+    if not theirs.is_valid:
+        return Context()
+    flags = trace.TraceFlags(trace.TraceFlags.SAMPLED if random.random() < _State.ratio
+                             else trace.TraceFlags.DEFAULT)
+    return trace.set_span_in_context(trace.NonRecordingSpan(trace.SpanContext(
+        theirs.trace_id, theirs.span_id, is_remote=True, trace_flags=flags,
+        trace_state=theirs.trace_state)))
 
 
 def extract(headers: Sequence[tuple[str, bytes]] | Mapping[str, bytes] | None) -> Context:

@@ -65,13 +65,13 @@ def test_on_records_child_spans_and_sampling_follows_the_parent() -> None:
         tracing.setup("test", None)
 
 
-@pytest.mark.parametrize("ratio", [0.0, 1.0])
-def test_an_http_callers_traceparent_is_a_link_and_ingest_decides_sampling(
-    ratio: float,
+@pytest.mark.parametrize(("ratio", "flag"), [(0.0, "01"), (1.0, "00"), (1.0, "01")])
+def test_an_http_callers_trace_goes_on_but_ingest_decides_its_sampling(
+    ratio: float, flag: str,
 ) -> None:
-    """Found by an audit of the tracing: the API's span was the child of the caller's
-    traceparent, so any caller (no API key needed) made every hop record and export its
-    calls at a ratio of 0, and chose its trace ids."""
+    """Found by an audit of the tracing: the API's span followed the sampled flag of the
+    caller's traceparent, so any caller (no API key needed) made every hop record and
+    export its calls at a ratio of 0, or turned them off at 1."""
     from starlette.requests import Request
 
     from services.ingest.http.routes import _http_span
@@ -79,18 +79,20 @@ def test_an_http_callers_traceparent_is_a_link_and_ingest_decides_sampling(
     exporter = InMemorySpanExporter()
     tracing.setup("test", None, ratio, extra_processors=[SimpleSpanProcessor(exporter)])
     try:
+        traceparent = TRACEPARENT[:-2] + flag
         call = Request({"type": "http", "method": "POST", "path": "/v1/chat/completions",
-                        "headers": [(b"traceparent", TRACEPARENT.encode())],
+                        "headers": [(b"traceparent", traceparent.encode())],
                         "query_string": b""})
         span = _http_span(call, "chat")
         assert span.is_recording() == (ratio == 1.0)
-        span.end()
+        with trace.use_span(span, end_on_exit=True):
+            headers = tracing.inject()  # what the next hop (the intake record) carries
+        assert headers[0][1].decode().endswith("-01" if ratio == 1.0 else "-00")
         if ratio == 1.0:
             [finished] = exporter.get_finished_spans()
-            assert finished.parent is None  # a root of its own trace
-            assert finished.context.trace_id != int(TRACEPARENT.split("-")[1], 16)
-            [link] = finished.links
-            assert link.context.span_id == int(TRACEPARENT.split("-")[2], 16)
+            assert finished.context.trace_id == int(TRACEPARENT.split("-")[1], 16)
+            assert finished.parent is not None
+            assert finished.parent.span_id == int(TRACEPARENT.split("-")[2], 16)
         else:
             assert exporter.get_finished_spans() == ()
     finally:

@@ -41,8 +41,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
-from opentelemetry.context import Context
-from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -245,17 +244,14 @@ def _tenant(deps: HttpDeps, request: Request) -> str:
 
 
 def _http_span(request: Request, kind: Kind) -> Span:
-    """The call's SERVER span: the root of the request's trace, linked to the client's
-    ``traceparent`` if it sent one. Not its child: the HTTP API is the tenant boundary,
-    and a parent's sampled flag decides a child's sampling, so any caller (one with no API
-    key too) could make every hop record and export its calls at a sample ratio of 0, or
-    choose its trace ids. ingest, the root, decides."""
+    """The call's SERVER span, child of the client's ``traceparent`` if it sent one, but
+    sampled at ingest's ratio whatever that says (:func:`tracing.sampled_by_us`: the HTTP
+    API is the tenant boundary)."""
     incoming = [(name, value.encode("latin-1")) for name in ("traceparent", "tracestate")
                 if (value := request.headers.get(name)) is not None]
-    caller = trace.get_current_span(tracing.extract(incoming)).get_span_context()
     return tracing.tracer(__name__).start_span(
-        f"POST {request.url.path}", context=Context(), kind=SpanKind.SERVER,
-        links=[Link(caller)] if caller.is_valid else None,
+        f"POST {request.url.path}", context=tracing.sampled_by_us(tracing.extract(incoming)),
+        kind=SpanKind.SERVER,
         attributes={
             "http.request.method": "POST", "url.path": request.url.path,
             tracing.GEN_AI_OPERATION: "chat" if kind == "chat" else "text_completion",

@@ -17,6 +17,11 @@ Settings that matter on a single dev broker and in tests (documented, not magic)
 - An idempotent producer (``acks=all`` + ``enable_idempotence``, DESIGN.md's delivery
   rule): faust turns idempotence on only inside transactions, so a send it retried after
   a lost ack could be written twice. Here the broker drops such a duplicate.
+- Table writes durable before the offsets of the records that made them are committed:
+  faust flushes its producer before it commits, but that flush gives up on its buffer of
+  table writes (``send_soon``) after 0.1 s with writes still in it, so a crash then lost a
+  reservation or a bucket whose record was never read again. The producer here also waits
+  for every table write handed to it until the broker acknowledged it.
 - A producer that can no longer send, or a record to llmq's own topics that fails to get
   through (:func:`must_deliver`), ends the process at once (exit status 1, no graceful
   stop, nothing committed), so a supervisor restarts it with a new producer:
@@ -25,6 +30,7 @@ Settings that matter on a single dev broker and in tests (documented, not magic)
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -32,7 +38,7 @@ from typing import Any
 
 import faust
 from faust.transport.drivers.aiokafka import Producer
-from faust.types import ProducerT
+from faust.types import FutureMessage, ProducerT
 
 from services.common.faust_recovery import TableManager
 from services.common.kafka import MAX_RECORD_BYTES, ProducerFailed, TopicRequest, exit_now
@@ -82,7 +88,23 @@ def must_deliver(prefix: str, app_id: str) -> Callable[[str], bool]:
 
 
 class _IdempotentProducer(Producer):
-    """Faust's aiokafka producer, idempotent outside transactions too (module docstring)."""
+    """Faust's aiokafka producer, idempotent outside transactions too, whose ``flush``
+    (before each commit) waits for the table writes too (module docstring)."""
+
+    def send_soon(self, fut: FutureMessage) -> None:
+        """A table write (faust's changelog sends): kept until the broker acknowledged it
+        (the future resolves then, or fails, and a failed write to a changelog ends the
+        process: :func:`must_deliver`)."""
+        soon: set[FutureMessage] = self.__dict__.setdefault("_llmq_soon", set())
+        soon.add(fut)
+        fut.add_done_callback(soon.discard)
+        super().send_soon(fut)
+
+    async def flush(self) -> None:
+        await super().flush()
+        soon: set[FutureMessage] = self.__dict__.get("_llmq_soon", set())
+        while soon:  # the offsets about to be committed may be theirs
+            await asyncio.wait(list(soon))
 
     def _settings_extra(self) -> Mapping[str, Any]:
         return {**super()._settings_extra(), "acks": "all", "enable_idempotence": True}

@@ -528,18 +528,17 @@ def up(ctx: click.Context, detach: bool, short_workers: int, long_workers: int,
         option, message = problem
         raise click.BadParameter(message, param_hint=option)
     try:
+        if not kafka_only:  # the broker alone is started once (its own pid file)
+            # Held until this command returns; taken before the check below, so that a
+            # detached start finishing in between is seen.
+            ctx.with_resource(start_lock(settings))
         running = running_services(settings)
-    except ServicesFileError as exc:
+    except (StackBusy, ServicesFileError) as exc:
         raise click.ClickException(str(exc)) from exc
     if running and not kafka_only:
         raise click.ClickException(
             f"a stack is already running here ({', '.join(running)}); stop it with "
             "`llmq down` first")
-    try:
-        if not kafka_only:  # the broker alone is started once (its own pid file)
-            ctx.with_resource(start_lock(settings))  # held until this command returns
-    except StackBusy as exc:
-        raise click.ClickException(str(exc)) from exc
     started_kafka = not settings.kafka_bootstrap and not _broker(settings).status().running
     started_jaeger = False
     # Until the stack's own handlers take over, SIGTERM, SIGHUP and SIGQUIT end this command

@@ -18,9 +18,22 @@ if [ -f "$libs/.complete" ] && [ "$(cat "$libs/.complete")" = "$pom_sum" ]; then
 fi
 command -v java >/dev/null || { echo "fetch.sh: Java 17+ is required to run Kafka; install a JDK 17 (apt install openjdk-17-jre-headless)" >&2; exit 1; }
 command -v mvn >/dev/null || { echo "fetch.sh: Maven (mvn) is required to fetch the Kafka jars from Maven Central; install it (apt install maven), or set LLMQ_KAFKA_BOOTSTRAP to a broker you run" >&2; exit 1; }
+# Into a fresh folder, put in place only once complete: a fetch that fails (offline) leaves
+# the cache that was there, which still runs the broker.
+fresh="$libs.fetching"
+rm -rf "$fresh"
+mkdir -p "$fresh"
+if ! mvn -q -B -C -f "$here/pom.xml" dependency:copy-dependencies \
+    -DincludeScope=runtime -DoutputDirectory="$fresh" >&2; then
+  rm -rf "$fresh"
+  if ls "$libs"/*.jar >/dev/null 2>&1; then
+    echo "fetch.sh: fetching failed (above); using the jars already in $libs, fetched for an earlier pom.xml" >&2
+    echo "$libs"
+    exit 0
+  fi
+  exit 1
+fi
+echo "$pom_sum" > "$fresh/.complete"
 rm -rf "$libs"
-mkdir -p "$libs"
-mvn -q -B -C -f "$here/pom.xml" dependency:copy-dependencies \
-  -DincludeScope=runtime -DoutputDirectory="$libs" >&2
-echo "$pom_sum" > "$libs/.complete"
+mv "$fresh" "$libs"
 echo "$libs"

@@ -114,7 +114,8 @@ class Jaeger:
              "takes several minutes)…")
         started = time.monotonic()
         next_note = started + 30.0
-        with (self.binary.parent / "build.log").open("wb") as log:
+        with (self.binary.parent / "build.log").open("wb") as log, \
+                process.stop_signals_raise():
             proc = subprocess.Popen(
                 [go, "build", "-o", str(partial), MODULE], cwd=INFRA_DIR, stdout=log,
                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,

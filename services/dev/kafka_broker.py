@@ -143,20 +143,21 @@ class KafkaBroker:
         interrupted (SIGTERM, Ctrl-C): killing the script alone left its Maven running, and
         the next ``llmq up`` started a second fetch into the same folder."""
         script = INFRA_DIR / "fetch.sh"
-        try:
-            fetch = subprocess.Popen(
-                ["bash", str(script), str(self.cfg.cache_dir)], stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
-                start_new_session=True,
-            )
-        except FileNotFoundError as exc:
-            raise BrokerError(f"cannot run {script}: {exc}") from exc
-        try:
-            out, err = fetch.communicate()
-        except BaseException:
-            os.killpg(fetch.pid, signal.SIGKILL)
-            fetch.wait()
-            raise
+        with process.stop_signals_raise():
+            try:
+                fetch = subprocess.Popen(
+                    ["bash", str(script), str(self.cfg.cache_dir)], stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+                    start_new_session=True,
+                )
+            except FileNotFoundError as exc:
+                raise BrokerError(f"cannot run {script}: {exc}") from exc
+            try:
+                out, err = fetch.communicate()
+            except BaseException:
+                os.killpg(fetch.pid, signal.SIGKILL)
+                fetch.wait()
+                raise
         if fetch.returncode != 0:
             raise BrokerError(
                 f"fetching Kafka from Maven Central failed (needs mvn and java 17+):\n"

@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -120,3 +121,28 @@ def send(pid: int, sig: signal.Signals) -> None:
     """``kill(pid, sig)``; a process that already exited is not an error."""
     with contextlib.suppress(ProcessLookupError):  # it exited on its own meanwhile
         os.kill(pid, sig)
+
+
+def _raise_exit(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+@contextlib.contextmanager
+def stop_signals_raise() -> Iterator[None]:
+    """While a build tool runs in a session of its own (so that it can be killed as a
+    group), make SIGTERM and SIGHUP raise SystemExit here, as `llmq up` does, where they
+    are still at their default (which kills this process outright): the caller's clean-up
+    then stops the tool. `timeout`, a CI cancel or a closed terminal signal this process's
+    group, which no longer holds the tool. A no-op off the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) is signal.SIG_DFL:
+            previous[sig] = signal.signal(sig, _raise_exit)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -58,9 +58,11 @@ def test_a_child_is_still_read_after_the_output_went_away() -> None:
     assert child_output.tell() == len(lines)
 
 
-def _interrupted(code: str, tool: str, tmp_path: Path) -> int:
-    """Run ``code`` in a child Python whose SIGTERM raises SystemExit (as `llmq up`'s
-    does), with a fake ``tool`` on PATH; SIGTERM it once the tool runs; the tool's pid."""
+def _interrupted(code: str, tool: str, tmp_path: Path, *, handler: bool = True) -> int:
+    """Run ``code`` in a child Python, with a fake ``tool`` on PATH; SIGTERM it once the
+    tool runs; the tool's pid. ``handler``: its SIGTERM raises SystemExit, as `llmq up`'s
+    does; without, SIGTERM is at its default (`llmq dev kafka up`, `llmq dev jaeger
+    build`, which scripts/test.sh runs)."""
     bin_dir, pid_file = tmp_path / "bin", tmp_path / f"{tool}.pid"
     bin_dir.mkdir()
     fake = bin_dir / tool
@@ -73,6 +75,8 @@ def _interrupted(code: str, tool: str, tmp_path: Path) -> int:
     """)
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
            "LLMQ_HOME": str(tmp_path / "home")}
+    if not handler:
+        prelude = ""
     child = subprocess.Popen([sys.executable, "-c", prelude + textwrap.dedent(code)], env=env,
                              cwd=_REPO, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 20
@@ -97,22 +101,55 @@ def _running(pid: int) -> bool:
     return True
 
 
-def test_an_interrupted_kafka_fetch_leaves_no_maven_running(tmp_path: Path) -> None:
+@pytest.mark.parametrize("handler", [True, False])
+def test_an_interrupted_kafka_fetch_leaves_no_maven_running(
+    tmp_path: Path, handler: bool
+) -> None:
     """Killing fetch.sh alone left its mvn running; the next `llmq up` fetched into the
-    same folder beside it."""
+    same folder beside it. (Without a handler: found by a review of the first fix, which
+    put mvn in a session of its own, out of reach of a signal to the caller's group.)"""
     tool = _interrupted("""
         from services.common.settings import Settings
         from services.dev.kafka_broker import BrokerConfig, KafkaBroker
         KafkaBroker(BrokerConfig.from_settings(Settings())).provision()
-    """, "mvn", tmp_path)
+    """, "mvn", tmp_path, handler=handler)
     assert not _running(tool)
 
 
-def test_an_interrupted_jaeger_build_leaves_no_go_running(tmp_path: Path) -> None:
+@pytest.mark.parametrize("handler", [True, False])
+def test_an_interrupted_jaeger_build_leaves_no_go_running(
+    tmp_path: Path, handler: bool
+) -> None:
     tool = _interrupted("""
         from services.common.settings import Settings
         from services.dev.jaeger import Jaeger
         Jaeger.from_settings(Settings()).build(echo=lambda _: None)
-    """, "go", tmp_path)
+    """, "go", tmp_path, handler=handler)
     assert not _running(tool)
     assert not list((tmp_path / "home").rglob("*.partial"))
+
+
+def test_a_fetch_that_fails_keeps_the_jars_there_were(tmp_path: Path) -> None:
+    """Found by a review: a cache fetched for an earlier pom.xml was deleted before Maven
+    ran, so an offline `llmq up` after a pull could no longer start the broker."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "mvn").write_text("#!/bin/sh\necho offline >&2\nexit 1\n")
+    (bin_dir / "mvn").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    fetch = [str(_REPO / "infra" / "kafka" / "fetch.sh")]
+    empty = subprocess.run(["bash", *fetch, str(tmp_path / "empty")], env=env,
+                           capture_output=True, text=True)
+    assert empty.returncode == 1 and "offline" in empty.stderr
+    pom = (_REPO / "infra" / "kafka" / "pom.xml").read_text()
+    version = pom.split("<kafka.version>")[1].split("<")[0]
+    libs = tmp_path / "cache" / f"kafka-{version}" / "libs"
+    libs.mkdir(parents=True)
+    (libs / "kafka_2.13-4.1.1.jar").write_bytes(b"jar")
+    (libs / ".complete").write_text("an earlier pom\n")
+    kept = subprocess.run(["bash", *fetch, str(tmp_path / "cache")], env=env,
+                          capture_output=True, text=True)
+    assert kept.returncode == 0, kept.stderr
+    assert kept.stdout.strip() == str(libs)
+    assert (libs / "kafka_2.13-4.1.1.jar").read_bytes() == b"jar"
+    assert "using the jars already in" in kept.stderr

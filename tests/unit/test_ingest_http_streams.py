@@ -362,3 +362,30 @@ async def test_a_client_gone_during_its_upload_gets_no_500() -> None:
     out = await api.call([b'{"model": "m",', b'"prompt": "x"}'], [], gone, cut_after=1)
     assert out.status == 499
     assert api.producer.cancels == [] and api.router.open_requests == 0
+
+
+def _answers() -> dict[str, float]:
+    from services.common.metrics import REGISTRY
+
+    return {s: REGISTRY.get_sample_value("llmq_http_responses_total", {"status": s}) or 0.0
+            for s in ("200", "499", "503", "504")}
+
+
+def _counted_since(before: dict[str, float]) -> dict[str, float]:
+    after = _answers()
+    return {k: after[k] - before[k] for k in after if after[k] != before[k]}
+
+
+async def test_a_call_is_counted_by_the_status_it_was_answered_with() -> None:
+    """Found by a review: llmq_http_responses_total counted the span's outcome, so a
+    gathered call past its deadline (504) counted as 499, and a stream that began 200 and
+    ended in an error counted as that error's status."""
+    late = Api([(0.01, chunk)], reply_grace_s=0.0)  # a chunk, never a terminal
+    before = _answers()
+    out = await late.post({"model": "m", "prompt": "x", "timeout": 0.3})
+    assert (out.status, _counted_since(before)) == (504, {"504": 1})
+    failing = Api([(0.01, chunk), (0.02, lambda rid: make_error(
+        request_id=rid, attempt=1, code="worker_lost", retry_after_s=None))])
+    before = _answers()
+    out = await failing.post({"model": "m", "prompt": "x", "stream": True})
+    assert (out.status, _counted_since(before)) == (200, {"200": 1})

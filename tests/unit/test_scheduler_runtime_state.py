@@ -662,6 +662,25 @@ def test_a_loss_given_back_and_decided_again_is_one_loss() -> None:
     assert state.requeued == 1
 
 
+def test_a_requeue_given_back_before_it_was_placed_is_counted_once() -> None:
+    """Found by a review: pushed (counted), given back at a lapse of leadership before it
+    was placed, and decided again: counted twice."""
+    state = ready_state(("w0", 0))
+    state.on_request(admitted("q"), ("tp", 0), T)
+    placed = {a.request_id: a for _, a in assignments(state.tick(T).effects)}
+    state.observe_event(started(placed["q"], "w0"))
+    first = state.tick(T + 5)
+    for h in first.held:
+        state.release(h, False, T + 5.1)  # requeued: no live worker to place it on
+    assert state.requeued == 1
+    state.tick(T + 5.5, handle_losses=False)  # leadership lapses: the requeue given back
+    assert state.requeued == 0
+    again = state.tick(T + 6)
+    for h in again.held:
+        state.release(h, False, T + 6.1)
+    assert state.requeued == 1
+
+
 def test_an_ending_taken_back_is_not_counted_again_by_the_next_one() -> None:
     """SchedulerMetrics.ended() took a lower total (an ending withdrawn at a rebalance,
     never sent) as its new base, and counted the next ending of that code twice."""

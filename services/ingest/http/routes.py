@@ -305,6 +305,22 @@ def _fit_to_context(deps: HttpDeps, call: ParsedCall) -> ParsedCall:
 
 
 async def _complete(deps: HttpDeps, request: Request, kind: Kind) -> Response:
+    """A completion call, its answer counted by the HTTP status it goes out with (a stream
+    is 200 whatever its end; the exception handlers answer an ApiError with its status,
+    anything else with 500)."""
+    try:
+        response = await _answer(deps, request, kind)
+    except ApiError as exc:
+        HTTP_RESPONSES.labels(status=str(exc.status)).inc()
+        raise
+    except Exception:
+        HTTP_RESPONSES.labels(status="500").inc()
+        raise
+    HTTP_RESPONSES.labels(status=str(response.status_code)).inc()
+    return response
+
+
+async def _answer(deps: HttpDeps, request: Request, kind: Kind) -> Response:
     span = _http_span(request, kind)
     try:
         tenant = _tenant(deps, request)
@@ -514,8 +530,6 @@ def _refused_at_admission(terminal: Done | Error | None) -> bool:
 
 
 def _end_span(span: Span, status: int, outcome: str, why: str | None = None) -> None:
-    """End a completion call's span, and count its answer (every call ends here once)."""
-    HTTP_RESPONSES.labels(status=str(status)).inc()
     span.set_attributes({"http.response.status_code": status, tracing.LLMQ_OUTCOME: outcome})
     if status >= 500:
         span.set_status(Status(StatusCode.ERROR, why or outcome))

@@ -985,6 +985,7 @@ class SchedulerState:
                 self.cancels.add(request_id, tracked.admitted.request.tenant, now, now)
             self.pending.remove(request_id)
             self._untrack(request_id)
+            self.requeued -= 1  # not done: whoever leads next requeues it (and counts it)
             if record is not None and record.attempt == tracked.queued.attempt - 1:
                 self._undo_loss(record)
             _log.info("scheduler: no longer leading; requeue of %s#%d left to the leader",

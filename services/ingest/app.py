@@ -16,7 +16,9 @@ Settlement design (``llmq.events`` is keyed by request_id, the tenant state by t
 3. timer ``ingest-expire`` scans the reservations for ones past their deadline (a safety
    net: every path ends a request with a terminal event, but one lost with a crashed
    scheduler or worker would otherwise hold its tenant's slot for ever) and sends
-   ``expired`` settle records through the same topic, so that only the agent writes.
+   ``expired`` settle records through the same topic, so that only the agent writes; and
+   ``recount`` ones for tenants whose bucket counts other requests in flight than they
+   have reservations (the two tables' writes of one decision, lost apart in a crash).
 
 Records are consumed raw (``value_serializer="raw"``) and decoded by the handler inside a
 :class:`~services.common.guard.Guard`: a bad record goes to ``llmq.deadletter`` with its
@@ -152,7 +154,8 @@ def _add_agents(
         try:
             owned = {tp.partition for tp in app.assignor.assigned_actives()
                      if tp.topic == topics.intake}
-            for record in handler.expired(rt.clock(), owned):
+            now = rt.clock()
+            for record in (*handler.expired(now, owned), *handler.miscounted(now, owned)):
                 await publish(topics.settle, record.tenant.encode(), encode(record), None)
         except Exception:
             # A failed send (the broker away) must not end the app: a timer that raises

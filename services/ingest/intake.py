@@ -63,7 +63,7 @@ import json
 import logging
 import re
 from collections.abc import Awaitable, Callable, Container, Iterator, Mapping, MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Final, Literal, Protocol, TypeVar
 
 from aiokafka.errors import KafkaError, KafkaTimeoutError
@@ -126,7 +126,10 @@ MAX_PAST_DEADLINE_S: Final = 3600.0
 _ID_RE = re.compile(ID_PATTERN)
 _TENANT_RE = re.compile(TENANT_PATTERN)
 
-SettleReason = Literal["done", "failed", "aborted", "expired"]
+#: ``recount``: not a request's end; its tenant's ``in_flight`` is set to the number of its
+#: reservations (:meth:`IntakeHandler.miscounted`), ``request_id`` is :data:`RECOUNT_ID`.
+SettleReason = Literal["done", "failed", "aborted", "expired", "recount"]
+RECOUNT_ID: Final = "recount"
 
 
 class SettleRecord(WireMessage):
@@ -479,6 +482,9 @@ class IntakeHandler:
     async def on_settle(self, record: SourceRecord) -> None:
         """Settle one reservation (a no-op when it was settled already)."""
         rec = decode(record.value, SettleRecord)
+        if rec.reason == "recount":
+            self._recount(rec.tenant)
+            return
         reservation = self._reservations.get(rec.request_id)
         if reservation is None:
             return
@@ -533,6 +539,48 @@ class IntakeHandler:
         await self._publish(self._topics.settle, event.tenant.encode(), encode(rec),
                             tracing.headers_of(record) or None)
 
+    def miscounted(self, now: float,
+                   owned: Container[int] | None = None) -> Iterator[SettleRecord]:
+        """``recount`` settle records for the tenants (of the ``owned`` partitions) whose
+        bucket counts a different number of requests in flight than they have reservations
+        (read-only scan; the agent recounts, as only it writes the tables).
+
+        The two are written together, but they are two changelog records on two topics:
+        a crash between their acknowledgements (two brokers) left one without the other. A
+        bucket whose reservation was lost held that concurrency slot for good (nothing
+        settles it), and an admission decided again on a bucket kept from the first one
+        was counted twice."""
+        held: dict[str, int] = {}
+        for reservation in list(self._reservations.values()):
+            tenant = str(reservation.get("tenant"))
+            held[tenant] = held.get(tenant, 0) + 1
+        for tenant, stored in list(self._buckets.items()):
+            if not self._owned(tenant, owned):
+                continue
+            try:
+                in_flight = TenantState.from_dict(stored).in_flight
+            except (TypeError, ValueError):
+                continue
+            if in_flight != held.get(tenant, 0):
+                yield SettleRecord(tenant=tenant, request_id=RECOUNT_ID, reason="recount",
+                                   ts=now)
+
+    def _recount(self, tenant: str) -> None:
+        stored = self._buckets.get(tenant)
+        if stored is None:
+            return
+        state = TenantState.from_dict(stored)
+        held = sum(1 for r in list(self._reservations.values()) if r.get("tenant") == tenant)
+        if state.in_flight != held:
+            _log.warning("tenant %r: its bucket counted %d requests in flight, it has %d "
+                         "reservations (their two table writes did not both land: a crash "
+                         "between them); set to %d", tenant, state.in_flight, held, held)
+            self._buckets[tenant] = replace(state, in_flight=held).to_dict()
+
+    def _owned(self, tenant: str, owned: Container[int] | None) -> bool:
+        return owned is None or self._owner_partition is None \
+            or self._owner_partition(tenant.encode()) in owned
+
     def expired(self, now: float, owned: Container[int] | None = None) -> Iterator[SettleRecord]:
         """Settle records for reservations whose deadline passed (read-only scan).
 
@@ -544,8 +592,7 @@ class IntakeHandler:
             if float(reservation["deadline"]) >= now:
                 continue
             tenant = str(reservation["tenant"])
-            if owned is not None and self._owner_partition is not None \
-                    and self._owner_partition(tenant.encode()) not in owned:
+            if not self._owned(tenant, owned):
                 continue
             yield SettleRecord(tenant=tenant, request_id=request_id, reason="expired", ts=now)
 

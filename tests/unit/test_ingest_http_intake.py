@@ -722,3 +722,26 @@ async def test_an_admission_the_producer_refused_is_not_counted_as_admitted_toke
     h.handler._publish = publish  # type: ignore[method-assign]
     await h.submit(request("r3"))
     assert _sample("llmq_admitted_tokens_total", tenant="default") == admitted + 20
+
+
+@pytest.mark.parametrize("lost", ["reservation", "bucket"])
+async def test_a_bucket_and_its_reservations_that_disagree_are_recounted(lost: str) -> None:
+    """Found by an audit of the commits: a decision's reservation and bucket are two
+    changelog records; a crash between their acknowledgements left one without the other,
+    and a bucket whose reservation was lost held that concurrency slot for good."""
+    h = Harness(load_tenancy(None), owner_partition=lambda key: 0)
+    await h.submit(request("r1"))
+    await h.submit(request("r2"))
+    assert list(h.handler.miscounted(NOW)) == []
+    if lost == "reservation":  # what the tables hold after the restart
+        del h.reservations["r1"]
+    else:
+        h.buckets["default"] = {**h.buckets["default"], "in_flight": 1}
+    assert list(h.handler.miscounted(NOW, owned={1})) == []  # not this instance's
+    [recount] = h.handler.miscounted(NOW, owned={0})
+    assert (recount.tenant, recount.reason) == ("default", "recount")
+    await h.handler.on_settle(Record(encode(recount), b"default", TOPICS.settle))
+    held = 1 if lost == "reservation" else 2
+    assert TenantState.from_dict(h.buckets["default"]).in_flight == held
+    assert list(h.handler.miscounted(NOW)) == []
+    assert len(h.reservations) == held  # a recount settles no reservation

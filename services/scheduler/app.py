@@ -207,6 +207,7 @@ class Scheduler:
                 events_topic=topics.events,
                 status_topic=topics.status,
                 control_topic=topics.control,
+                replies_prefix=f"{topics.prefix}.replies.",
                 default_block_size=cfg.default_block_size,
                 max_placements=cfg.max_placements_per_cycle,
                 kv_safety_margin=cfg.kv_safety_margin,
@@ -619,8 +620,8 @@ class Scheduler:
             return  # a copy of a record already received (redelivery after a seek)
         ticket: Ticket = (message.tp, message.offset)
         handled = await self.guard.run(message, partial(self._on_request, message, ticket))
-        if handled is None:  # dead-lettered: the record is done with
-            self.outbox.submit([Effect(tickets=(ticket,))])
+        if handled is None:  # dead-lettered: answered if it says who waits, and done with
+            self.outbox.submit(self.state.on_unreadable(message.value, ticket, self.clock()))
         self.wake.set()
 
     async def _catch_up(self, generation: int) -> None:

@@ -14,9 +14,15 @@ from typing import Any
 
 import pytest
 
-from schemas.codec import decode
+from schemas.codec import SchemaError, decode, encode
 from schemas.control import CancelRequest, LeaseAnswer
-from schemas.messages import ASSIGNMENT_ADAPTER, CONTROL_ADAPTER, EVENT_ADAPTER, REPLY_ADAPTER
+from schemas.messages import (
+    ASSIGNMENT_ADAPTER,
+    CONTROL_ADAPTER,
+    EVENT_ADAPTER,
+    REPLY_ADAPTER,
+    REQUEST_ADAPTER,
+)
 from schemas.replies import Error, Usage
 from schemas.requests import AdmittedRequest, Assignment
 from schemas.workers import (
@@ -1222,3 +1228,31 @@ def test_a_lost_process_is_refused_its_lease_after_a_newer_one_came_and_was_forg
     state.observe_heartbeat(beat("w0", 0, ts=T + 400, seq=9, renew=True))  # A asks
     (answer,) = lease_answers(state.tick(T + 400).effects)
     assert not answer.granted
+
+
+def test_an_admitted_request_that_does_not_decode_is_answered_once() -> None:
+    """Found by an audit of the commits: dead-lettered and acked unanswered (a newer wire
+    schema during a rolling upgrade), its client and its tenant's reservation waited out
+    its timeout. It is ended overloaded (retryable) where it names who waits."""
+    import json
+
+    state = new_state(replies_prefix="p.replies.")
+    state.restore()
+    newer = json.loads(encode(admitted("r1")))
+    newer["schema_version"] = 99
+    raw = json.dumps(newer).encode()
+    with pytest.raises(SchemaError):
+        decode(raw, REQUEST_ADAPTER)
+    effects = state.on_unreadable(raw, ("tp", 3), T)
+    [reply] = replies(effects)
+    assert (reply.request_id, reply.attempt, reply.code) == ("r1", 0, "overloaded")
+    [event] = events(effects)
+    assert isinstance(event, EventFailed)
+    assert (event.tenant, event.attempt, event.code) == ("acme", 1, "overloaded")
+    assert event.usage is not None and event.usage.total_tokens == 0  # all given back
+    assert tickets(effects) == [("tp", 3)] and state.ended["overloaded"] == 1
+    state.observe_event(event)  # read back: a redelivery is only acked
+    assert state.on_unreadable(raw, ("tp", 3), T + 1) == [Effect(tickets=(("tp", 3),))]
+    elsewhere = {**newer, "reply_topic": "other.replies.acme"}
+    for broken in (b"{not json", json.dumps(elsewhere).encode(), b'{"request": {}}'):
+        assert state.on_unreadable(broken, ("tp", 4), T) == [Effect(tickets=(("tp", 4),))]

@@ -16,12 +16,13 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Final
 
-from pydantic import JsonValue
+from pydantic import JsonValue, ValidationError
 
 from schemas.base import WireMessage
 from schemas.codec import encode
@@ -222,3 +223,32 @@ def admission_of(headers: Iterable[tuple[str, bytes]]) -> tuple[float | None, fl
             if math.isfinite(number):
                 found[key] = number
     return found.get(ADMITTED_AT_HEADER), found.get(DEADLINE_HEADER)
+
+
+def unreadable_terminal(
+    raw: object, *, replies_prefix: str, worker_id: str, events_topic: str, now: float,
+) -> tuple[str, Outgoing, Outgoing] | None:
+    """The terminal reply and event for an admitted-request record that does not decode
+    (dead-lettered: a newer schema during a rolling upgrade, a bug): ``overloaded``, so
+    that its client is answered now (retryable, as the fleet's fault) and ingest gives its
+    tenant the reservation back, instead of both waiting out its timeout. None when the
+    record does not name its request id, tenant and a reply topic under
+    ``replies_prefix`` readably: then there is nobody to answer."""
+    try:
+        if not isinstance(raw, bytes | str):
+            return None
+        data = json.loads(raw)
+        request = data["request"]
+        request_id, tenant, topic = request["request_id"], request["tenant"], data["reply_topic"]
+        if not isinstance(topic, str) or not topic.startswith(replies_prefix):
+            return None
+        text = ("the scheduler could not read this admitted request (it was dead-lettered; "
+                "a newer wire schema than this scheduler's?); retry")
+        reply = Error(request_id=request_id, attempt=0, code="overloaded", message=text,
+                      retry_after_s=1.0, ts=now)
+        event = EventFailed(request_id=request_id, tenant=tenant, attempt=1,
+                            worker_id=worker_id, ts=now, code="overloaded", message=text,
+                            usage=Usage(prompt_tokens=0, completion_tokens=0))
+    except (ValueError, TypeError, KeyError, ValidationError):  # JSONDecodeError too
+        return None
+    return request_id, Outgoing.of(topic, reply), Outgoing.of(events_topic, event)

@@ -122,6 +122,8 @@ class RuntimeConfig:
     events_topic: str
     status_topic: str
     control_topic: str = "llmq.control"
+    #: Where reply topics are (``<prefix>.replies.``): an unreadable request's is checked.
+    replies_prefix: str = "llmq.replies."
     default_block_size: int = 16
     max_placements: int | None = 512
     kv_safety_margin: float = 0.05

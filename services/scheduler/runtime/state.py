@@ -87,6 +87,7 @@ from services.scheduler.runtime.messages import (
     queued_request,
     restored_request,
     terminal,
+    unreadable_terminal,
 )
 from services.scheduler.runtime.meters import RecentCancels
 from services.scheduler.runtime.results import (
@@ -389,6 +390,21 @@ class SchedulerState:
         return len(active)
 
     # -- requests and control -----------------------------------------------------------
+
+    def on_unreadable(self, raw: object, ticket: Ticket, now: float) -> list[Effect]:
+        """An admitted-request record that did not decode (the caller dead-lettered it):
+        ended ``overloaded`` when it names who waits (:func:`unreadable_terminal`; acked
+        unanswered, its client and its tenant's reservation waited out its timeout), once:
+        a redelivery of one the log has seen ended is only acked."""
+        cfg = self.config
+        found = unreadable_terminal(raw, replies_prefix=cfg.replies_prefix,
+                                    worker_id=cfg.scheduler_id, events_topic=cfg.events_topic,
+                                    now=now)
+        if found is None or self.log.status(found[0]) != "unknown":
+            return [Effect(tickets=(ticket,))]
+        _, reply, event = found
+        self.ended["overloaded"] = self.ended.get("overloaded", 0) + 1
+        return [Effect(first=(reply,), then=(event,), tickets=(ticket,))]
 
     def on_request(
         self, admitted: AdmittedRequest, ticket: Ticket, now: float, trace: TraceHeaders = ()

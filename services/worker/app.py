@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import math
 import time
@@ -78,13 +79,15 @@ from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 from aiokafka.structs import OffsetAndMetadata
+from pydantic import ValidationError
 
 from schemas.codec import decode
 from schemas.common import Pool, Role
 from schemas.control import LeaseAnswer
 from schemas.messages import ASSIGNMENT_ADAPTER
+from schemas.replies import Error
 from schemas.requests import Assignment
-from schemas.workers import LifecycleEvent, WorkerHeartbeat
+from schemas.workers import EventFailed, LifecycleEvent, WorkerHeartbeat
 from services.common import metrics as m
 from services.common import tracing
 from services.common.guard import Guard, aiokafka_dead_letter
@@ -473,9 +476,35 @@ class Worker:
             state = await self._guard.run(record, lambda: self._admit(record))
         finally:
             self._records_in_hand -= 1
-        if state in (None, "finished"):  # None: dead-lettered (the guard counts it)
+        if state is None:  # dead-lettered (the guard counts it)
+            await self._answer_unreadable(record)
+        if state in (None, "finished"):
             self.tracker.finish(record.offset)
             self._commit_wake.set()
+
+    async def _answer_unreadable(self, record: Any) -> None:
+        """An assignment that did not decode (a newer wire schema than this worker's, during
+        a rolling upgrade that reached the scheduler first; a bug), dead-lettered: ended
+        ``worker_lost`` (the fleet's fault, retryable) when it is for this process and names
+        who waits, reply first, its event once the reply is acknowledged, as a run ends.
+        Finished unanswered, its attempt stayed active in the scheduler's log, its KV booked
+        on this worker until the worker restarted, and its client waited out its timeout.
+        Not when this process is fenced: the scheduler then ends or requeues its work."""
+        found = unreadable_ending(record.value, worker_id=self.id.worker_id,
+                                  started_at=self.started_at,
+                                  replies_prefix=f"{self.settings.topic_prefix}.replies.",
+                                  now=self._clock())
+        publisher = self._publisher
+        if found is None or publisher is None or not await self.may_answer(self.started_at):
+            return
+        reply_topic, reply, event = found
+        try:
+            if await publisher.acked([await publisher.send(reply_topic, reply)]):
+                await publisher.acked([await publisher.send(self.topics.events, event)])
+        except Exception:  # the dead letter holds it; nothing more to do here
+            _log.warning("slot %d: the worker_lost ending of unreadable assignment %s#%d "
+                         "could not be sent", self.id.slot, reply.request_id, event.attempt,
+                         exc_info=True)
 
     async def _admit(self, record: Any) -> Admitted:
         a: Assignment = decode(record.value, ASSIGNMENT_ADAPTER)
@@ -821,3 +850,34 @@ class Worker:
             _log.info("worker %s: hand-off %s taken over (%s at attempt %d); %d still held",
                       self.id.worker_id, event.request_id, event.kind, event.attempt,
                       self.handoffs.held(self._clock()))
+
+
+def unreadable_ending(
+    raw: object, *, worker_id: str, started_at: float, replies_prefix: str, now: float,
+) -> tuple[str, Error, EventFailed] | None:
+    """The reply topic, the ``worker_lost`` reply and its event for an assignment record that
+    does not decode (:meth:`Worker._answer_unreadable`); None when it is not for this
+    process (another worker's, or stamped for an earlier process of this one) or does not
+    name its request, attempt, tenant and a reply topic under ``replies_prefix`` readably."""
+    try:
+        if not isinstance(raw, bytes | str):
+            return None
+        data = json.loads(raw)
+        admitted = data["admitted"]
+        request = admitted["request"]
+        stamped = data.get("worker_started_at")
+        if data["worker_id"] != worker_id or (stamped is not None and stamped != started_at):
+            return None
+        topic = admitted["reply_topic"]
+        if not isinstance(topic, str) or not topic.startswith(replies_prefix):
+            return None
+        text = ("this worker could not read its assignment (it was dead-lettered; a newer "
+                "wire schema than this worker's?)")
+        reply = Error(request_id=request["request_id"], attempt=data["attempt"],
+                      code="worker_lost", message=text, ts=now)
+        event = EventFailed(request_id=request["request_id"], tenant=request["tenant"],
+                            attempt=data["attempt"], worker_id=worker_id, ts=now,
+                            code="worker_lost", message=text)
+    except (ValueError, TypeError, KeyError, AttributeError, ValidationError):
+        return None
+    return topic, reply, event

@@ -312,3 +312,57 @@ async def test_the_in_flight_cap_is_the_started_engines_max_num_seqs(
         assert worker._max_in_flight == cap
     finally:
         await engine.close()
+
+
+class _SentPublisher:
+    """Stand-in publisher: records what is sent, every record acknowledged."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, Any]] = []
+
+    async def send(self, topic: str, msg: Any, headers: Any = None) -> asyncio.Future[Any]:
+        self.sent.append((topic, msg))
+        done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        done.set_result(None)
+        return done
+
+    async def acked(self, futures: Any) -> bool:
+        return True
+
+
+async def test_an_assignment_that_does_not_decode_is_ended_worker_lost() -> None:
+    """Found by an audit of the commits: dead-lettered and finished unanswered (a newer
+    wire schema during a rolling upgrade), its attempt stayed active in the scheduler's
+    log, its KV booked on this worker, and its client waited out its timeout."""
+    from services.common.guard import Guard
+
+    worker = _worker()
+    dead: list[Any] = []
+
+    async def dead_letter(key: Any, value: Any, headers: Any) -> None:
+        dead.append(value)
+
+    worker._guard = Guard(dead_letter, name="worker.slot0")
+    publisher = _SentPublisher()
+    worker._publisher = publisher  # type: ignore[assignment]  # stand-in, see above
+    try:
+        def record(offset: int, **changes: Any) -> SimpleNamespace:
+            raw = json.loads(encode(make_assignment(
+                worker_id="w0", partition=0, worker_started_at=worker.started_at)))
+            raw["schema_version"] += 1
+            raw.update(changes)
+            return SimpleNamespace(topic="llmq.assignments", partition=0, offset=offset,
+                                   key=b"k", value=json.dumps(raw).encode(), headers=[])
+
+        await worker._on_record(record(41))
+        assert len(dead) == 1 and worker.tracker.commit_point() == 42
+        [(reply_topic, reply), (events_topic, event)] = publisher.sent
+        assert (reply.kind, reply.code, reply.attempt) == ("error", "worker_lost", 1)
+        assert reply_topic.startswith("llmq.replies.") and events_topic == "llmq.events"
+        assert (event.kind, event.code, event.worker_id) == ("event.failed", "worker_lost",
+                                                             "w0")
+        await worker._on_record(record(42, worker_id="w9"))  # another worker's: not ours
+        await worker._on_record(record(43, worker_started_at=1.0))  # an earlier process's
+        assert len(publisher.sent) == 2 and len(dead) == 3
+    finally:
+        await worker.engine.close()

@@ -87,6 +87,12 @@ def must_deliver(prefix: str, app_id: str) -> Callable[[str], bool]:
                           or (topic.startswith(own) and not topic.startswith(replies)))
 
 
+#: How often the flush before a commit looks at its table writes; it waits for them in all
+#: a minute longer than the producer's own request timeout (faust's
+#: ``producer_request_timeout``): a write still unacknowledged then will not be.
+_TABLE_WRITE_POLL_S = 1.0
+
+
 class _IdempotentProducer(Producer):
     """Faust's aiokafka producer, idempotent outside transactions too, whose ``flush``
     (before each commit) waits for the table writes too (module docstring)."""
@@ -103,8 +109,18 @@ class _IdempotentProducer(Producer):
     async def flush(self) -> None:
         await super().flush()
         soon: set[FutureMessage] = self.__dict__.get("_llmq_soon", set())
+        waited = 0.0
         while soon:  # the offsets about to be committed may be theirs
-            await asyncio.wait(list(soon))
+            await asyncio.wait(list(soon), timeout=_TABLE_WRITE_POLL_S)
+            waited += _TABLE_WRITE_POLL_S
+            # A write whose send raised dies with faust's buffer task (it is never resolved),
+            # and one the broker never takes waits for good: both end the process, nothing
+            # committed, rather than a commit (or a stop) that waits for ever.
+            limit = float(self.app.conf.producer_request_timeout) + 60.0
+            if soon and (self.buffer.state != "running" or waited >= limit):
+                exit_now(ProducerFailed(
+                    f"{len(soon)} table write(s) not acknowledged after {waited:.0f} s "
+                    f"(faust's producer buffer: {self.buffer.state})"))
 
     def _settings_extra(self) -> Mapping[str, Any]:
         return {**super()._settings_extra(), "acks": "all", "enable_idempotence": True}

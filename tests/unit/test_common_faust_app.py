@@ -73,3 +73,40 @@ async def test_the_flush_before_a_commit_waits_for_the_table_writes(
     write.set_result("acknowledged")
     await asyncio.wait_for(flush, 1.0)
     await asyncio.wait_for(producer.flush(), 1.0)  # nothing left: at once
+
+
+async def test_a_table_write_that_can_never_complete_ends_the_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by a review of the wait above: a write whose send raised dies with faust's
+    buffer task, never resolved, and the flush (a commit, a stop) waited for ever, holding
+    the partitions. The process ends instead, nothing committed."""
+    from types import SimpleNamespace
+
+    from faust.transport.drivers.aiokafka import Producer
+
+    import services.common.faust_app as faust_app
+
+    monkeypatch.setattr(Producer, "send_soon", lambda self, fut: None)
+
+    async def faust_flush(self: Any) -> None:
+        return None
+
+    monkeypatch.setattr(Producer, "flush", faust_flush)
+    monkeypatch.setattr(faust_app, "_TABLE_WRITE_POLL_S", 0.01)
+    ended: list[str] = []
+
+    class _Exited(Exception):
+        """What os._exit would do: nothing after it runs."""
+
+    def exit_now(exc: Exception) -> None:
+        ended.append(str(exc))
+        raise _Exited
+
+    monkeypatch.setattr(faust_app, "exit_now", exit_now)
+    producer = make_app("probe", Settings(home=tmp_path)).producer
+    producer.buffer = SimpleNamespace(state="crashed")  # its task died with the write
+    producer.send_soon(asyncio.get_running_loop().create_future())
+    with pytest.raises(_Exited):
+        await asyncio.wait_for(producer.flush(), 1.0)
+    assert ended and "crashed" in ended[0]

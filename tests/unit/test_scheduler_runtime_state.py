@@ -1254,5 +1254,37 @@ def test_an_admitted_request_that_does_not_decode_is_answered_once() -> None:
     state.observe_event(event)  # read back: a redelivery is only acked
     assert state.on_unreadable(raw, ("tp", 3), T + 1) == [Effect(tickets=(("tp", 3),))]
     elsewhere = {**newer, "reply_topic": "other.replies.acme"}
-    for broken in (b"{not json", json.dumps(elsewhere).encode(), b'{"request": {}}'):
+    for broken in (b"{not json", json.dumps(elsewhere).encode(), b'{"request": {}}',
+                   encode(admitted("r9"))):  # the last decodes: its handling failed else
         assert state.on_unreadable(broken, ("tp", 4), T) == [Effect(tickets=(("tp", 4),))]
+
+
+def _unreadable(rid: str) -> bytes:
+    import json
+
+    newer = json.loads(encode(admitted(rid)))
+    newer["schema_version"] = 99
+    return json.dumps(newer).encode()
+
+
+def test_an_unreadable_copy_of_a_request_known_here_is_only_acked() -> None:
+    """Found by a review of the first version, which checked the log's status alone: two
+    broken copies read before the first ending came back, a readable copy pending (an old
+    ingest's beside a new one's), a placement by another replica seen by its event, and a
+    record past the log's memory were each answered overloaded: a second terminal, or one
+    for a request that then ran."""
+    only_acked = [Effect(tickets=(("tp", 5),))]
+    state = new_state(replies_prefix="p.replies.")
+    state.restore()
+    assert replies(state.on_unreadable(_unreadable("a"), ("tp", 4), T)) != []
+    assert state.on_unreadable(_unreadable("a"), ("tp", 5), T) == only_acked  # not read back
+    pending = ready_state(replies_prefix="p.replies.")  # no worker: it waits in the queue
+    pending.on_request(admitted("b"), ("tp", 0), T)
+    assert pending.on_unreadable(_unreadable("b"), ("tp", 5), T) == only_acked
+    elsewhere = new_state(replies_prefix="p.replies.")
+    elsewhere.restore()
+    elsewhere.observe_event(EventStarted(request_id="c", tenant="acme", attempt=1,
+                                         worker_id="w9", ts=T))
+    assert elsewhere.on_unreadable(_unreadable("c"), ("tp", 5), T + 1) == only_acked
+    late = T + 60 + state.log.memory_s + 10
+    assert state.on_unreadable(_unreadable("d"), ("tp", 5), late) == only_acked

@@ -25,8 +25,9 @@ from typing import Final
 from pydantic import JsonValue, ValidationError
 
 from schemas.base import WireMessage
-from schemas.codec import encode
+from schemas.codec import SchemaError, decode, encode
 from schemas.common import ErrorCode
+from schemas.messages import REQUEST_ADAPTER
 from schemas.replies import Error, Usage
 from schemas.requests import AdmittedRequest, Assignment
 from schemas.topics import message_key
@@ -225,22 +226,42 @@ def admission_of(headers: Iterable[tuple[str, bytes]]) -> tuple[float | None, fl
     return found.get(ADMITTED_AT_HEADER), found.get(DEADLINE_HEADER)
 
 
-def unreadable_terminal(
+@dataclass(frozen=True, slots=True)
+class Unreadable:
+    """What an admitted-request record that does not decode still says (:func:`unreadable`)
+    and its ``overloaded`` ending: the reply and the event (with the admission's headers)."""
+
+    request_id: str
+    admitted_at: float
+    deadline: float
+    reply: Outgoing
+    event: Outgoing
+
+
+def unreadable(
     raw: object, *, replies_prefix: str, worker_id: str, events_topic: str, now: float,
-) -> tuple[str, Outgoing, Outgoing] | None:
-    """The terminal reply and event for an admitted-request record that does not decode
-    (dead-lettered: a newer schema during a rolling upgrade, a bug): ``overloaded``, so
-    that its client is answered now (retryable, as the fleet's fault) and ingest gives its
-    tenant the reservation back, instead of both waiting out its timeout. None when the
-    record does not name its request id, tenant and a reply topic under
-    ``replies_prefix`` readably: then there is nobody to answer."""
+) -> Unreadable | None:
+    """The ``overloaded`` ending of an admitted-request record that does not decode
+    (dead-lettered: a newer wire schema during a rolling upgrade): its client is answered
+    now (retryable, the fleet's fault) and ingest gives its tenant the reservation back,
+    instead of both waiting out its timeout. None when the record decodes (its handling
+    failed otherwise) or does not name its request id, tenant, times and a reply topic
+    under ``replies_prefix`` readably: then there is nobody to answer."""
+    if not isinstance(raw, bytes | str):
+        return None
     try:
-        if not isinstance(raw, bytes | str):
-            return None
+        decode(raw.encode() if isinstance(raw, str) else raw, REQUEST_ADAPTER)
+        return None
+    except SchemaError:
+        pass
+    try:
         data = json.loads(raw)
         request = data["request"]
         request_id, tenant, topic = request["request_id"], request["tenant"], data["reply_topic"]
-        if not isinstance(topic, str) or not topic.startswith(replies_prefix):
+        admitted_at = float(data["admitted_at"])
+        deadline = float(request["created_at"]) + float(request["timeout_s"])
+        if not isinstance(topic, str) or not topic.startswith(replies_prefix) \
+                or not (math.isfinite(admitted_at) and math.isfinite(deadline)):
             return None
         text = ("the scheduler could not read this admitted request (it was dead-lettered; "
                 "a newer wire schema than this scheduler's?); retry")
@@ -251,4 +272,7 @@ def unreadable_terminal(
                             usage=Usage(prompt_tokens=0, completion_tokens=0))
     except (ValueError, TypeError, KeyError, ValidationError):  # JSONDecodeError too
         return None
-    return request_id, Outgoing.of(topic, reply), Outgoing.of(events_topic, event)
+    admission = ((ADMITTED_AT_HEADER, repr(admitted_at).encode()),
+                 (DEADLINE_HEADER, repr(deadline).encode()))
+    return Unreadable(request_id, admitted_at, deadline, Outgoing.of(topic, reply),
+                      Outgoing.of(events_topic, event, headers=admission))

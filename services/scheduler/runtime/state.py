@@ -87,7 +87,7 @@ from services.scheduler.runtime.messages import (
     queued_request,
     restored_request,
     terminal,
-    unreadable_terminal,
+    unreadable,
 )
 from services.scheduler.runtime.meters import RecentCancels
 from services.scheduler.runtime.results import (
@@ -392,19 +392,25 @@ class SchedulerState:
     # -- requests and control -----------------------------------------------------------
 
     def on_unreadable(self, raw: object, ticket: Ticket, now: float) -> list[Effect]:
-        """An admitted-request record that did not decode (the caller dead-lettered it):
-        ended ``overloaded`` when it names who waits (:func:`unreadable_terminal`; acked
-        unanswered, its client and its tenant's reservation waited out its timeout), once:
-        a redelivery of one the log has seen ended is only acked."""
+        """A request record the caller dead-lettered: if it does not decode and names who
+        waits (:func:`unreadable`), ended ``overloaded`` (acked unanswered, its client and
+        its tenant's reservation waited out its timeout), recorded as :meth:`_end` records;
+        only acked if the request is known here in any way (pending, placed, ended, held
+        as a reuse, taken back: a readable copy of it came too) or past the log's memory."""
         cfg = self.config
-        found = unreadable_terminal(raw, replies_prefix=cfg.replies_prefix,
-                                    worker_id=cfg.scheduler_id, events_topic=cfg.events_topic,
-                                    now=now)
-        if found is None or self.log.status(found[0]) != "unknown":
+        found = unreadable(raw, replies_prefix=cfg.replies_prefix, worker_id=cfg.scheduler_id,
+                           events_topic=cfg.events_topic, now=now)
+        if found is None:
             return [Effect(tickets=(ticket,))]
-        _, reply, event = found
+        request_id = found.request_id
+        if self.log.status(request_id) != "unknown" or self.log.reached(request_id, 1) \
+                or request_id in self._tracked or request_id in self._reuses \
+                or request_id in self._taken_back \
+                or found.deadline + self.log.memory_s < now:
+            return [Effect(tickets=(ticket,))]
+        self.log.mark_ended(request_id, 1, found.deadline, found.admitted_at)
         self.ended["overloaded"] = self.ended.get("overloaded", 0) + 1
-        return [Effect(first=(reply,), then=(event,), tickets=(ticket,))]
+        return [Effect(first=(found.reply,), then=(found.event,), tickets=(ticket,))]
 
     def on_request(
         self, admitted: AdmittedRequest, ticket: Ticket, now: float, trace: TraceHeaders = ()

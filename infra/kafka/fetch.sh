@@ -26,7 +26,9 @@ mkdir -p "$fresh"
 if ! mvn -q -B -C -f "$here/pom.xml" dependency:copy-dependencies \
     -DincludeScope=runtime -DoutputDirectory="$fresh" >&2; then
   rm -rf "$fresh"
-  if ls "$libs"/*.jar >/dev/null 2>&1; then
+  # (Only a complete fetch: one interrupted before this script fetched into a fresh folder
+  # left a partial set, with no marker, that would fail later with missing classes.)
+  if [ -f "$libs/.complete" ] && ls "$libs"/*.jar >/dev/null 2>&1; then
     echo "fetch.sh: fetching failed (above); using the jars already in $libs, fetched for an earlier pom.xml" >&2
     echo "$libs"
     exit 0

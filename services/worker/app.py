@@ -81,7 +81,7 @@ from aiokafka.errors import KafkaError
 from aiokafka.structs import OffsetAndMetadata
 from pydantic import ValidationError
 
-from schemas.codec import decode
+from schemas.codec import SchemaError, decode
 from schemas.common import Pool, Role
 from schemas.control import LeaseAnswer
 from schemas.messages import ASSIGNMENT_ADAPTER
@@ -495,9 +495,22 @@ class Worker:
                                   replies_prefix=f"{self.settings.topic_prefix}.replies.",
                                   now=self._clock())
         publisher = self._publisher
-        if found is None or publisher is None or not await self.may_answer(self.started_at):
+        if found is None or publisher is None:
             return
-        reply_topic, reply, event = found
+        reply_topic, reply, event, admitted_at = found
+        rid, attempt = reply.request_id, event.attempt
+        # The gate a readable assignment passes (_admit): not an attempt that ended while
+        # this slot was down, nor a copy of one taken already (a run of it may be going).
+        if (rid, attempt) in self._ended_elsewhere:
+            return
+        verdict = self.ledger.admit(rid, attempt, admitted_at)
+        if verdict in ("duplicate", "stale") or (verdict == "reused" and rid in self.runs):
+            return
+        older = self.runs.get(rid)
+        if older is not None:
+            older.stop("superseded", f"attempt {attempt} replaces it")
+        if not await self.may_answer(self.started_at):
+            return
         try:
             if await publisher.acked([await publisher.send(reply_topic, reply)]):
                 await publisher.acked([await publisher.send(self.topics.events, event)])
@@ -854,14 +867,20 @@ class Worker:
 
 def unreadable_ending(
     raw: object, *, worker_id: str, started_at: float, replies_prefix: str, now: float,
-) -> tuple[str, Error, EventFailed] | None:
-    """The reply topic, the ``worker_lost`` reply and its event for an assignment record that
-    does not decode (:meth:`Worker._answer_unreadable`); None when it is not for this
-    process (another worker's, or stamped for an earlier process of this one) or does not
-    name its request, attempt, tenant and a reply topic under ``replies_prefix`` readably."""
+) -> tuple[str, Error, EventFailed, float] | None:
+    """The reply topic, the ``worker_lost`` reply, its event and the admission time for an
+    assignment record that does not decode (:meth:`Worker._answer_unreadable`); None when
+    it decodes (its handling failed otherwise), is not for this process (another worker's,
+    or stamped for an earlier process of this one) or does not name its request, attempt,
+    tenant, admission and a reply topic under ``replies_prefix`` readably."""
+    if not isinstance(raw, bytes | str):
+        return None
     try:
-        if not isinstance(raw, bytes | str):
-            return None
+        decode(raw.encode() if isinstance(raw, str) else raw, ASSIGNMENT_ADAPTER)
+        return None
+    except SchemaError:
+        pass
+    try:
         data = json.loads(raw)
         admitted = data["admitted"]
         request = admitted["request"]
@@ -878,6 +897,7 @@ def unreadable_ending(
         event = EventFailed(request_id=request["request_id"], tenant=request["tenant"],
                             attempt=data["attempt"], worker_id=worker_id, ts=now,
                             code="worker_lost", message=text)
+        admitted_at = float(admitted["admitted_at"])
     except (ValueError, TypeError, KeyError, AttributeError, ValidationError):
         return None
-    return topic, reply, event
+    return topic, reply, event, admitted_at

@@ -153,3 +153,7 @@ def test_a_fetch_that_fails_keeps_the_jars_there_were(tmp_path: Path) -> None:
     assert kept.stdout.strip() == str(libs)
     assert (libs / "kafka_2.13-4.1.1.jar").read_bytes() == b"jar"
     assert "using the jars already in" in kept.stderr
+    (libs / ".complete").unlink()  # a fetch interrupted before: a partial set, unmarked
+    partial = subprocess.run(["bash", *fetch, str(tmp_path / "cache")], env=env,
+                             capture_output=True, text=True)
+    assert partial.returncode == 1

@@ -363,6 +363,11 @@ async def test_an_assignment_that_does_not_decode_is_ended_worker_lost() -> None
                                                              "w0")
         await worker._on_record(record(42, worker_id="w9"))  # another worker's: not ours
         await worker._on_record(record(43, worker_started_at=1.0))  # an earlier process's
-        assert len(publisher.sent) == 2 and len(dead) == 3
+        # Found by a review of the first version: a second copy of the same attempt (the
+        # scheduler sends again) was answered again; the ledger's gate applies now.
+        await worker._on_record(record(44))
+        assert len(publisher.sent) == 2 and len(dead) == 4
+        await worker._on_record(record(45, attempt=2))  # a newer attempt: answered
+        assert [m.attempt for _, m in publisher.sent] == [1, 1, 2, 2]
     finally:
         await worker.engine.close()

@@ -79,7 +79,6 @@ from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 from aiokafka.structs import OffsetAndMetadata
-from pydantic import ValidationError
 
 from schemas.codec import SchemaError, decode
 from schemas.common import Pool, Role
@@ -477,7 +476,11 @@ class Worker:
         finally:
             self._records_in_hand -= 1
         if state is None:  # dead-lettered (the guard counts it)
-            await self._answer_unreadable(record)
+            try:
+                await self._answer_unreadable(record)
+            except Exception:  # never skips the finish below (a stuck commit point)
+                _log.exception("slot %d: answering unreadable assignment at offset %d failed",
+                               self.id.slot, record.offset)
         if state in (None, "finished"):
             self.tracker.finish(record.offset)
             self._commit_wake.set()
@@ -506,13 +509,15 @@ class Worker:
         verdict = self.ledger.admit(rid, attempt, admitted_at)
         if verdict in ("duplicate", "stale") or (verdict == "reused" and rid in self.runs):
             return
-        older = self.runs.get(rid)
-        if older is not None:
-            older.stop("superseded", f"attempt {attempt} replaces it")
         if not await self.may_answer(self.started_at):
             return
         try:
             if await publisher.acked([await publisher.send(reply_topic, reply)]):
+                # Only now: an older run stopped before the reply went would leave the
+                # request with no terminal if it did not go.
+                older = self.runs.get(rid)
+                if older is not None:
+                    older.stop("superseded", f"attempt {attempt} replaces it")
                 await publisher.acked([await publisher.send(self.topics.events, event)])
         except Exception:  # the dead letter holds it; nothing more to do here
             _log.warning("slot %d: the worker_lost ending of unreadable assignment %s#%d "
@@ -880,7 +885,7 @@ def unreadable_ending(
         return None
     except SchemaError:
         pass
-    try:
+    try:  # (broad: see the end)
         data = json.loads(raw)
         admitted = data["admitted"]
         request = admitted["request"]
@@ -898,6 +903,8 @@ def unreadable_ending(
                             attempt=data["attempt"], worker_id=worker_id, ts=now,
                             code="worker_lost", message=text)
         admitted_at = float(admitted["admitted_at"])
-    except (ValueError, TypeError, KeyError, AttributeError, ValidationError):
+        if not math.isfinite(admitted_at):  # NaN in the dedupe ledger refuses the id for good
+            return None
+    except Exception:  # whatever the bytes hold (a number past a float, nesting too deep)
         return None
     return topic, reply, event, admitted_at

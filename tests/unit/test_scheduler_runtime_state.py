@@ -1288,3 +1288,16 @@ def test_an_unreadable_copy_of_a_request_known_here_is_only_acked() -> None:
     assert elsewhere.on_unreadable(_unreadable("c"), ("tp", 5), T + 1) == only_acked
     late = T + 60 + state.log.memory_s + 10
     assert state.on_unreadable(_unreadable("d"), ("tp", 5), late) == only_acked
+    huge = _unreadable("e").replace(b'"timeout_s": 60.0', b'"timeout_s": 1' + b"0" * 400)
+    assert huge != _unreadable("e")
+    assert state.on_unreadable(huge, ("tp", 5), T) == only_acked  # found by a review: raised
+
+
+def test_an_unreadable_ending_not_sent_before_a_rebalance_is_taken_back() -> None:
+    """Found by a review: withdrawn from the outbox at a revoke, it stayed in the log, so
+    the redelivered record, back on this replica, was only acked: no terminal at all."""
+    state = new_state(replies_prefix="p.replies.")
+    state.restore()
+    [ending] = state.on_unreadable(_unreadable("a"), ("tp", 4), T)
+    assert state.withdraw(ending, T) and state.ended["overloaded"] == 0
+    assert replies(state.on_unreadable(_unreadable("a"), ("tp", 4), T + 1)) != []

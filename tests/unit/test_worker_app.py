@@ -369,5 +369,14 @@ async def test_an_assignment_that_does_not_decode_is_ended_worker_lost() -> None
         assert len(publisher.sent) == 2 and len(dead) == 4
         await worker._on_record(record(45, attempt=2))  # a newer attempt: answered
         assert [m.attempt for _, m in publisher.sent] == [1, 1, 2, 2]
+        # Found by a review: a number past a float killed the consumer (the offset never
+        # finished), and a NaN admission time refused the id in the dedupe ledger.
+        for offset, admitted_at in ((46, "1" + "0" * 400), (47, "NaN")):
+            raw = json.loads(record(offset, attempt=3).value)
+            text = json.dumps(raw).replace(str(raw["admitted"]["admitted_at"]), admitted_at)
+            await worker._on_record(SimpleNamespace(
+                topic="llmq.assignments", partition=0, offset=offset, key=b"k",
+                value=text.encode(), headers=[]))
+        assert len(publisher.sent) == 4 and worker.tracker.commit_point() == 48
     finally:
         await worker.engine.close()

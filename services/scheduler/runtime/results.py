@@ -95,7 +95,7 @@ class Effect:
     #: ending of a request read from a request topic. What the state recorded when it made
     #: it, for :meth:`SchedulerState.withdraw` to take back should these records never be
     #: produced.
-    decision: Decision | None = None
+    decision: Decision | UnreadableEnding | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +111,17 @@ class Decision:
     attempt: int
     #: The ending's code; None: a placement.
     code: ErrorCode | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class UnreadableEnding:
+    """The ``overloaded`` ending of a request record that did not decode
+    (:meth:`SchedulerState.on_unreadable`): what :meth:`SchedulerState.withdraw` needs to
+    take it back."""
+
+    request_id: str
+    admitted_at: float
+    code: ErrorCode = "overloaded"
 
 
 @dataclass(frozen=True, slots=True)

@@ -102,6 +102,7 @@ from services.scheduler.runtime.results import (
     Ticket,
     TickResult,
     TraceHeaders,
+    UnreadableEnding,
     defer_reason,
 )
 
@@ -410,7 +411,8 @@ class SchedulerState:
             return [Effect(tickets=(ticket,))]
         self.log.mark_ended(request_id, 1, found.deadline, found.admitted_at)
         self.ended["overloaded"] = self.ended.get("overloaded", 0) + 1
-        return [Effect(first=(found.reply,), then=(found.event,), tickets=(ticket,))]
+        return [Effect(first=(found.reply,), then=(found.event,), tickets=(ticket,),
+                       decision=UnreadableEnding(request_id, found.admitted_at))]
 
     def on_request(
         self, admitted: AdmittedRequest, ticket: Ticket, now: float, trace: TraceHeaders = ()
@@ -536,6 +538,11 @@ class SchedulerState:
         decision = effect.decision
         if decision is None:
             return False
+        if isinstance(decision, UnreadableEnding):
+            if not self.log.forget(decision.request_id, 1, decision.admitted_at):
+                return False
+            self.ended[decision.code] -= 1
+            return True
         admitted = decision.admitted
         request_id = admitted.request_id
         if not self.log.forget(request_id, decision.attempt, admitted.admitted_at):

@@ -621,7 +621,12 @@ class Scheduler:
         ticket: Ticket = (message.tp, message.offset)
         handled = await self.guard.run(message, partial(self._on_request, message, ticket))
         if handled is None:  # dead-lettered: answered if it says who waits, and done with
-            self.outbox.submit(self.state.on_unreadable(message.value, ticket, self.clock()))
+            try:
+                done = self.state.on_unreadable(message.value, ticket, self.clock())
+            except Exception:  # a bug there must not leave the ticket unacked (commits stall)
+                _log.exception("scheduler: answering an unreadable request record failed")
+                done = [Effect(tickets=(ticket,))]
+            self.outbox.submit(done)
         self.wake.set()
 
     async def _catch_up(self, generation: int) -> None:

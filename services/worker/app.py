@@ -72,7 +72,7 @@ import math
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from aiokafka import TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
@@ -870,6 +870,11 @@ class Worker:
                       self.handoffs.held(self._clock()))
 
 
+#: What the bytes of an undecodable record may raise on the way (a list where an object
+#: was, a number past a float, nesting too deep); ValidationError is a ValueError.
+_UNREADABLE: Final = (ValueError, TypeError, KeyError, ArithmeticError, RecursionError)
+
+
 def unreadable_ending(
     raw: object, *, worker_id: str, started_at: float, replies_prefix: str, now: float,
 ) -> tuple[str, Error, EventFailed, float] | None:
@@ -905,6 +910,9 @@ def unreadable_ending(
         admitted_at = float(admitted["admitted_at"])
         if not math.isfinite(admitted_at):  # NaN in the dedupe ledger refuses the id for good
             return None
-    except Exception:  # whatever the bytes hold (a number past a float, nesting too deep)
+    except _UNREADABLE:  # what the bytes may hold: a number past a float, nesting too deep
+        return None
+    except Exception:  # a bug here: said, not taken for a record that names nobody
+        _log.exception("salvaging an undecodable record failed; it is left unanswered")
         return None
     return topic, reply, event, admitted_at

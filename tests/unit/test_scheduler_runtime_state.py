@@ -1293,6 +1293,25 @@ def test_an_unreadable_copy_of_a_request_known_here_is_only_acked() -> None:
     assert state.on_unreadable(huge, ("tp", 5), T) == only_acked  # found by a review: raised
 
 
+def test_a_bug_in_the_salvage_is_logged_not_taken_for_a_record_naming_nobody(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Found by a review: a catch-all took a bug (a renamed field) for bytes that name
+    nobody, silently."""
+    import services.scheduler.runtime.messages as messages
+
+    def renamed(**_: Any) -> None:
+        raise AttributeError("no such field")
+
+    monkeypatch.setattr(messages, "EventFailed", renamed)
+    state = new_state(replies_prefix="p.replies.")
+    state.restore()
+    with caplog.at_level(logging.ERROR):
+        assert state.on_unreadable(_unreadable("a"), ("tp", 4), T) == [
+            Effect(tickets=(("tp", 4),))]
+    assert "salvaging an undecodable record failed" in caplog.text
+
+
 def test_an_unreadable_ending_not_sent_before_a_rebalance_is_taken_back() -> None:
     """Found by a review: withdrawn from the outbox at a revoke, it stayed in the log, so
     the redelivered record, back on this replica, was only acked: no terminal at all."""

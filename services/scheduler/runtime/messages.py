@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
@@ -33,6 +34,8 @@ from schemas.requests import AdmittedRequest, Assignment
 from schemas.topics import message_key
 from schemas.workers import EventAborted, EventFailed
 from services.scheduler import Placement, QueuedRequest
+
+_log = logging.getLogger(__name__)
 
 #: Headers of the scheduler's own terminal events: the ``admitted_at`` and the deadline of
 #: the admission they end (``repr`` of the float, exact). Lifecycle events carry neither
@@ -238,6 +241,11 @@ class Unreadable:
     event: Outgoing
 
 
+#: What the bytes of an undecodable record may raise on the way (a list where an object
+#: was, a number past a float, nesting too deep); ValidationError is a ValueError.
+_UNREADABLE: Final = (ValueError, TypeError, KeyError, ArithmeticError, RecursionError)
+
+
 def unreadable(
     raw: object, *, replies_prefix: str, worker_id: str, events_topic: str, now: float,
 ) -> Unreadable | None:
@@ -270,7 +278,10 @@ def unreadable(
         event = EventFailed(request_id=request_id, tenant=tenant, attempt=1,
                             worker_id=worker_id, ts=now, code="overloaded", message=text,
                             usage=Usage(prompt_tokens=0, completion_tokens=0))
-    except Exception:  # whatever the bytes hold (a number past a float, nesting too deep)
+    except _UNREADABLE:  # what the bytes may hold: a number past a float, nesting too deep
+        return None
+    except Exception:  # a bug here: said, not taken for a record that names nobody
+        _log.exception("salvaging an undecodable record failed; it is left unanswered")
         return None
     admission = ((ADMITTED_AT_HEADER, repr(admitted_at).encode()),
                  (DEADLINE_HEADER, repr(deadline).encode()))

@@ -13,6 +13,7 @@ Trace-context headers are not handled here (services/common owns them).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar, overload
 
@@ -208,3 +209,26 @@ def deadletter_headers(
         (DEADLETTER_FIELD_HEADER, field.encode(errors="backslashreplace")),
         (DEADLETTER_SOURCE_HEADER, f"{topic}/{partition}/{offset}".encode()),
     ]
+
+
+#: What reading the fields of an undecodable record's JSON may raise (a list where an
+#: object was, a number past a float, nesting too deep); ValidationError is a ValueError.
+SALVAGE_ERRORS: Final = (ValueError, TypeError, KeyError, ArithmeticError, RecursionError)
+
+
+def undecodable_json(data: object, target: TypeAdapter[Any]) -> Any | None:
+    """The parsed JSON of a record value that does *not* decode as ``target``, to salvage
+    who waits for it; None when it decodes (a record whose handling failed otherwise) or
+    is no JSON at all."""
+    if not isinstance(data, bytes | bytearray | str):
+        return None
+    raw = data.encode() if isinstance(data, str) else bytes(data)
+    try:
+        decode(raw, target)
+        return None
+    except SchemaError:
+        pass
+    try:
+        return json.loads(raw)
+    except SALVAGE_ERRORS:
+        return None

@@ -66,13 +66,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import math
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import asdict, dataclass
-from typing import Any, Final, Literal
+from typing import Any, Literal
 
 from aiokafka import TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
@@ -80,7 +79,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 from aiokafka.structs import OffsetAndMetadata
 
-from schemas.codec import SchemaError, decode
+from schemas.codec import SALVAGE_ERRORS, decode, undecodable_json
 from schemas.common import Pool, Role
 from schemas.control import LeaseAnswer
 from schemas.messages import ASSIGNMENT_ADAPTER
@@ -870,11 +869,6 @@ class Worker:
                       self.handoffs.held(self._clock()))
 
 
-#: What the bytes of an undecodable record may raise on the way (a list where an object
-#: was, a number past a float, nesting too deep); ValidationError is a ValueError.
-_UNREADABLE: Final = (ValueError, TypeError, KeyError, ArithmeticError, RecursionError)
-
-
 def unreadable_ending(
     raw: object, *, worker_id: str, started_at: float, replies_prefix: str, now: float,
 ) -> tuple[str, Error, EventFailed, float] | None:
@@ -883,15 +877,10 @@ def unreadable_ending(
     it decodes (its handling failed otherwise), is not for this process (another worker's,
     or stamped for an earlier process of this one) or does not name its request, attempt,
     tenant, admission and a reply topic under ``replies_prefix`` readably."""
-    if not isinstance(raw, bytes | str):
+    data = undecodable_json(raw, ASSIGNMENT_ADAPTER)
+    if data is None:
         return None
     try:
-        decode(raw.encode() if isinstance(raw, str) else raw, ASSIGNMENT_ADAPTER)
-        return None
-    except SchemaError:
-        pass
-    try:  # (broad: see the end)
-        data = json.loads(raw)
         admitted = data["admitted"]
         request = admitted["request"]
         stamped = data.get("worker_started_at")
@@ -910,7 +899,7 @@ def unreadable_ending(
         admitted_at = float(admitted["admitted_at"])
         if not math.isfinite(admitted_at):  # NaN in the dedupe ledger refuses the id for good
             return None
-    except _UNREADABLE:  # what the bytes may hold: a number past a float, nesting too deep
+    except SALVAGE_ERRORS:  # what odd bytes may hold
         return None
     except Exception:  # a bug here: said, not taken for a record that names nobody
         _log.exception("salvaging an undecodable record failed; it is left unanswered")

@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections.abc import Iterable, Mapping
@@ -26,7 +25,7 @@ from typing import Final
 from pydantic import JsonValue
 
 from schemas.base import WireMessage
-from schemas.codec import SchemaError, decode, encode
+from schemas.codec import SALVAGE_ERRORS, encode, undecodable_json
 from schemas.common import ErrorCode
 from schemas.messages import REQUEST_ADAPTER
 from schemas.replies import Error, Usage
@@ -241,11 +240,6 @@ class Unreadable:
     event: Outgoing
 
 
-#: What the bytes of an undecodable record may raise on the way (a list where an object
-#: was, a number past a float, nesting too deep); ValidationError is a ValueError.
-_UNREADABLE: Final = (ValueError, TypeError, KeyError, ArithmeticError, RecursionError)
-
-
 def unreadable(
     raw: object, *, replies_prefix: str, worker_id: str, events_topic: str, now: float,
 ) -> Unreadable | None:
@@ -255,15 +249,10 @@ def unreadable(
     instead of both waiting out its timeout. None when the record decodes (its handling
     failed otherwise) or does not name its request id, tenant, times and a reply topic
     under ``replies_prefix`` readably: then there is nobody to answer."""
-    if not isinstance(raw, bytes | str):
+    data = undecodable_json(raw, REQUEST_ADAPTER)
+    if data is None:
         return None
     try:
-        decode(raw.encode() if isinstance(raw, str) else raw, REQUEST_ADAPTER)
-        return None
-    except SchemaError:
-        pass
-    try:
-        data = json.loads(raw)
         request = data["request"]
         request_id, tenant, topic = request["request_id"], request["tenant"], data["reply_topic"]
         admitted_at = float(data["admitted_at"])
@@ -278,7 +267,7 @@ def unreadable(
         event = EventFailed(request_id=request_id, tenant=tenant, attempt=1,
                             worker_id=worker_id, ts=now, code="overloaded", message=text,
                             usage=Usage(prompt_tokens=0, completion_tokens=0))
-    except _UNREADABLE:  # what the bytes may hold: a number past a float, nesting too deep
+    except SALVAGE_ERRORS:  # what odd bytes may hold
         return None
     except Exception:  # a bug here: said, not taken for a record that names nobody
         _log.exception("salvaging an undecodable record failed; it is left unanswered")

@@ -99,10 +99,15 @@ class RequestHandle:
     submitted_at: float = field(default_factory=time.time)
     result: Done | Error | None = None
     first_token_at: float | None = None
-    #: When to give up, on ``time.monotonic()`` (module docstring); set by ``submit``.
-    give_up_at: float = field(default=0.0)
+    #: When to give up, on ``time.monotonic()`` (module docstring); None: worked out from
+    #: the request's ``created_at`` now (``submit`` gives it, from before its send).
+    give_up_at: float | None = None
     #: True once it gave up (TimeoutError): later reads raise at once, and send nothing.
     given_up: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        if self.give_up_at is None:
+            self.give_up_at = give_up_time(self.request, self.timeout_s, self.reply_grace_s)
 
     @property
     def request_id(self) -> str:
@@ -127,6 +132,7 @@ class RequestHandle:
         try:
             if self.given_up:
                 raise TimeoutError
+            assert self.give_up_at is not None  # __post_init__
             while self.result is None:
                 remaining = self.give_up_at - time.monotonic()
                 if remaining > 0:
@@ -178,6 +184,12 @@ class RequestHandle:
         hit a retry that reuses the id)."""
         if self.result is None and not self.given_up:
             await self.client.cancel(self.request_id, reason)
+
+
+def give_up_time(request: InferenceRequest, timeout_s: float, grace_s: float) -> float:
+    """When a handle gives up, on ``time.monotonic()``: llmq's deadline runs from the
+    request's ``created_at`` (wall clock), and its terminal for it comes a little later."""
+    return time.monotonic() + request.created_at + timeout_s - time.time() + grace_s
 
 
 def _seconds(value: float) -> str:
@@ -330,9 +342,7 @@ class LlmqClient:
         request = self.new_request(prompt=prompt, messages=messages, max_tokens=max_tokens,
                                    model=model, priority=priority, lane=lane,
                                    timeout_s=timeout_s, request_id=request_id)
-        # llmq's deadline runs from created_at; its terminal for it comes a little later.
-        give_up_at = (time.monotonic() + request.created_at + timeout_s - time.time()
-                      + self.reply_grace_s)
+        give_up_at = give_up_time(request, timeout_s, self.reply_grace_s)
         stream = self._router.open(request.request_id,
                                    expires_at=give_up_at + ABANDONED_AFTER_S)
         try:

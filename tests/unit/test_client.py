@@ -509,3 +509,13 @@ def test_a_reserved_tenant_name_is_refused_at_once() -> None:
 def test_submit_help_names_the_grace_the_client_waits() -> None:
     out = " ".join(CliRunner().invoke(main, ["submit", "--help"]).output.split())
     assert f"waits {DEFAULT_REPLY_GRACE_S:g} s more" in out
+
+
+async def test_a_handle_made_without_a_give_up_time_works_it_out() -> None:
+    from llmq.client import RequestHandle
+
+    client, _ = _client()
+    request = client.new_request(prompt="hi", max_tokens=4, timeout_s=30, request_id="r1")
+    handle = RequestHandle(request, client._router.open("r1"), client, 30, 5.0)
+    assert handle.give_up_at is not None
+    assert 34 < handle.give_up_at - time.monotonic() <= 35

@@ -376,7 +376,8 @@ def demo(settings: Settings, n: int, rate: float, trace: Path | None, url: str, 
          max_prompt: int, max_output: int, timeout_s: float, seed: int, as_json: bool) -> None:
     """Replay a slice of the Azure trace through the running stack (HTTP and Kafka).
 
-    Needs `llmq up` running. Prints latency by lane and priority, rejections and tokens/s.
+    Needs `llmq up` running (one started here moments ago is waited for, up to 60 s).
+    Prints latency by lane and priority, rejections and tokens/s.
     Trace: Azure LLM inference trace 2023, CC-BY 4.0 (Patel et al., Splitwise, ISCA 2024).
     """
     from rich.console import Console
@@ -384,18 +385,25 @@ def demo(settings: Settings, n: int, rate: float, trace: Path | None, url: str, 
 
     from services.common.settings import PROJECT_ROOT
     from services.demo import plan, run_demo
+    from services.stack import ServicesFileError, running_services
 
     path = trace or PROJECT_ROOT.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
     if not path.exists():
         raise click.ClickException(f"trace not found: {path} (pass --trace)")
     requests = plan(path, n, rate, seed, max_prompt, max_output)
     err = Console(stderr=True)
+    # A stack recorded here may still be starting (`llmq up --detach` returns before ingest
+    # listens): its API is waited for a while; with none, nothing is (a clear error at once).
+    try:
+        wait_s = 60.0 if running_services(settings) else 0.0
+    except ServicesFileError:
+        wait_s = 0.0
     with Progress(console=err, disable=as_json or not err.is_terminal) as bar:
         task = bar.add_task("demo", total=len(requests))
         summary = asyncio.run(run_demo(
             settings.bootstrap, settings.topic_prefix, url, requests, model, seed, timeout_s,
             progress=lambda done, _total: bar.update(task, completed=done),
-            replication_factor=settings.replication_factor))
+            replication_factor=settings.replication_factor, wait_s=wait_s))
     _print_demo(summary, as_json)
     if not summary["completed"]:
         click.echo(f"no request completed ({summary['rejections'] or 'no answers'}): see "

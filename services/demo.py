@@ -144,15 +144,31 @@ def _lane(req: TraceRequest) -> str:
     return "short" if req.prompt_tokens + req.output_tokens <= LANE_THRESHOLD else "long"
 
 
+async def await_api(base_url: str, wait_s: float = 0.0) -> None:
+    """Return once ``base_url`` answers; ``httpx.TransportError`` when nothing listens
+    there, at once or after ``wait_s`` of trying (a stack just started: ingest listens
+    only once it has recovered its tables, seconds after ``llmq up --detach`` returns)."""
+    deadline = time.monotonic() + wait_s
+    async with httpx.AsyncClient(timeout=10.0) as http:
+        while True:
+            try:
+                await http.get(f"{base_url}/healthz")
+                return
+            except httpx.ConnectError:
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(0.5)
+
+
 async def run_demo(bootstrap: str, prefix: str, base_url: str, requests: list[TraceRequest],
                    model: str, seed: int, timeout_s: float,
                    progress: Callable[[int, int], None] | None = None, *,
-                   replication_factor: int = 1) -> dict[str, Any]:
-    """Replay ``requests``; raises ``httpx.TransportError`` at once when nothing answers
-    at ``base_url`` (the stack is not up: else half the run would wait out its timeouts).
-    ``replication_factor``: of the tenant's reply topic, if the client has to make it."""
-    async with httpx.AsyncClient(timeout=10.0) as http:
-        await http.get(f"{base_url}/healthz")
+                   replication_factor: int = 1, wait_s: float = 0.0) -> dict[str, Any]:
+    """Replay ``requests``; raises ``httpx.TransportError`` when nothing answers at
+    ``base_url`` (at once, or after ``wait_s``: :func:`await_api`; the stack is not up:
+    else half the run would wait out its timeouts). ``replication_factor``: of the
+    tenant's reply topic, if the client has to make it."""
+    await await_api(base_url, wait_s)
     rng = random.Random(seed)
     prompts = [filler(r.prompt_tokens, rng) for r in requests]
     outcomes: list[Outcome] = []

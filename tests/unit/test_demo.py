@@ -210,3 +210,23 @@ def test_demo_exits_1_when_nothing_completed(monkeypatch: pytest.MonkeyPatch) ->
     assert summary["completed"] == 0
     assert summary["rejections"] == {"overloaded": 2, "KafkaTimeoutError": 2}
     assert "no request completed" in result.stderr
+
+
+async def test_an_api_still_starting_is_waited_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found running `llmq demo` right after `llmq up --detach`: ingest listens only once
+    it has recovered its tables, a few seconds later, and the demo failed at once."""
+    tries: list[str] = []
+
+    def starting(request: httpx.Request) -> httpx.Response:
+        tries.append(str(request.url))
+        if len(tries) < 3:
+            raise httpx.ConnectError("connection refused", request=request)
+        return httpx.Response(200, json={"status": "ok"})
+
+    monkeypatch.setattr(demo.httpx, "AsyncClient", _serving(starting))
+    await demo.await_api("http://h:1", wait_s=5.0)
+    assert len(tries) == 3
+    tries.clear()
+    with pytest.raises(httpx.ConnectError):
+        await demo.await_api("http://h:1")  # no stack recorded: at once
+    assert len(tries) == 1

@@ -216,10 +216,10 @@ def deadletter_headers(
 SALVAGE_ERRORS: Final = (ValueError, TypeError, KeyError, ArithmeticError, RecursionError)
 
 
-def undecodable_json(data: object, target: TypeAdapter[Any]) -> Any | None:
-    """The parsed JSON of a record value that does *not* decode as ``target``, to salvage
-    who waits for it; None when it decodes (a record whose handling failed otherwise) or
-    is no JSON at all."""
+def undecodable_json(data: object, target: TypeAdapter[Any]) -> dict[str, Any] | None:
+    """The parsed JSON object of a record value that does *not* decode as ``target``, to
+    salvage who waits for it; None when it decodes (a record whose handling failed
+    otherwise) or is no JSON object at all (nothing in it could name a request)."""
     if not isinstance(data, bytes | bytearray | str):
         return None
     raw = data.encode() if isinstance(data, str) else bytes(data)
@@ -229,6 +229,7 @@ def undecodable_json(data: object, target: TypeAdapter[Any]) -> Any | None:
     except SchemaError:
         pass
     try:
-        return json.loads(raw)
+        data = json.loads(raw)
     except SALVAGE_ERRORS:
         return None
+    return data if isinstance(data, dict) else None

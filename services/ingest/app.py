@@ -33,7 +33,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import faust
 from mode import Service
@@ -45,7 +45,8 @@ from services.common.kafka import ensure_topics, key_partition, topic_exists, tr
 from services.common.settings import Settings
 from services.ingest.cluster import ClusterTracker, ClusterWatcher, Freshness
 from services.ingest.core import TokenCounter
-from services.ingest.intake import IntakeHandler, Publish
+from services.ingest.intake import IntakeHandler, Publish, answer_topic
+from services.ingest.redelivery import RedeliveryCheck
 from services.ingest.settings import IngestSettings
 from services.ingest.tenants import Tenancy
 from services.ingest.topics import TABLES, IngestTopics
@@ -119,6 +120,7 @@ def build_app(rt: IngestRuntime) -> IngestApp:
         counters=rt.counters, reservation_grace_s=rt.ingest.reservation_grace_s,
         owner_partition=_partitioner(topics.partitions),
         topic_exists=partial(topic_exists, rt.settings.bootstrap),
+        answered_before=_redelivery_check(app, rt, reservations).answered_before,
     )
     _add_agents(app, rt, handler, guard, watcher)
     app.service(_ingest_service(app, rt, watcher))
@@ -165,6 +167,24 @@ def _add_agents(
                          rt.ingest.expiry_scan_s, exc_info=True)
 
     app.timer(rt.ingest.expiry_scan_s, name="ingest-expire")(expire_reservations)
+
+
+def _redelivery_check(app: faust.App, rt: IngestRuntime, reservations: Any) -> RedeliveryCheck:
+    """The check of intake records read again, told of each assignment of the intake
+    topic's partitions (:mod:`services.ingest.redelivery`)."""
+    intake = rt.topics.intake
+    check = RedeliveryCheck.over_kafka(
+        rt.settings.bootstrap, intake,
+        target=partial(answer_topic, prefix=rt.topics.prefix),
+        reserved=reservations.__contains__, timeout_s=rt.ingest.redelivery_check_s,
+    )
+
+    async def on_assigned(sender: Any, *args: Any, **_: Any) -> None:
+        assigned = args[0] if args else ()
+        check.assigned(tp.partition for tp in assigned if tp.topic == intake)
+
+    app.on_partitions_assigned.connect(cast(Any, on_assigned))
+    return check
 
 
 async def _await_cluster(watcher: ClusterWatcher, timeout_s: float) -> None:

@@ -52,6 +52,11 @@ while writing the decision to the tables (before anything was published for the 
 sends an ``overloaded`` Error to the request's reply topic and re-raises (dead letter), so
 the client is never left waiting; so does a send of the admitted request that the producer
 refuses (nothing was written), after undoing the reservation and the bucket's charge.
+
+A record read again after a restart or a rebalance (faust commits every 0.5 s) whose
+request holds no reservation here is first looked up on its reply topic
+(:mod:`services.ingest.redelivery`): one answered the first time (refused) is acked with
+nothing sent, rather than decided again and perhaps admitted after its client was told no.
 """
 
 from __future__ import annotations
@@ -157,6 +162,13 @@ class Publish(Protocol):
     ) -> Awaitable[object]: ...
 
 
+class AnsweredBefore(Protocol):
+    """Whether the intake record at (partition, offset), of request_id, was answered when
+    it was read before (:class:`services.ingest.redelivery.RedeliveryCheck`)."""
+
+    def __call__(self, partition: int, offset: int, request_id: str) -> Awaitable[bool]: ...
+
+
 class SourceRecord(Protocol):
     @property
     def key(self) -> Any: ...
@@ -194,6 +206,7 @@ class IntakeHandler:
         reservation_grace_s: float = 30.0,
         owner_partition: Callable[[bytes], int] | None = None,
         topic_exists: Callable[[str], Awaitable[bool]] | None = None,
+        answered_before: AnsweredBefore | None = None,
     ) -> None:
         self._topics = topics
         self._tenancy = tenancy
@@ -203,6 +216,7 @@ class IntakeHandler:
         self._publish = publish
         self._ensure_topic = ensure_topic
         self._topic_exists = topic_exists  # None: instance reply topics are not checked
+        self._answered_before = answered_before  # None: redelivered records not checked
         self._missing: dict[str, float] = {}  # instance topic -> taken as missing until
         self._clock = clock
         self._counters = counters or {}
@@ -256,6 +270,11 @@ class IntakeHandler:
             # With the time it was produced: "deadline long past" is judged against it.
             await self._publish(self._topics.intake, tenant_key, bytes(record.value), headers,
                                 _timestamp(record))
+            return
+        if await self._answered_already(record, req):
+            span.set_attribute(tracing.LLMQ_OUTCOME, "answered_before")
+            _log.info("request %s was answered when its record was read before (read again "
+                      "after a restart or a rebalance): not decided again", req.request_id)
             return
         now = self._clock()
         if _scoped_to_another(req):
@@ -316,7 +335,7 @@ class IntakeHandler:
             # on its own tenant's topic.
             span.set_attribute(tracing.LLMQ_OUTCOME, "invalid")
             _count_refusal("invalid")
-            target = _fallback_target(req, self._topics.prefix)
+            target = answer_topic(req, self._topics.prefix)
             if target == held.get("reply_topic") and held.get("tenant") != req.tenant:
                 target = reply_topic(self._topics.prefix, req.tenant)
             await self._send(target, _error(
@@ -355,10 +374,19 @@ class IntakeHandler:
             ADMITTED_TOKENS.labels(tenant=self._tenancy.metric_label(req.tenant)).inc(
                 decision.message.prompt_tokens + req.max_tokens)
 
+    async def _answered_already(self, record: SourceRecord, req: InferenceRequest) -> bool:
+        """A record read again whose request was answered the first time, and holds no
+        reservation (one that does is a redelivery of an admission: sent again below)."""
+        offset = getattr(record, "offset", None)
+        if self._answered_before is None or not isinstance(offset, int) \
+                or req.request_id in self._reservations:
+            return False
+        return await self._answered_before(record.partition, offset, req.request_id)
+
     async def _overloaded(self, req: InferenceRequest, now: float) -> None:
         """The one terminal of a request ingest failed to admit (an internal error)."""
         _count_refusal("overloaded")
-        await self._send(_fallback_target(req, self._topics.prefix), _error(
+        await self._send(answer_topic(req, self._topics.prefix), _error(
             req.request_id, "overloaded",
             "ingest failed to admit this request (an internal error, logged by ingest); "
             "retry", now, retry_after_s=1.0,
@@ -800,7 +828,7 @@ def _same_caller(held: Mapping[str, Any], req: InferenceRequest, prefix: str) ->
     if held.get("tenant") != req.tenant:
         return False
     topic = held.get("reply_topic")
-    return topic is None or topic == _fallback_target(req, prefix)
+    return topic is None or topic == answer_topic(req, prefix)
 
 
 def _admission_again(
@@ -819,7 +847,9 @@ def _admission_again(
     return request_topic(prefix, message.priority, message.lane), message
 
 
-def _fallback_target(req: InferenceRequest, prefix: str) -> str:
+def answer_topic(req: InferenceRequest, prefix: str) -> str:
+    """Where ingest answers ``req`` (a refusal, or ``overloaded``): its authorized reply
+    topic, else its tenant's own."""
     return authorized_reply_topic(req, prefix) or reply_topic(prefix, req.tenant)
 
 

@@ -77,6 +77,12 @@ class IngestSettings(BaseSettings):
     expiry_scan_s: float = Field(
         default=5.0, gt=0, le=3600, description="How often expired reservations are looked for."
     )
+    redelivery_check_s: float = Field(
+        default=10.0, gt=0, le=600, description="How long each batch of intake records read "
+        "again after a restart or a rebalance is looked for on its reply topics (a request "
+        "answered the first time is not decided again); what is not found by then is "
+        "decided afresh.",
+    )
     cluster_catchup_s: float = Field(
         default=10.0, ge=0, le=600, description="Admission waits up to this long at start for "
         "the heartbeat/status readers to catch up before deciding.",

@@ -104,6 +104,7 @@ from schemas.messages import (
     REQUEST_ADAPTER,
 )
 from services.common import tracing
+from services.common.answered import answered
 from services.common.faust_app import make_app
 from services.common.groups import group_members
 from services.common.guard import Guard, Headers
@@ -111,7 +112,6 @@ from services.common.kafka import ProducerFailed, ensure_topics, exit_now, make_
 from services.common.log_reader import LogReader
 from services.common.settings import Settings
 from services.scheduler import build_pipeline
-from services.scheduler.runtime.answered import answered
 from services.scheduler.runtime.flow import OrderedAcks, PauseLadder
 from services.scheduler.runtime.messages import Outgoing
 from services.scheduler.runtime.metrics import SchedulerMetrics
@@ -276,7 +276,7 @@ class Scheduler:
         turns = static or (1, 0)
         self.state.set_turns(turns, build_pipeline(cfg.profile(turns)),
                              0.0 if static else rt.clock())
-        # worker_lost endings being checked against their reply topics (runtime.answered)
+        # worker_lost endings being checked against their reply topics (services.common.answered)
         self._checks: set[asyncio.Task[None]] = set()
         # (worker id, started_at) of heartbeats naming no partition of the assignments
         # topic: each one's first was dead-lettered; how many came since (_on_heartbeat).
@@ -508,7 +508,7 @@ class Scheduler:
                                     held: tuple[HeldRequeue, ...] = ()) -> None:
         """Lost attempts whose worker may have answered them and died before the terminal
         event (or a scheduler between its own reply and event), checked against their
-        reply topics first (``runtime.answered``): a ``worker_lost`` ending of an answered
+        reply topics first (``services.common.answered``): a ``worker_lost`` ending of an answered
         attempt keeps only its terminal event, and a held requeue of one is not requeued.
         A replica that stopped leading meanwhile sends neither: the leader decides them
         (``SchedulerState.settle_endings``, ``SchedulerState.release``)."""

@@ -1,4 +1,4 @@
-"""``services.scheduler.runtime.answered`` against the real broker: which lost attempts
+"""``services.common.answered`` against the real broker: which lost attempts
 already have a terminal reply on their reply partition, among other requests' replies,
 read newest window first."""
 
@@ -9,8 +9,8 @@ import time
 import pytest
 
 from schemas.codec import encode
+from services.common.answered import CLOCK_MARGIN_S, answered
 from services.common.kafka import TopicRequest, ensure_topics, make_producer
-from services.scheduler.runtime.answered import CLOCK_MARGIN_S, answered
 from tests.builders_schemas import make_chunk, make_done, make_error
 from tests.fakes.ports import free_port
 

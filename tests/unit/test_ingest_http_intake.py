@@ -43,6 +43,7 @@ class Record:
     topic: str = TOPICS.intake
     partition: int = 0
     timestamp: float | None = None  # faust's Message.timestamp (seconds)
+    offset: int | None = None
 
 
 class Harness:
@@ -50,7 +51,10 @@ class Harness:
         self, tenancy: Tenancy, tracker: ClusterTracker | None = None,
         owner_partition: Callable[[bytes], int] | None = None,
         existing: set[str] | None = None,
+        answered_before: set[str] | None = None,
     ) -> None:
+        self.asked_before: list[tuple[int, int, str]] = []
+        self.answered_before = answered_before
         self.sent: list[tuple[str, bytes, bytes]] = []
         self.stamps: list[float | None] = []  # the timestamp each was published with
         self.ensured: list[str] = []
@@ -65,6 +69,7 @@ class Harness:
             reservations=self.reservations, publish=self._publish, ensure_topic=self._ensure,
             clock=lambda: self.now, reservation_grace_s=30.0, owner_partition=owner_partition,
             topic_exists=None if existing is None else self._exists,
+            answered_before=None if answered_before is None else self._answered,
         )
         self.existing = existing or set()
         self.checked: list[str] = []
@@ -75,6 +80,10 @@ class Harness:
         self.sent.append((topic, key, value))
         self.stamps.append(timestamp)
 
+    async def _answered(self, partition: int, offset: int, request_id: str) -> bool:
+        self.asked_before.append((partition, offset, request_id))
+        return request_id in (self.answered_before or ())
+
     async def _ensure(self, topic: str) -> None:
         self.ensured.append(topic)
 
@@ -82,9 +91,11 @@ class Harness:
         self.checked.append(topic)
         return topic in self.existing
 
-    async def submit(self, req: InferenceRequest, key: bytes | None = None) -> None:
+    async def submit(self, req: InferenceRequest, key: bytes | None = None,
+                     offset: int | None = 7) -> None:
         raw = encode(req)
-        await self.handler.on_request(Record(raw, req.tenant.encode() if key is None else key))
+        await self.handler.on_request(Record(raw, req.tenant.encode() if key is None else key,
+                                             offset=offset))
 
     def replies(self) -> list[Error]:
         out = []
@@ -745,3 +756,27 @@ async def test_a_bucket_and_its_reservations_that_disagree_are_recounted(lost: s
     assert TenantState.from_dict(h.buckets["default"]).in_flight == held
     assert list(h.handler.miscounted(NOW)) == []
     assert len(h.reservations) == held  # a recount settles no reservation
+
+
+async def test_a_record_read_again_whose_request_was_refused_before_is_not_decided_again(
+) -> None:
+    # Refused the first time (its answer is on its reply topic), then read again after a
+    # crash: decided again it would now be admitted, after its client was told no.
+    h = Harness(load_tenancy(None), answered_before={"r1"})
+    await h.submit(request("r1"), offset=3)
+    assert h.sent == [] and h.reservations == {} and h.buckets == {}
+    assert h.asked_before == [(0, 3, "r1")]
+    await h.submit(request("r2"), offset=4)  # not answered before: decided
+    assert [topic for topic, _, _ in h.sent] == ["llmq.requests.normal.short"]
+    assert list(h.reservations) == ["r2"]
+
+
+async def test_a_record_read_again_whose_request_holds_a_reservation_is_not_looked_up(
+) -> None:
+    h = Harness(load_tenancy(None), answered_before={"r1"})
+    await h.submit(request("r1"), offset=None)  # no offset (not a Kafka record): no lookup
+    assert h.asked_before == [] and list(h.reservations) == ["r1"]
+    h.sent.clear()
+    await h.submit(request("r1"), offset=5)  # a redelivery of an admission: sent again
+    assert h.asked_before == []
+    assert [topic for topic, _, _ in h.sent] == ["llmq.requests.normal.short"]

@@ -371,7 +371,7 @@ def test_a_restarted_scheduler_ends_work_stamped_for_a_replaced_process() -> Non
 def test_a_worker_lost_ending_is_marked_for_the_reply_topic_check() -> None:
     """A worker killed between its terminal reply and its terminal event leaves a reply the
     scheduler never heard of: each worker_lost ending carries what the app needs to look
-    for it on the reply topic first (runtime.answered), and so does each requeue, held
+    for it on the reply topic first (services.common.answered), and so does each requeue, held
     until the check is back (nothing of it is in the cycle's effects)."""
     state, placed = _quiet_and_chatty_on_a_restarted_w0()
     result = state.tick(T + 1)

@@ -72,7 +72,7 @@ def defer_reason(reason: str) -> str:
             return label
     return "other"
 
-#: Where a lost attempt's terminal reply would be, for ``runtime.answered``:
+#: Where a lost attempt's terminal reply would be, for ``services.common.answered``:
 #: (request_id, attempt, reply topic, reply key, assigned_at).
 ReplyCheck = tuple[str, int, str, bytes, float]
 
@@ -89,7 +89,7 @@ class Effect:
     then: tuple[Outgoing, ...] = ()
     tickets: tuple[Ticket, ...] = ()
     #: A worker_lost ending: its reply is dropped if the attempt's terminal is on the reply
-    #: topic already (``services.scheduler.runtime.answered``).
+    #: topic already (``services.common.answered``).
     unless_answered: ReplyCheck | None = None
     #: Set on every effect that acks request records (``tickets``): a placement or an
     #: ending of a request read from a request topic. What the state recorded when it made
@@ -205,7 +205,7 @@ class HeldRequeue:
     Its worker may have sent a terminal reply without a token before it (a cancel or a
     timeout during prefill, an empty completion) and died before the terminal event:
     requeueing it would be a second terminal. So the requeue waits for the caller's read
-    of the reply partition (``runtime.answered``); meanwhile the log holds the attempt as
+    of the reply partition (``services.common.answered``); meanwhile the log holds the attempt as
     lost, so a redelivered intake record is skipped and a restarted scheduler decides it
     again.
     """

@@ -1,4 +1,10 @@
-"""Lost attempts that were answered after all: a ``worker_lost`` ending is checked first.
+"""Whether a request already has a terminal reply: read back from its reply partition.
+
+Two callers. The scheduler checks a lost attempt before it ends it ``worker_lost``
+(below). Ingest checks an intake record it may be reading a second time, with
+``any_attempt`` (:mod:`services.ingest.redelivery`).
+
+Lost attempts that were answered after all: a ``worker_lost`` ending is checked first.
 
 A worker sends an attempt's terminal reply, waits for the broker's ack, and only then sends
 the terminal event (``services.worker.runner``: ``event.done`` means "the reply is
@@ -35,6 +41,10 @@ Measured on this project's 2-core VM (one partition, 300,201 records, the wanted
 200 records from the end): the whole partition reads in 0.6–0.8 s; the terminal alone is
 found in 0.03–0.06 s (10,000 records read); with a 0.4 s limit the old oldest-first read
 found nothing, this one finds it with the partition two-thirds read.
+
+With ``any_attempt``, a wanted key is ``(request_id, ANY_ATTEMPT)`` and its time is when its
+request was produced: a terminal of any attempt counts, if it was written at or after that
+time (an older terminal under the id is a previous request's that reused it).
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ import asyncio
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Final
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
@@ -60,6 +71,8 @@ CLOCK_MARGIN_S = 60.0
 FIRST_WINDOW = 10_000
 
 Attempt = tuple[str, int]  # (request_id, attempt)
+#: The attempt of a wanted key that any attempt's terminal answers (``any_attempt``).
+ANY_ATTEMPT: Final = -1
 
 
 @dataclass
@@ -78,22 +91,27 @@ async def answered(
     wanted: Mapping[Attempt, tuple[str, bytes, float]],
     timeout_s: float,
     first_window: int = FIRST_WINDOW,
+    *,
+    any_attempt: bool = False,
 ) -> Answered:
     """Of ``wanted`` ((request_id, attempt) -> (reply topic, record key, assigned_at)), the
     attempts with a terminal reply on their reply topic, as far as ``timeout_s`` allowed.
-    Never raises: a broker error is logged and ends the check where it stands."""
+    With ``any_attempt``: (request_id, ANY_ATTEMPT) -> (reply topic, record key, produced
+    at), answered by a terminal of any attempt written at or after that time (module
+    docstring). Never raises: a broker error is logged and ends the check where it stands."""
     result = Answered()
     try:
-        await asyncio.wait_for(_read(bootstrap, wanted, first_window, result), timeout_s)
+        await asyncio.wait_for(_read(bootstrap, wanted, first_window, result, any_attempt),
+                               timeout_s)
     except TimeoutError:
         pass
     except Exception:
-        _log.warning("scheduler: the reply-topic check failed", exc_info=True)
+        _log.warning("the reply-topic check failed", exc_info=True)
     return result
 
 
 async def _read(bootstrap: str, wanted: Mapping[Attempt, tuple[str, bytes, float]],
-                first_window: int, result: Answered) -> None:
+                first_window: int, result: Answered, any_attempt: bool) -> None:
     since: dict[TopicPartition, float] = {}
     todo: dict[TopicPartition, set[Attempt]] = {}
     partitions = await _partitions(bootstrap, {topic for topic, _, _ in wanted.values()})
@@ -104,6 +122,9 @@ async def _read(bootstrap: str, wanted: Mapping[Attempt, tuple[str, bytes, float
         since[tp] = min(since.get(tp, assigned_at), assigned_at - CLOCK_MARGIN_S)
         todo.setdefault(tp, set()).add(attempt)
     keys = {key for _, key, _ in wanted.values()}
+    # any_attempt: a terminal counts from its request's time on (ms, as records are stamped).
+    floor = {attempt[0]: int(at * 1000) for attempt, (_, _, at) in wanted.items()} \
+        if any_attempt else None
     consumer = make_consumer(bootstrap)
     await consumer.start()
     try:
@@ -115,7 +136,8 @@ async def _read(bootstrap: str, wanted: Mapping[Attempt, tuple[str, bytes, float
             start = starts.get(tp)
             low = ends[tp] if start is None else start.offset
             consumer.assign([tp])
-            await _read_back(consumer, tp, low, ends[tp], first_window, keys, todo[tp], result)
+            await _read_back(consumer, tp, low, ends[tp], first_window, keys, todo[tp], result,
+                             floor)
         result.complete = all(partitions.get(topic) for topic, _, _ in wanted.values())
     finally:
         await consumer.stop()
@@ -136,16 +158,17 @@ async def _partitions(bootstrap: str, topics: set[str]) -> dict[str, list[int]]:
             found[t["topic"]] = sorted(p["partition"] for p in t["partitions"])
     missing = topics - found.keys()
     if missing:
-        _log.warning("scheduler: reply topic(s) %s could not be described: their lost "
-                     "attempts count as unanswered", ", ".join(sorted(missing)))
+        _log.warning("reply topic(s) %s could not be described: their requests count as "
+                     "unanswered", ", ".join(sorted(missing)))
     return found
 
 
 async def _read_back(consumer: AIOKafkaConsumer, tp: TopicPartition, low: int, high: int,
                      window: int, keys: set[bytes], todo: set[Attempt],
-                     result: Answered) -> None:
+                     result: Answered, floor: Mapping[str, int] | None = None) -> None:
     """Terminals of ``todo`` in offsets [low, high) of ``tp``, newest window first; found
-    attempts move from ``todo`` to ``result.found`` as they are seen."""
+    attempts move from ``todo`` to ``result.found`` as they are seen. ``floor``
+    (``any_attempt``): request_id -> the earliest record timestamp (ms) that counts."""
     top = high
     while todo and top > low:
         bottom = max(low, top - window)
@@ -161,8 +184,14 @@ async def _read_back(consumer: AIOKafkaConsumer, tp: TopicPartition, low: int, h
                     reply = decode(record.value, REPLY_ADAPTER)
                 except SchemaError:
                     continue
+                if not isinstance(reply, Done | Error):
+                    continue
                 attempt = (reply.request_id, reply.attempt)
-                if isinstance(reply, Done | Error) and attempt in todo:
+                if floor is not None:
+                    if record.timestamp < floor.get(reply.request_id, 0):
+                        continue  # a terminal of an earlier request under the same id
+                    attempt = (reply.request_id, ANY_ATTEMPT)
+                if attempt in todo:
                     todo.discard(attempt)
                     result.found.add(attempt)
         top, window = bottom, window * 4

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 from collections.abc import Iterator
 
 import pytest
@@ -77,8 +78,11 @@ def _clean_topics_after_session(settings: Settings) -> Iterator[None]:
 @pytest.fixture
 def topic_prefix(settings: Settings) -> Iterator[str]:
     """A unique topic prefix per test, so tests never see each other's messages; the
-    test's topics are deleted afterwards."""
+    test's topics are deleted afterwards, and so are the Faust data dirs of its apps
+    (``<home>/faust/<prefix>-<app>``: one per app and test, they added up to hundreds)."""
     prefix = unique_prefix("t")
     yield prefix
+    for data_dir in (settings.home / "faust").glob(f"{prefix}-*"):
+        shutil.rmtree(data_dir, ignore_errors=True)
     if asyncio.run(broker_answers(settings.bootstrap, 3.0)):
         asyncio.run(_delete_topics(settings.bootstrap, keep=None, prefix=prefix + "."))

@@ -62,6 +62,10 @@ Service = Literal["client", "ingest", "scheduler", "worker", "health", "cli"]
 LARGE_RECORD_BYTES: Final = 8 << 20
 _DAY_MS: Final = 86_400_000
 
+#: On ingest's refusals: the intake record answered, ``<partition>/<offset>`` (a record read
+#: again after a crash is not decided again when its answer is found: services.ingest.redelivery).
+INTAKE_RECORD_HEADER: Final = "llmq-intake-record"
+
 #: Headers on ``llmq.deadletter`` records; the value is the original record, unchanged.
 DEADLETTER_REASON_HEADER: Final = "llmq-dlq-reason"
 DEADLETTER_FIELD_HEADER: Final = "llmq-dlq-field"

@@ -1,8 +1,9 @@
 """Whether a request already has a terminal reply: read back from its reply partition.
 
 Two callers. The scheduler checks a lost attempt before it ends it ``worker_lost``
-(below). Ingest checks an intake record it may be reading a second time, with
-``any_attempt`` (:mod:`services.ingest.redelivery`).
+(below). Ingest checks an intake record it may be reading a second time
+(:mod:`services.ingest.redelivery`): its answers carry the intake record they answer in a
+header, and an ``identify`` function of its own reads it.
 
 Lost attempts that were answered after all: a ``worker_lost`` ending is checked first.
 
@@ -41,21 +42,17 @@ Measured on this project's 2-core VM (one partition, 300,201 records, the wanted
 200 records from the end): the whole partition reads in 0.6–0.8 s; the terminal alone is
 found in 0.03–0.06 s (10,000 records read); with a 0.4 s limit the old oldest-first read
 found nothing, this one finds it with the partition two-thirds read.
-
-With ``any_attempt``, a wanted key is ``(request_id, ANY_ATTEMPT)`` and its time is when its
-request was produced: a terminal of any attempt counts, if it was written at or after that
-time (an older terminal under the id is a previous request's that reused it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
 from schemas.codec import SchemaError, decode
@@ -71,8 +68,13 @@ CLOCK_MARGIN_S = 60.0
 FIRST_WINDOW = 10_000
 
 Attempt = tuple[str, int]  # (request_id, attempt)
-#: The attempt of a wanted key that any attempt's terminal answers (``any_attempt``).
-ANY_ATTEMPT: Final = -1
+#: The wanted key a terminal reply answers (None: none), from its record and its message.
+Identify = Callable[["ConsumerRecord[Any, Any]", Done | Error], Attempt | None]
+
+
+def by_attempt(record: ConsumerRecord[Any, Any], reply: Done | Error) -> Attempt:
+    """The scheduler's keys: a terminal answers its own (request_id, attempt)."""
+    return (reply.request_id, reply.attempt)
 
 
 @dataclass
@@ -92,17 +94,18 @@ async def answered(
     timeout_s: float,
     first_window: int = FIRST_WINDOW,
     *,
-    any_attempt: bool = False,
+    identify: Identify = by_attempt,
+    margin_s: float = CLOCK_MARGIN_S,
 ) -> Answered:
     """Of ``wanted`` ((request_id, attempt) -> (reply topic, record key, assigned_at)), the
     attempts with a terminal reply on their reply topic, as far as ``timeout_s`` allowed.
-    With ``any_attempt``: (request_id, ANY_ATTEMPT) -> (reply topic, record key, produced
-    at), answered by a terminal of any attempt written at or after that time (module
-    docstring). Never raises: a broker error is logged and ends the check where it stands."""
+    ``identify`` names the key a terminal answers (:func:`by_attempt`: its attempt); each
+    partition is read back to ``margin_s`` before the earliest time of its keys. Never
+    raises: a broker error is logged and ends the check where it stands."""
     result = Answered()
     try:
-        await asyncio.wait_for(_read(bootstrap, wanted, first_window, result, any_attempt),
-                               timeout_s)
+        await asyncio.wait_for(
+            _read(bootstrap, wanted, first_window, result, identify, margin_s), timeout_s)
     except TimeoutError:
         pass
     except Exception:
@@ -111,7 +114,8 @@ async def answered(
 
 
 async def _read(bootstrap: str, wanted: Mapping[Attempt, tuple[str, bytes, float]],
-                first_window: int, result: Answered, any_attempt: bool) -> None:
+                first_window: int, result: Answered, identify: Identify,
+                margin_s: float) -> None:
     since: dict[TopicPartition, float] = {}
     todo: dict[TopicPartition, set[Attempt]] = {}
     partitions = await _partitions(bootstrap, {topic for topic, _, _ in wanted.values()})
@@ -119,12 +123,9 @@ async def _read(bootstrap: str, wanted: Mapping[Attempt, tuple[str, bytes, float
         if not partitions.get(topic):
             continue  # not described: unanswered, as far as this check can tell
         tp = TopicPartition(topic, key_partition(key, partitions[topic]))
-        since[tp] = min(since.get(tp, assigned_at), assigned_at - CLOCK_MARGIN_S)
+        since[tp] = min(since.get(tp, assigned_at), assigned_at - margin_s)
         todo.setdefault(tp, set()).add(attempt)
     keys = {key for _, key, _ in wanted.values()}
-    # any_attempt: a terminal counts from its request's time on (ms, as records are stamped).
-    floor = {attempt[0]: int(at * 1000) for attempt, (_, _, at) in wanted.items()} \
-        if any_attempt else None
     consumer = make_consumer(bootstrap)
     await consumer.start()
     try:
@@ -137,19 +138,23 @@ async def _read(bootstrap: str, wanted: Mapping[Attempt, tuple[str, bytes, float
             low = ends[tp] if start is None else start.offset
             consumer.assign([tp])
             await _read_back(consumer, tp, low, ends[tp], first_window, keys, todo[tp], result,
-                             floor)
+                             identify)
         result.complete = all(partitions.get(topic) for topic, _, _ in wanted.values())
     finally:
         await consumer.stop()
 
 
 async def _partitions(bootstrap: str, topics: set[str]) -> dict[str, list[int]]:
-    """Partition ids of each of ``topics`` that the broker describes (one request; a topic
-    it does not know, or refuses, is left out)."""
+    """Partition ids of each of ``topics`` that the broker describes (a topic it does not
+    know, or refuses, is left out). Listed first, and only what exists is described: a
+    metadata request naming a topic creates it on a broker with
+    ``auto.create.topics.enable``, and a reply topic can be a name a tenant chose."""
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=5_000)
     await admin.start()
     try:
-        described = await admin.describe_topics(sorted(topics))
+        existing = set(await admin.list_topics())
+        described = await admin.describe_topics(sorted(topics & existing)) \
+            if topics & existing else []
     finally:
         await admin.close()
     found: dict[str, list[int]] = {}
@@ -165,10 +170,9 @@ async def _partitions(bootstrap: str, topics: set[str]) -> dict[str, list[int]]:
 
 async def _read_back(consumer: AIOKafkaConsumer, tp: TopicPartition, low: int, high: int,
                      window: int, keys: set[bytes], todo: set[Attempt],
-                     result: Answered, floor: Mapping[str, int] | None = None) -> None:
+                     result: Answered, identify: Identify = by_attempt) -> None:
     """Terminals of ``todo`` in offsets [low, high) of ``tp``, newest window first; found
-    attempts move from ``todo`` to ``result.found`` as they are seen. ``floor``
-    (``any_attempt``): request_id -> the earliest record timestamp (ms) that counts."""
+    attempts move from ``todo`` to ``result.found`` as they are seen."""
     top = high
     while todo and top > low:
         bottom = max(low, top - window)
@@ -186,11 +190,7 @@ async def _read_back(consumer: AIOKafkaConsumer, tp: TopicPartition, low: int, h
                     continue
                 if not isinstance(reply, Done | Error):
                     continue
-                attempt = (reply.request_id, reply.attempt)
-                if floor is not None:
-                    if record.timestamp < floor.get(reply.request_id, 0):
-                        continue  # a terminal of an earlier request under the same id
-                    attempt = (reply.request_id, ANY_ATTEMPT)
+                attempt = identify(record, reply)
                 if attempt in todo:
                     todo.discard(attempt)
                     result.found.add(attempt)

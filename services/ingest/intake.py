@@ -89,7 +89,13 @@ from schemas.common import ErrorCode
 from schemas.messages import EVENT_ADAPTER
 from schemas.replies import Error
 from schemas.requests import AdmittedRequest, InferenceRequest
-from schemas.topics import INSTANCE_REPLIES, reply_topic, request_topic, request_topics
+from schemas.topics import (
+    INSTANCE_REPLIES,
+    INTAKE_RECORD_HEADER,
+    reply_topic,
+    request_topic,
+    request_topics,
+)
 from schemas.workers import EventAborted, EventDone, EventFailed
 from services.common import tracing
 from services.common.metrics import ADMITTED_TOKENS, REJECTIONS, REQUESTS
@@ -283,7 +289,8 @@ class IntakeHandler:
             # check below would tell whether that caller has one in flight.
             span.set_attribute(tracing.LLMQ_OUTCOME, "invalid")
             _count_refusal("invalid")
-            await self._send(reply_topic(self._topics.prefix, req.tenant), _error(
+            await self._send(reply_topic(self._topics.prefix, req.tenant), answers=record,
+                             message=_error(
                 req.request_id, "invalid",
                 f"request_id {req.request_id!r} is scoped to another tenant: an id with "
                 f"':' must begin with '{req.tenant}:'", now,
@@ -295,7 +302,8 @@ class IntakeHandler:
             # nobody reading it, and creating it would let any tenant make topics at will.
             span.set_attribute(tracing.LLMQ_OUTCOME, "invalid")
             _count_refusal("invalid")
-            await self._send(reply_topic(self._topics.prefix, req.tenant), _error(
+            await self._send(reply_topic(self._topics.prefix, req.tenant), answers=record,
+                             message=_error(
                 req.request_id, "invalid",
                 f"reply_to {target!r} names no running ingest instance (the topic does not "
                 "exist); leave reply_to empty to get replies on your tenant's topic", now,
@@ -338,7 +346,7 @@ class IntakeHandler:
             target = answer_topic(req, self._topics.prefix)
             if target == held.get("reply_topic") and held.get("tenant") != req.tenant:
                 target = reply_topic(self._topics.prefix, req.tenant)
-            await self._send(target, _error(
+            await self._send(target, answers=record, message=_error(
                 req.request_id, "invalid",
                 f"request_id {req.request_id!r} is in flight for another request or reply "
                 "topic; request ids must be unique: send it with a new one", now,
@@ -350,11 +358,11 @@ class IntakeHandler:
             self._record(req, decision)
         except Exception:
             # Nothing was published for it yet: this Error is its one terminal reply.
-            await self._overloaded(req, now)
+            await self._overloaded(req, now, record)
             raise
         _annotate(span, decision)
         try:
-            await self._send(decision.topic, decision.message)
+            await self._send(decision.topic, decision.message, answers=record)
         except Exception:
             if decision.reservation is None:
                 raise  # a refusal's own reply: nothing was reserved
@@ -368,7 +376,7 @@ class IntakeHandler:
                     self._buckets.pop(req.tenant, None)
                 else:
                     self._buckets[req.tenant] = prior
-            await self._overloaded(req, now)
+            await self._overloaded(req, now, record)
             raise
         if not isinstance(decision.message, Error):  # sent: admitted
             ADMITTED_TOKENS.labels(tenant=self._tenancy.metric_label(req.tenant)).inc(
@@ -383,10 +391,11 @@ class IntakeHandler:
             return False
         return await self._answered_before(record.partition, offset, req.request_id)
 
-    async def _overloaded(self, req: InferenceRequest, now: float) -> None:
+    async def _overloaded(self, req: InferenceRequest, now: float,
+                          record: SourceRecord) -> None:
         """The one terminal of a request ingest failed to admit (an internal error)."""
         _count_refusal("overloaded")
-        await self._send(answer_topic(req, self._topics.prefix), _error(
+        await self._send(answer_topic(req, self._topics.prefix), answers=record, message=_error(
             req.request_id, "overloaded",
             "ingest failed to admit this request (an internal error, logged by ingest); "
             "retry", now, retry_after_s=1.0,
@@ -635,7 +644,10 @@ class IntakeHandler:
     def _counter(self, model: str) -> TokenCounter:
         return counter_for(model, self._registry, self._counters)
 
-    async def _send(self, topic: str, message: AdmittedRequest | Error) -> None:
+    async def _send(self, topic: str, message: AdmittedRequest | Error,
+                    answers: SourceRecord | None = None) -> None:
+        """Publish ``message``; an Error answering the intake record ``answers`` names it
+        in a header (:func:`intake_mark`), for :mod:`services.ingest.redelivery`."""
         if topic not in self._known_topics:
             if _instance_reply_topic(topic, self._topics.prefix):
                 # Never created here (only checked): see _on_request.
@@ -648,8 +660,10 @@ class IntakeHandler:
                 await self._until_done(lambda: self._ensure_topic(topic), topic)
                 self._known_topics.add(topic)
         # The current span (admission) is the parent of whatever handles this record next.
+        mark = intake_mark(answers) if answers is not None and isinstance(message, Error) \
+            else None
         await self._publish(topic, message.request_id.encode(), encode(message),
-                            tracing.inject())
+                            tracing.inject(None if mark is None else [mark]))
 
 
     async def _instance_topic_ok(self, topic: str) -> bool:
@@ -695,6 +709,15 @@ class IntakeHandler:
                 _log.warning("reply topic %s: %r; trying again in %.1f s", topic, exc, wait)
             await asyncio.sleep(wait)
             wait = min(2 * wait, _RETRY_MAX_S)
+
+
+def intake_mark(record: SourceRecord) -> tuple[str, bytes] | None:
+    """The header an answer to the intake ``record`` carries: ``<partition>/<offset>``
+    (:data:`INTAKE_RECORD_HEADER`); None for a record with no offset."""
+    offset = getattr(record, "offset", None)
+    if not isinstance(offset, int):
+        return None
+    return INTAKE_RECORD_HEADER, f"{record.partition}/{offset}".encode()
 
 
 def _transient(exc: KafkaError) -> bool:

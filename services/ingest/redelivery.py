@@ -17,19 +17,33 @@ only where a record may have been read before:
 * Below it, the first record the handler asks about (the committed offset: where reading
   starts) begins a *batch*: up to ``batch`` records of the partition from there are read
   (their ids, reply topics and times), then their reply partitions are read back once
-  (:func:`services.common.answered.answered`, newest records first) for a terminal of any
-  attempt written at or after the record. The ids found are acked unanswered by the
-  handler: their one terminal went out.
+  (:func:`services.common.answered.answered`, newest records first) for ingest's answers
+  to them: each refusal names the intake record it answers (header
+  ``llmq-intake-record``, ``<partition>/<offset>``), so an answer is matched to its own
+  record, never to another request under the same id (a client retrying a refused id).
+  The records found answered are acked unanswered by the handler: their one terminal
+  went out.
 * The old owner read the partition in order from the same committed offset, so once a
   batch holds no request it answered or admitted (no terminal found, no reservation), it
   got no further: the rest of the partition is new and is not checked. A partition with a
   backlog (ingest down for an hour) so costs one batch, not a read of the whole backlog.
 
 What it does not cover (docs/live-system.md, "Where a crash can still give a request a
-second terminal"): a terminal written by a clock behind the record's producer (the
-terminal looks older than its request; HTTP requests are stamped and answered by the same
-ingest's clock), one the check did not find within ``timeout_s``, and a record moved here
-from another partition (a redelivered original is moved again: the copy is new here).
+second terminal"): an answer stamped more than :data:`REPLY_MARGIN_S` before its record
+(a producer's clock that far ahead of ingest's: its partition is not read back that far),
+one the check did not find within ``timeout_s``, a record moved here from another
+partition (a redelivered original is moved again: the copy is new here), the two
+refusals sent to the tenant's topic where the request named another (an id scoped to
+another tenant, a missing instance topic: looked for where the request asked; decided
+again, they are refused again), and a request admitted, ended and settled before the
+crash (no reservation is left: admitted again, the scheduler acks it as a finished
+request, and its reservation waits for expiry).
+
+Cost: a batch is three short-lived Kafka clients, the batch's records (up to ``batch`` of
+them, in memory at once), and a read back of each reply partition its requests touch, to
+:data:`REPLY_MARGIN_S` before the earliest record (records never read have no answer, so
+that read is not cut short): after each assignment, the admission agent waits for one
+batch per partition with a record below its end, at most ``timeout_s`` each.
 """
 
 from __future__ import annotations
@@ -38,13 +52,16 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Final
+from functools import partial
+from typing import Any, Final
 
-from aiokafka import TopicPartition
+from aiokafka import ConsumerRecord, TopicPartition
 
 from schemas.codec import SchemaError, decode
+from schemas.replies import Done, Error
 from schemas.requests import InferenceRequest
-from services.common.answered import ANY_ATTEMPT, answered
+from schemas.topics import INTAKE_RECORD_HEADER
+from services.common.answered import Attempt, answered
 from services.common.kafka import make_consumer
 
 _log = logging.getLogger(__name__)
@@ -62,8 +79,12 @@ EndOffsets = Callable[[str, list[int]], Awaitable[dict[int, int]]]
 #: (topic, partition, low, high) -> the records in [low, high): (offset, key, value, ts ms).
 ReadRange = Callable[[str, int, int, int],
                      Awaitable[list[tuple[int, bytes | None, bytes | None, int]]]]
-#: wanted {(request_id, ANY_ATTEMPT): (reply topic, key, produced at)} -> the answered ids.
-FindAnswered = Callable[[dict[tuple[str, int], tuple[str, bytes, float]]], Awaitable[set[str]]]
+#: A partition's records: {(request_id, offset): (reply topic, key, produced at)} -> the
+#: offsets of those with an answer naming them.
+FindAnswered = Callable[[int, dict[Attempt, tuple[str, bytes, float]]], Awaitable[set[int]]]
+#: A reply partition is read back this far before the earliest record's time (its
+#: producer's clock; the answer has ingest's).
+REPLY_MARGIN_S: Final = 15.0
 
 
 @dataclass
@@ -73,7 +94,7 @@ class _Window:
     end: asyncio.Future[int | None]
     checked_to: int = -1  # records below this offset were checked (from the first asked)
     done: bool = False  # no batch after the last: the rest of the partition is new
-    found: set[str] = field(default_factory=set)
+    found: dict[int, str] = field(default_factory=dict)  # offset -> request_id, answered
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
@@ -121,13 +142,15 @@ class RedeliveryCheck:
         """The check against the broker at ``bootstrap``; a batch's reply-topic read stops
         after ``timeout_s`` (what it has not found by then counts as unanswered)."""
 
-        async def find(wanted: dict[tuple[str, int], tuple[str, bytes, float]]) -> set[str]:
-            result = await answered(bootstrap, wanted, timeout_s, any_attempt=True)
+        async def find(partition: int,
+                       wanted: dict[Attempt, tuple[str, bytes, float]]) -> set[int]:
+            result = await answered(bootstrap, wanted, timeout_s, margin_s=REPLY_MARGIN_S,
+                                    identify=partial(answered_record, partition))
             if not result.complete:
-                _log.warning("ingest: the reply-topic check of %d redelivered records "
+                _log.warning("ingest: the reply-topic check of %d records read again "
                              "stopped before the end; %d found answered", len(wanted),
                              len(result.found))
-            return {request_id for request_id, _ in result.found}
+            return {offset for _, offset in result.found}
 
         return cls(topic, target=target, reserved=reserved,
                    end_offsets=kafka_end_offsets(bootstrap),
@@ -168,7 +191,7 @@ class RedeliveryCheck:
         if window is None:
             return False
         try:
-            end = await window.end
+            end = await asyncio.shield(window.end)  # shared: a waiter's cancel is its own
             if end is None or offset >= end:
                 return False
             async with window.lock:
@@ -176,7 +199,8 @@ class RedeliveryCheck:
                     await asyncio.wait_for(self._check_batch(partition, window, offset, end),
                                            self._batch_timeout_s)
         except asyncio.CancelledError:
-            if window.end.cancelled():
+            task = asyncio.current_task()
+            if window.end.cancelled() and (task is None or not task.cancelling()):
                 return False  # a new assignment: this one's checks are void
             raise
         except Exception:
@@ -185,15 +209,15 @@ class RedeliveryCheck:
                          "the records after it are decided afresh", self._topic, partition,
                          offset, exc_info=True)
             return False
-        return request_id in window.found
+        return window.found.get(offset) == request_id
 
     async def _check_batch(self, partition: int, window: _Window, offset: int,
                            end: int) -> None:
         low = max(offset, window.checked_to)
         high = min(end, low + self._batch)
-        wanted: dict[tuple[str, int], tuple[str, bytes, float]] = {}
+        wanted: dict[Attempt, tuple[str, bytes, float]] = {}
         admitted = False
-        for _, key, value, ts in await self._read_range(self._topic, partition, low, high):
+        for offset, key, value, ts in await self._read_range(self._topic, partition, low, high):
             try:
                 req = decode(value, InferenceRequest)
             except SchemaError:
@@ -203,16 +227,33 @@ class RedeliveryCheck:
             if self._reserved(req.request_id):
                 admitted = True
                 continue  # the handler sends its admission again
-            wanted.setdefault((req.request_id, ANY_ATTEMPT),
-                              (self._target(req), req.request_id.encode(), ts / 1000.0))
-        found = await self._find_answered(wanted) if wanted else set()
+            wanted[(req.request_id, offset)] = (self._target(req), req.request_id.encode(),
+                                                ts / 1000.0)
+        found = await self._find_answered(partition, wanted) if wanted else set()
         self.batches += 1
-        window.found |= found
+        window.found.update((offset, rid) for rid, offset in wanted if offset in found)
         window.checked_to = high
         window.done = high >= end or not (found or admitted)
         _log.info("ingest: %s/%d [%d, %d): %d of %d requests read again were answered "
                   "before%s", self._topic, partition, low, high, len(found), len(wanted),
                   "" if window.done else "; the next batch is checked too")
+
+
+def answered_record(partition: int, record: ConsumerRecord[Any, Any],
+                    reply: Done | Error) -> Attempt | None:
+    """The (request_id, intake offset) a reply answers, by its ``llmq-intake-record``
+    header, when that names ``partition`` (an ``Identify`` of
+    :func:`services.common.answered.answered`)."""
+    for name, value in record.headers or ():
+        if name != INTAKE_RECORD_HEADER:
+            continue
+        try:
+            where, _, offset = bytes(value).decode().partition("/")
+            if int(where) == partition:
+                return reply.request_id, int(offset)
+        except (TypeError, ValueError, UnicodeDecodeError):
+            return None  # a header no ingest wrote (a value of None, not a number)
+    return None
 
 
 async def _pick(ends: asyncio.Future[dict[int, int] | None], partition: int) -> int | None:

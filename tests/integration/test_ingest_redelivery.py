@@ -5,7 +5,7 @@ test-only FAKE of ``tests.fakes.ingest_stack``.
 The crash itself (ingest refuses a request, its reply is acknowledged, and it dies before
 faust commits the record's offset) is built from its aftermath, which is all the next
 process sees: the intake record past the committed offset, and its refusal on the reply
-topic after it.
+topic, naming the record (header ``llmq-intake-record``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from aiokafka import TopicPartition
 from schemas.codec import decode, encode
 from schemas.messages import REPLY_ADAPTER
 from schemas.replies import Done, Error
-from schemas.topics import reply_spec
+from schemas.topics import INTAKE_RECORD_HEADER, reply_spec
 from services.common.kafka import TopicRequest, ensure_topics, make_consumer, make_producer
 from tests.builders_schemas import make_error, make_prompt_request
 from tests.fakes.ingest_stack import MODEL, FakeWorker, IngestProcess
@@ -80,17 +80,17 @@ async def test_a_refused_request_read_again_after_a_restart_is_not_admitted(
     await producer.start()
     try:
         intake = f"{topic_prefix}.intake"
-        # An older request under the id "reused" was refused; this one reuses the id: its
-        # record is later than that refusal, so it is decided.
-        await producer.send_and_wait(replies.name, encode(make_error(
-            request_id="reused", attempt=0, code="rate_limited", ts=now)), key=b"reused")
-        await asyncio.sleep(0.01)  # a later millisecond on the broker's record timestamps
-        for rid in ("refused", "reused", "fresh"):
-            await producer.send_and_wait(intake, request(rid), key=b"default")
-        await asyncio.sleep(0.01)
-        # What the crashed ingest wrote: the refusal of "refused", after its record.
-        await producer.send_and_wait(replies.name, encode(make_error(
-            request_id="refused", attempt=0, code="rate_limited", ts=now)), key=b"refused")
+        sent = {rid: await producer.send_and_wait(intake, request(rid), key=b"default")
+                for rid in ("refused", "retry", "fresh", "retry")}
+        # What the crashed ingest wrote: the refusal of "refused" and of the first "retry",
+        # each naming its record; the client then sent "retry" again (the same id), and
+        # that record (the last) was never read.
+        first_retry = sent["retry"].offset - 2
+        for rid, offset in (("refused", sent["refused"].offset), ("retry", first_retry)):
+            mark = f"{sent[rid].partition}/{offset}".encode()
+            await producer.send_and_wait(replies.name, encode(make_error(
+                request_id=rid, attempt=0, code="rate_limited", ts=now)), key=rid.encode(),
+                headers=[(INTAKE_RECORD_HEADER, mark)])
     finally:
         await producer.stop()
 
@@ -99,10 +99,10 @@ async def test_a_refused_request_read_again_after_a_restart_is_not_admitted(
     try:
         await again.wait_ready()
         deadline = time.monotonic() + 30
-        while not (worker.seen("reused") and worker.seen("fresh")) \
+        while not (worker.seen("retry") and worker.seen("fresh")) \
                 and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
-        assert worker.seen("reused") and worker.seen("fresh"), again.tail()
+        assert worker.seen("retry") and worker.seen("fresh"), again.tail()
         await asyncio.sleep(1.0)  # an admission of "refused" would have reached the worker
         assert not worker.seen("refused"), again.tail()
         assert "answered when its record was read before" in again.tail(200)
@@ -111,4 +111,4 @@ async def test_a_refused_request_read_again_after_a_restart_is_not_admitted(
     ended = await _terminals(bootstrap, replies.name, replies.partitions)
     assert [type(r) for r in ended["refused"]] == [Error]  # its one terminal
     assert [type(r) for r in ended["fresh"]] == [Done]
-    assert [type(r) for r in ended["reused"]] == [Error, Done]  # the old request's, its own
+    assert [type(r) for r in ended["retry"]] == [Error, Done]  # the refused one's, its own

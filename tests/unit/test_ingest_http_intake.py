@@ -57,6 +57,7 @@ class Harness:
         self.answered_before = answered_before
         self.sent: list[tuple[str, bytes, bytes]] = []
         self.stamps: list[float | None] = []  # the timestamp each was published with
+        self.headers: list[dict[str, bytes]] = []  # the headers each was published with
         self.ensured: list[str] = []
         self.buckets: dict[str, Any] = {}
         self.reservations: dict[str, Any] = {}
@@ -79,6 +80,7 @@ class Harness:
                        timestamp: float | None = None) -> None:
         self.sent.append((topic, key, value))
         self.stamps.append(timestamp)
+        self.headers.append(dict(headers or []))
 
     async def _answered(self, partition: int, offset: int, request_id: str) -> bool:
         self.asked_before.append((partition, offset, request_id))
@@ -780,3 +782,12 @@ async def test_a_record_read_again_whose_request_holds_a_reservation_is_not_look
     await h.submit(request("r1"), offset=5)  # a redelivery of an admission: sent again
     assert h.asked_before == []
     assert [topic for topic, _, _ in h.sent] == ["llmq.requests.normal.short"]
+
+
+async def test_a_refusal_names_the_intake_record_it_answers_and_an_admission_does_not() -> None:
+    h = Harness(load_tenancy(None))
+    await h.submit(request("r1", reply_to="llmq.replies.someone-else"), offset=9)
+    await h.submit(request("r2"), offset=10)
+    [refused, admitted] = h.headers
+    assert refused["llmq-intake-record"] == b"0/9"
+    assert "llmq-intake-record" not in admitted

@@ -13,12 +13,11 @@ import pytest
 
 from schemas.codec import encode
 from schemas.requests import InferenceRequest
-from services.common.answered import ANY_ATTEMPT
 from services.ingest.redelivery import RedeliveryCheck
 from tests.builders_schemas import make_prompt_request
 
 TOPIC = "llmq.intake"
-Wanted = dict[tuple[str, int], tuple[str, bytes, float]]
+Wanted = dict[tuple[str, int], tuple[str, bytes, float]]  # (request_id, offset) -> ...
 
 
 def _request(rid: str, tenant: str = "acme") -> InferenceRequest:
@@ -27,10 +26,11 @@ def _request(rid: str, tenant: str = "acme") -> InferenceRequest:
 
 
 class Partition:
-    """Partition 0 of the intake topic: records at offsets 0.. and what answered them."""
+    """Partition 0 of the intake topic: records at offsets 0.., the offsets whose answer
+    (naming its record) is on a reply topic, and the requests holding a reservation."""
 
     def __init__(self, records: list[tuple[bytes | None, bytes | None]], *,
-                 answered: set[str] = frozenset(), reserved: set[str] = frozenset()) -> None:
+                 answered: set[int] = frozenset(), reserved: set[str] = frozenset()) -> None:
         self.records = records
         self.answered = set(answered)
         self.reserved = set(reserved)
@@ -52,10 +52,10 @@ class Partition:
         self.reads.append((low, high))
         return [(o, *self.records[o], 1_000_000 + o) for o in range(low, high)]
 
-    async def find(self, wanted: Wanted) -> set[str]:
+    async def find(self, partition: int, wanted: Wanted) -> set[int]:
+        assert partition == 0
         self.asked.append(wanted)
-        return {rid for rid, attempt in wanted if attempt == ANY_ATTEMPT
-                and rid in self.answered}
+        return {offset for _, offset in wanted if offset in self.answered}
 
     def check(self, batch: int = 2) -> RedeliveryCheck:
         return RedeliveryCheck(
@@ -70,7 +70,7 @@ def _records(*ids: str) -> list[tuple[bytes | None, bytes | None]]:
 
 
 async def test_records_past_the_end_at_assignment_are_new_and_not_checked() -> None:
-    part = Partition(_records("a", "b"), answered={"a", "b"})
+    part = Partition(_records("a", "b"), answered={0, 1})
     check = part.check()
     check.assigned([0])
     assert not await check.answered_before(0, 2, "c")
@@ -79,23 +79,36 @@ async def test_records_past_the_end_at_assignment_are_new_and_not_checked() -> N
 
 
 async def test_a_record_answered_before_is_found_and_one_never_answered_is_not() -> None:
-    part = Partition(_records("refused", "new"), answered={"refused"})
+    part = Partition(_records("refused", "new"), answered={0})
     check = part.check()
     check.assigned([0])
     assert await check.answered_before(0, 0, "refused")
     assert not await check.answered_before(0, 1, "new")
-    # One batch, read from the first record asked about; each asked where its refusal went,
-    # for a terminal of any attempt written from its own record's time on.
+    # One batch, read from the first record asked about; each record looked for where its
+    # refusal went, from its own time on.
     assert part.reads == [(0, 2)]
     [wanted] = part.asked
-    assert wanted == {("refused", ANY_ATTEMPT): ("llmq.replies.acme", b"refused", 1_000.0),
-                      ("new", ANY_ATTEMPT): ("llmq.replies.acme", b"new", 1_000.001)}
+    assert wanted == {("refused", 0): ("llmq.replies.acme", b"refused", 1_000.0),
+                      ("new", 1): ("llmq.replies.acme", b"new", 1_000.001)}
+
+
+async def test_a_retry_under_a_refused_id_is_decided_whatever_batch_it_is_in() -> None:
+    # r1 refused (its answer names offset 0), then the client retried it with the same id
+    # before the crash: the retry was never read. Same batch, or a later one.
+    for batch in (10, 1):
+        part = Partition(_records("r1", "r2", "r1"), answered={0})
+        check = part.check(batch=batch)
+        check.assigned([0])
+        assert await check.answered_before(0, 0, "r1")
+        assert not await check.answered_before(0, 1, "r2")
+        assert not await check.answered_before(0, 2, "r1")
+        assert not await check.answered_before(0, 0, "r9")  # another id at that offset
 
 
 async def test_batches_go_on_while_the_old_owner_had_got_there_and_stop_after() -> None:
     # The old owner read 0..4 (refused two, admitted one) and stopped; 5.. it never read.
     ids = [f"r{i}" for i in range(12)]
-    part = Partition(_records(*ids), answered={"r1", "r3"}, reserved={"r4"})
+    part = Partition(_records(*ids), answered={1, 3}, reserved={"r4"})
     check = part.check(batch=2)
     check.assigned([0])
     seen = [await check.answered_before(0, i, rid) for i, rid in enumerate(ids)]
@@ -104,21 +117,21 @@ async def test_batches_go_on_while_the_old_owner_had_got_there_and_stop_after() 
     assert part.reads == [(0, 2), (2, 4), (4, 6), (6, 8)]
     assert check.batches == 4
     # The reserved request is not looked up: the handler sends its admission again.
-    assert all(("r4", ANY_ATTEMPT) not in w for w in part.asked)
+    assert all(("r4", 4) not in w for w in part.asked)
 
 
 async def test_records_moved_here_or_unreadable_are_not_looked_up() -> None:
     moved = (b"not-the-tenant", encode(_request("moved")))
-    part = Partition([moved, (b"acme", b"{broken"), *_records("plain")], answered={"moved"})
+    part = Partition([moved, (b"acme", b"{broken"), *_records("plain")], answered={0})
     check = part.check(batch=10)
     check.assigned([0])
     assert not await check.answered_before(0, 0, "moved")
     [wanted] = part.asked
-    assert list(wanted) == [("plain", ANY_ATTEMPT)]
+    assert list(wanted) == [("plain", 2)]
 
 
 async def test_the_first_asked_record_is_where_the_batch_begins() -> None:
-    part = Partition(_records("a", "b", "c", "d"), answered={"d"})
+    part = Partition(_records("a", "b", "c", "d"), answered={3})
     check = part.check(batch=2)
     check.assigned([0])
     assert await check.answered_before(0, 3, "d")  # committed at 3: 0..2 are not read
@@ -126,7 +139,7 @@ async def test_the_first_asked_record_is_where_the_batch_begins() -> None:
 
 
 async def test_a_failed_batch_decides_afresh_and_ends_the_checks_of_its_partition() -> None:
-    part = Partition(_records("a", "b", "c"), answered={"a", "b"})
+    part = Partition(_records("a", "b", "c"), answered={0, 1})
     part.fail_reads = True
     check = part.check(batch=1)
     check.assigned([0])
@@ -139,7 +152,7 @@ async def test_a_failed_batch_decides_afresh_and_ends_the_checks_of_its_partitio
 
 
 async def test_no_end_offset_means_no_check() -> None:
-    part = Partition(_records("a"), answered={"a"})
+    part = Partition(_records("a"), answered={0})
 
     async def down(topic: str, partitions: list[int]) -> dict[int, int]:
         raise OSError("broker away")
@@ -153,7 +166,7 @@ async def test_no_end_offset_means_no_check() -> None:
 
 
 async def test_a_new_assignment_forgets_what_the_last_one_found() -> None:
-    part = Partition(_records("a", "b"), answered={"a"})
+    part = Partition(_records("a", "b"), answered={0})
     check = part.check(batch=10)
     check.assigned([0])
     assert await check.answered_before(0, 0, "a")
@@ -166,7 +179,7 @@ async def test_a_new_assignment_forgets_what_the_last_one_found() -> None:
 
 
 async def test_records_asked_about_together_share_one_batch() -> None:
-    part = Partition(_records("a", "b", "c"), answered={"b"})
+    part = Partition(_records("a", "b", "c"), answered={1})
     check = part.check(batch=10)
     check.assigned([0])
     found = await asyncio.gather(*(check.answered_before(0, i, rid)
@@ -178,3 +191,42 @@ def test_a_batch_of_no_records_is_refused() -> None:
     part = Partition([])
     with pytest.raises(ValueError, match="batch"):
         part.check(batch=0)
+
+
+async def test_a_check_cancelled_with_its_caller_is_not_taken_for_a_new_assignment() -> None:
+    part = Partition(_records("a", "b"), answered={0, 1})
+    gate = asyncio.Event()
+    ends = part.end_offsets
+
+    async def slow_end(topic: str, partitions: list[int]) -> dict[int, int]:
+        await gate.wait()
+        return await ends(topic, partitions)
+
+    part.end_offsets = slow_end  # type: ignore[method-assign]
+    check = part.check()
+    check.assigned([0])
+    waiting = asyncio.ensure_future(check.answered_before(0, 0, "a"))
+    await asyncio.sleep(0)
+    waiting.cancel()  # the agent stopped: its cancel goes on up
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    gate.set()
+    assert await check.answered_before(0, 1, "b")  # the partition's check still works
+
+
+def test_an_answer_names_its_record_by_partition_and_offset() -> None:
+    from aiokafka import ConsumerRecord
+
+    from schemas.topics import INTAKE_RECORD_HEADER
+    from services.ingest.redelivery import answered_record
+    from tests.builders_schemas import make_error
+
+    def record(*headers: tuple[str, bytes]) -> ConsumerRecord[bytes, bytes]:
+        return ConsumerRecord("t", 0, 5, 0, 0, b"r1", b"", None, 0, 0, list(headers))
+
+    reply = make_error(request_id="r1", attempt=0, code="rate_limited")
+    assert answered_record(2, record((INTAKE_RECORD_HEADER, b"2/17")), reply) == ("r1", 17)
+    assert answered_record(3, record((INTAKE_RECORD_HEADER, b"2/17")), reply) is None
+    assert answered_record(2, record(("traceparent", b"x")), reply) is None
+    assert answered_record(2, record((INTAKE_RECORD_HEADER, b"2/x")), reply) is None
+    assert answered_record(2, record((INTAKE_RECORD_HEADER, None)), reply) is None  # type: ignore[arg-type]
